@@ -1,0 +1,5 @@
+import sys
+
+from rayfed_dg.cli import main
+
+sys.exit(main())

@@ -1,0 +1,253 @@
+"""Typed, validated experiment configuration.
+
+A config is built in layers: the defaults below, then an optional ``base:``
+YAML file (relative to the including file, recursively), then the experiment
+file, then ``--set key=value`` overrides.  Validation happens once on the
+merged tree, before anything starts; every failure becomes one ``ConfigError``
+line naming the key and the file it came from.
+
+The shape of the tree follows the objects it configures (FLSim's lesson):
+``data``, ``partition``, ``model``, ``method``, ``training``, ``engine``,
+``evaluation``, ``output``.  Method hyper-parameters live under ``method`` next
+to its ``name`` and are validated by the method's own parameter model, so this
+module never names a method.
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A bad config: the message is one line naming the key and the file."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(_Strict):
+    name: str = "embedded_digits"
+    root: str | None = None  # dataset folder; None for embedded data
+    resolution: int = Field(32, ge=8, le=1024)
+    val_fraction: float = Field(0.2, gt=0.0, lt=1.0)
+    split_seed: int = 0
+    # colour normalisation applied on the fly (ImageNet stats by default)
+    mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
+    std: tuple[float, float, float] = (0.229, 0.224, 0.225)
+    augment: Literal["none", "flip", "flip_jitter"] = "none"
+    domains: list[str] | None = None  # restrict to these domains
+
+
+class PartitionConfig(_Strict):
+    strategy: str = "per_domain"
+    num_clients: int | None = Field(None, ge=1)
+    alpha: float | None = Field(None, gt=0.0)
+    min_size: int = Field(1, ge=1)
+
+
+class ModelConfig(_Strict):
+    arch: Literal["convnet", "resnet18", "resnet50"] = "convnet"
+    pretrained: str | None = None  # torchvision weights name or a local file
+    width: int = Field(64, ge=4, le=1024)  # convnet channels
+
+
+class MethodConfig(BaseModel):
+    """``name`` plus the method's own parameters (validated by the method)."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str = "fedavg"
+    label: str | None = None  # row name in comparison tables
+
+    def params(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class TrainingConfig(_Strict):
+    rounds: int = Field(10, ge=1)
+    local_epochs: int = Field(1, ge=1)
+    local_steps: int | None = Field(None, ge=1)  # fixed iterations instead of epochs
+    batch_size: int = Field(32, ge=1)
+    optimizer: Literal["sgd", "adam"] = "sgd"
+    lr: float = Field(0.01, gt=0.0)
+    momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    weight_decay: float = Field(5e-4, ge=0.0)
+    clients_per_round: int | None = Field(None, ge=1)  # None: all clients
+    seed: int = 0
+
+
+class EngineConfig(_Strict):
+    num_workers: int | None = Field(None, ge=1)  # None: as many as fit
+    num_cpus_per_worker: float = Field(1.0, gt=0.0)
+    num_gpus_per_worker: float = Field(0.0, ge=0.0)
+    device: Literal["cpu", "cuda", "auto"] = "auto"
+    ray_address: str | None = None  # None: start or join a local Ray
+    include_dashboard: bool = False  # when on, bound to 127.0.0.1
+    max_restarts: int = Field(3, ge=0)  # Ray restarts of a dead worker actor
+    max_task_retries: int = Field(2, ge=0)  # re-submissions of a failed client task
+    fault_probability: float = Field(0.0, ge=0.0, le=1.0)  # seeded fault injection per task
+    fault_mode: Literal["exception", "kill"] = "exception"  # kill: the worker process exits
+
+
+class EvaluationConfig(_Strict):
+    every: int = Field(1, ge=0)  # 0: only after the last round
+    batch_size: int = Field(256, ge=1)
+
+
+class OutputConfig(_Strict):
+    root: str = "runs"
+    name: str = "experiment"
+    save_best_checkpoint: bool = True
+
+
+class ExperimentConfig(_Strict):
+    data: DataConfig = DataConfig()
+    partition: PartitionConfig = PartitionConfig()
+    model: ModelConfig = ModelConfig()
+    method: MethodConfig = MethodConfig()
+    training: TrainingConfig = TrainingConfig()
+    engine: EngineConfig = EngineConfig()
+    evaluation: EvaluationConfig = EvaluationConfig()
+    output: OutputConfig = OutputConfig()
+    # optional: run several methods with everything else equal, one table row each
+    compare: list[MethodConfig] | None = None
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "ExperimentConfig":
+        if self.engine.num_gpus_per_worker > 0 and self.engine.device == "cpu":
+            raise ValueError("engine.num_gpus_per_worker > 0 needs engine.device cuda or auto")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+# --------------------------------------------------------------------------- loading
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    if path.resolve() in seen:
+        raise ConfigError(f"{path}: 'base' includes form a cycle")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}:{where} is not valid YAML ({getattr(e, 'problem', e)})") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
+    base = tree.pop("base", None)
+    if base is not None:
+        parent = _read_yaml((path.parent / base), seen + (path.resolve(),))
+        tree = _deep_merge(parent, tree)
+    return tree
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(tree: dict, overrides: list[str] | None) -> dict:
+    tree = copy.deepcopy(tree)
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected key=value, e.g. training.lr=0.01")
+        key, value = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = tree
+        for p in parts[:-1]:
+            nxt = node.setdefault(p, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"--set {key}: {p} is not a section")
+            node = nxt
+        node[parts[-1]] = _parse_value(value)
+    return tree
+
+
+def _one_line(err: ValidationError, source: str) -> str:
+    e = err.errors()[0]
+    key = ".".join(str(x) for x in e["loc"]) or "(top level)"
+    msg = e["msg"]
+    if e["type"] == "extra_forbidden":
+        msg = "unknown key"
+    got = "" if e["type"] == "extra_forbidden" or "input" not in e else f" (got {e['input']!r})"
+    if isinstance(e.get("input"), dict):
+        got = ""
+    more = len(err.errors()) - 1
+    tail = f"; {more} more error(s)" if more else ""
+    return f"{source}: {key}: {msg}{got}{tail}"
+
+
+def validate(tree: dict, source: str = "<config>") -> ExperimentConfig:
+    try:
+        cfg = ExperimentConfig.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_one_line(err, source)) from None
+    # method parameters are validated by the method itself
+    from rayfed_dg.methods import get_method_class
+
+    sections = [("method", cfg.method)] + [(f"compare.{i}", m) for i, m in enumerate(cfg.compare or [])]
+    for where, m in sections:
+        try:
+            cls = get_method_class(m.name)
+        except KeyError as e:
+            raise ConfigError(f"{source}: {where}.name: {e.args[0]}") from None
+        try:
+            cls.Params.model_validate(m.params())
+        except ValidationError as err:
+            line = _one_line(err, source)
+            raise ConfigError(line.replace(f"{source}: ", f"{source}: {where}.", 1)) from None
+    return cfg
+
+
+def method_variants(cfg: ExperimentConfig) -> list[tuple[str, ExperimentConfig]]:
+    """(label, config) for each method to run: ``compare`` if given, else ``method``."""
+    if not cfg.compare:
+        return [(cfg.method.name, cfg)]
+    out, seen = [], {}
+    for m in cfg.compare:
+        tree = cfg.to_dict()
+        tree["compare"] = None
+        tree["method"] = m.model_dump(mode="json")
+        label = m.label or m.name
+        seen[label] = seen.get(label, 0) + 1
+        if seen[label] > 1:
+            label = f"{label}-{seen[label]}"
+        out.append((label, ExperimentConfig.model_validate(tree)))
+    return out
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> ExperimentConfig:
+    """Defaults <- base files <- ``path`` <- ``overrides``, then validate."""
+    tree: dict = {}
+    source = "<defaults>"
+    if path is not None:
+        path = Path(path)
+        tree = _read_yaml(path)
+        source = str(path)
+    if overrides:
+        source += " (with --set)"
+    tree = apply_overrides(tree, overrides)
+    return validate(tree, source)
+
+
+def save_config(cfg: ExperimentConfig, path: Path) -> None:
+    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

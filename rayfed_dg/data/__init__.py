@@ -1,0 +1,15 @@
+"""Datasets, the leave-one-domain-out protocol and client partitions."""
+from .base import DataError, DomainDataset, dataset_names, load_dataset, register_dataset
+from . import embedded  # noqa: F401  (registers embedded_digits)
+from .protocol import FederatedSplit, leave_one_domain_out, stratified_split
+
+__all__ = [
+    "DataError",
+    "DomainDataset",
+    "FederatedSplit",
+    "dataset_names",
+    "leave_one_domain_out",
+    "load_dataset",
+    "register_dataset",
+    "stratified_split",
+]

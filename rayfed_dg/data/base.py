@@ -1,0 +1,85 @@
+"""In-memory multi-domain image datasets and the dataset registry."""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+
+class DataError(ValueError):
+    """A dataset that cannot be read or split: one line saying what and where."""
+
+
+@dataclass
+class DomainDataset:
+    """Decoded images of several domains, held as one array.
+
+    ``images`` is uint8 (N, H, W, 3); ``labels`` and ``domains`` are int64 (N,)
+    indices into ``class_names`` and ``domain_names``.
+    """
+
+    images: np.ndarray
+    labels: np.ndarray
+    domains: np.ndarray
+    domain_names: list[str]
+    class_names: list[str]
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.images)
+        if self.images.dtype != np.uint8 or self.images.ndim != 4 or self.images.shape[-1] != 3:
+            raise DataError(f"images must be uint8 (N, H, W, 3), got {self.images.dtype} {self.images.shape}")
+        if len(self.labels) != n or len(self.domains) != n:
+            raise DataError("images, labels and domains differ in length")
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+    def domain_index(self, name: str) -> int:
+        if name not in self.domain_names:
+            hint = difflib.get_close_matches(name, self.domain_names, n=1)
+            extra = f" (did you mean {hint[0]}?)" if hint else ""
+            raise DataError(f"unknown domain {name!r}{extra}; this dataset has {', '.join(self.domain_names)}")
+        return self.domain_names.index(name)
+
+    def counts(self) -> dict[str, int]:
+        return {d: int((self.domains == i).sum()) for i, d in enumerate(self.domain_names)}
+
+
+_REGISTRY: dict[str, Callable[..., DomainDataset]] = {}
+
+
+def register_dataset(name: str):
+    def deco(fn: Callable[..., DomainDataset]):
+        _REGISTRY[name] = fn
+        return fn
+
+    return deco
+
+
+def dataset_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def load_dataset(name: str, root: str | None, resolution: int, domains: list[str] | None = None) -> DomainDataset:
+    if name not in _REGISTRY:
+        hint = difflib.get_close_matches(name, _REGISTRY, n=1)
+        extra = f" (did you mean {hint[0]}?)" if hint else ""
+        raise DataError(f"unknown dataset {name!r}{extra}; known: {', '.join(dataset_names())}")
+    ds = _REGISTRY[name](root=root, resolution=resolution)
+    if domains:
+        keep_idx = [ds.domain_index(d) for d in domains]
+        mask = np.isin(ds.domains, keep_idx)
+        remap = {old: new for new, old in enumerate(keep_idx)}
+        ds = DomainDataset(
+            images=ds.images[mask],
+            labels=ds.labels[mask],
+            domains=np.array([remap[int(d)] for d in ds.domains[mask]], dtype=np.int64),
+            domain_names=list(domains),
+            class_names=ds.class_names,
+            meta=ds.meta,
+        )
+    return ds

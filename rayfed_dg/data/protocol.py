@@ -1,0 +1,155 @@
+"""Leave-one-domain-out split and client partitions.
+
+The target domain is the whole test set; every source domain is split into
+train / validation, stratified by class and seeded.  Partitions spread the
+source *train* samples over clients; each source domain's validation split is
+kept whole for model selection (mean accuracy over source domains).  No
+target sample ever reaches training or selection.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .base import DataError, DomainDataset
+
+
+@dataclass
+class FederatedSplit:
+    """Indices into a ``DomainDataset`` for one leave-one-domain-out run."""
+
+    target: str
+    clients: list[np.ndarray]  # train indices per client, sorted
+    client_domains: list[str]  # the (main) domain of each client, for display
+    val: dict[str, np.ndarray]  # source domain -> validation indices
+    test: dict[str, np.ndarray]  # target domain -> all its indices
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.clients)
+
+    def client_sizes(self) -> np.ndarray:
+        return np.array([len(c) for c in self.clients], dtype=np.int64)
+
+
+def stratified_split(indices: np.ndarray, labels: np.ndarray, val_fraction: float, seed: int):
+    """Split ``indices`` into (train, val) per class; every class with at
+    least two samples contributes at least one of each."""
+    rng = np.random.default_rng(seed)
+    train, val = [], []
+    for c in np.unique(labels[indices]):
+        idx = indices[labels[indices] == c].copy()
+        rng.shuffle(idx)
+        n_val = int(round(len(idx) * val_fraction))
+        if len(idx) >= 2:
+            n_val = min(max(n_val, 1), len(idx) - 1)
+        else:
+            n_val = 0
+        val.append(idx[:n_val])
+        train.append(idx[n_val:])
+    return np.sort(np.concatenate(train)), np.sort(np.concatenate(val))
+
+
+def _seed_for(*parts: int | str) -> np.random.SeedSequence:
+    return np.random.SeedSequence([abs(hash_str(str(p))) for p in parts])
+
+
+def hash_str(s: str) -> int:
+    # stable across processes (Python's hash() is salted)
+    h = 1469598103934665603
+    for ch in s.encode():
+        h = ((h ^ ch) * 1099511628211) % (1 << 63)
+    return h
+
+
+def partition_per_domain(source_train: dict[str, np.ndarray], labels, **_) -> tuple[list, list]:
+    names = list(source_train)
+    return [source_train[d] for d in names], names
+
+
+def partition_single_domain(source_train, labels, num_clients: int, seed: int, **_):
+    """N / #sources clients per source domain, each domain split uniformly."""
+    names = list(source_train)
+    if num_clients % len(names):
+        raise DataError(f"partition.num_clients={num_clients} is not a multiple of the {len(names)} source domains")
+    per = num_clients // len(names)
+    clients, doms = [], []
+    for d in names:
+        idx = source_train[d].copy()
+        np.random.default_rng(_seed_for(seed, "single", d)).shuffle(idx)
+        for part in np.array_split(idx, per):
+            clients.append(np.sort(part))
+            doms.append(d)
+    return clients, doms
+
+
+def partition_dirichlet_domains(source_train, labels, num_clients: int, alpha: float, seed: int, min_size: int, **_):
+    """Multi-domain Dirichlet: per domain, proportions ~ Dir(alpha) over all
+    clients; redrawn (up to 1,000 times) until every client has ``min_size``."""
+    names = list(source_train)
+    rng = np.random.default_rng(_seed_for(seed, "dirichlet", alpha))
+    for _attempt in range(1000):
+        buckets: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+        main = np.zeros((num_clients, len(names)), dtype=np.int64)
+        for j, d in enumerate(names):
+            idx = source_train[d].copy()
+            rng.shuffle(idx)
+            p = rng.dirichlet(np.full(num_clients, alpha))
+            cuts = (np.cumsum(p) * len(idx)).astype(int)[:-1]
+            for i, part in enumerate(np.split(idx, cuts)):
+                buckets[i].append(part)
+                main[i, j] = len(part)
+        sizes = main.sum(1)
+        if sizes.min() >= min_size:
+            clients = [np.sort(np.concatenate(b)) for b in buckets]
+            doms = [names[int(np.argmax(m))] for m in main]
+            return clients, doms
+    raise DataError(
+        f"partition dirichlet(alpha={alpha}) could not give all {num_clients} clients "
+        f"min_size={min_size} samples in 1000 draws; lower partition.min_size or raise alpha"
+    )
+
+
+PARTITIONS = {
+    "per_domain": partition_per_domain,
+    "single_domain": partition_single_domain,
+    "dirichlet": partition_dirichlet_domains,
+}
+
+
+def leave_one_domain_out(
+    ds: DomainDataset,
+    target: str,
+    val_fraction: float,
+    split_seed: int,
+    strategy: str = "per_domain",
+    num_clients: int | None = None,
+    alpha: float | None = None,
+    min_size: int = 1,
+) -> FederatedSplit:
+    t = ds.domain_index(target)
+    if strategy not in PARTITIONS:
+        raise DataError(f"unknown partition.strategy {strategy!r}; known: {', '.join(PARTITIONS)}")
+    source_train, val = {}, {}
+    for j, d in enumerate(ds.domain_names):
+        if j == t:
+            continue
+        idx = np.flatnonzero(ds.domains == j)
+        tr, va = stratified_split(idx, ds.labels, val_fraction, seed=int(_seed_for(split_seed, d).generate_state(1)[0]))
+        source_train[d], val[d] = tr, va
+    if strategy != "per_domain" and num_clients is None:
+        raise DataError(f"partition.strategy {strategy} needs partition.num_clients")
+    if strategy == "dirichlet" and alpha is None:
+        raise DataError("partition.strategy dirichlet needs partition.alpha > 0")
+    clients, doms = PARTITIONS[strategy](
+        source_train, ds.labels, num_clients=num_clients, alpha=alpha, seed=split_seed, min_size=min_size
+    )
+    for i, c in enumerate(clients):
+        if len(c) < min_size:
+            raise DataError(
+                f"client {i} ({doms[i]}) got {len(c)} training samples, fewer than partition.min_size={min_size}; "
+                "use fewer clients or a smaller min_size"
+            )
+    test = {target: np.flatnonzero(ds.domains == t)}
+    return FederatedSplit(target=target, clients=clients, client_domains=doms, val=val, test=test)

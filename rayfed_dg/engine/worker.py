@@ -1,0 +1,149 @@
+"""Worker actor: builds the model once and trains whichever clients it is given.
+
+Clients are virtual.  A task carries everything a client is: its sample
+indices, its persistent local state (from the server's client state store)
+and its payloads; the worker keeps nothing between tasks except the model
+buffers it overwrites at the start of each task.  A task is therefore safe to
+repeat, which is what Ray's actor restarts and task retries need.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Iterator
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from rayfed_dg.config import validate
+from rayfed_dg.methods import ClientContext, build_method
+
+from .seeding import FAULT, INIT, TRAIN, numpy_rng, seed_int, torch_generator
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+def resolve_device(device: str, num_gpus: float) -> torch.device:
+    if device == "cuda" or (device == "auto" and num_gpus > 0 and torch.cuda.is_available()):
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def to_numpy_state(sd: dict[str, torch.Tensor], keys) -> dict[str, np.ndarray]:
+    return {k: sd[k].detach().cpu().numpy().copy() for k in keys}
+
+
+class ClientRunner:
+    """Model, data and method hooks of one worker; used by the actor and by
+    tests that want the exact client computation without Ray."""
+
+    def __init__(self, cfg_tree: dict, images: np.ndarray, labels: np.ndarray, num_classes: int):
+        self.cfg = validate(cfg_tree, "<worker>")
+        e = self.cfg.engine
+        torch.set_num_threads(max(1, int(e.num_cpus_per_worker)))
+        self.device = resolve_device(e.device, e.num_gpus_per_worker)
+        if self.device.type == "cuda" and e.num_gpus_per_worker > 0:
+            # fractional num_gpus caps nothing in Ray: bound memory ourselves
+            torch.cuda.set_per_process_memory_fraction(min(1.0, e.num_gpus_per_worker))
+        self.images = images  # zero-copy view of the object store
+        self.labels = labels
+        d = self.cfg.data
+        self.mean = torch.tensor(d.mean, dtype=torch.float32).view(1, 3, 1, 1).to(self.device)
+        self.std = torch.tensor(d.std, dtype=torch.float32).view(1, 3, 1, 1).to(self.device)
+        self.method = build_method(self.cfg)
+        torch.manual_seed(seed_int(self.cfg.training.seed, INIT))
+        self.model: nn.Module = self.method.build_model(num_classes).to(self.device)
+        self._state = self.model.state_dict()  # tensors share storage with the model
+        self.local_keys = self.method.local_keys(self.model)
+        self.private_keys = self.method.private_keys(self.model)
+        self.upload_keys = [k for k in self._state if k not in self.private_keys]
+
+    # -------------------------------------------------------------- helpers
+    def _load(self, arrays: dict[str, np.ndarray]) -> None:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # read-only object-store views are copied, never written
+            for k, v in arrays.items():
+                self._state[k].copy_(torch.as_tensor(np.asarray(v)))
+
+    def _tensors(self, idx: np.ndarray, gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.from_numpy(self.images[idx]).to(self.device).permute(0, 3, 1, 2).float().div_(255.0)
+        if gen is not None and self.cfg.data.augment != "none":
+            flip = torch.rand(len(idx), generator=gen) < 0.5
+            x[flip.to(self.device)] = x[flip.to(self.device)].flip(-1)
+            if self.cfg.data.augment == "flip_jitter":
+                scale = 1 + 0.4 * (torch.rand(len(idx), 1, 1, 1, generator=gen) - 0.5)
+                shift = 0.2 * (torch.rand(len(idx), 1, 1, 1, generator=gen) - 0.5)
+                x = (x * scale.to(self.device) + shift.to(self.device)).clamp_(0, 1)
+        x = (x - self.mean) / self.std
+        y = torch.from_numpy(self.labels[idx]).to(self.device)
+        return x, y
+
+    def batches(self, indices: np.ndarray, gen: torch.Generator) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        t = self.cfg.training
+        n, bs = len(indices), t.batch_size
+        steps = t.local_steps
+        done = 0
+        epoch = 0
+        while True:
+            order = indices[torch.randperm(n, generator=gen).numpy()]
+            for s in range(0, n, bs):
+                chunk = order[s:s + bs]
+                if len(chunk) < 2 and n >= 2:  # BatchNorm needs two samples
+                    continue
+                yield self._tensors(chunk, gen)
+                done += 1
+                if steps is not None and done >= steps:
+                    return
+            epoch += 1
+            if steps is None and epoch >= t.local_epochs:
+                return
+
+    # ---------------------------------------------------------------- tasks
+    def train(self, client_id: int, round: int, indices: np.ndarray, global_state: dict[str, np.ndarray],
+              local_state: dict[str, np.ndarray], payload: dict[str, np.ndarray],
+              fault_p: float = 0.0, attempt: int = 0) -> dict:
+        seed = self.cfg.training.seed
+        if fault_p > 0 and numpy_rng(seed, FAULT, round, client_id, attempt).random() < fault_p:
+            if self.cfg.engine.fault_mode == "kill":
+                os._exit(1)  # a dead worker process, as after an OOM kill
+            raise InjectedFault(f"injected fault in client {client_id} round {round} attempt {attempt}")
+        self._load({k: v for k, v in global_state.items() if k not in self.local_keys})
+        self._load(local_state)
+        torch.manual_seed(seed_int(seed, TRAIN, round, client_id))
+        gen = torch_generator(seed, TRAIN, round, client_id)
+        ctx = ClientContext(client_id=client_id, round=round, device=self.device, generator=gen,
+                            num_samples=len(indices), payload=payload)
+        self.method.round_start(self.model, ctx)
+        stats = self.method.local_train(self.model, lambda: self.batches(indices, gen), ctx)
+        sd = self.model.state_dict()
+        return {
+            "client": client_id,
+            "num_samples": len(indices),
+            "update": to_numpy_state(sd, self.upload_keys),
+            "private": to_numpy_state(sd, sorted(self.private_keys)),
+            "payload": self.method.upload_payload(self.model, ctx),
+            "stats": stats,
+        }
+
+    @torch.no_grad()
+    def evaluate(self, global_state: dict[str, np.ndarray], indices: np.ndarray, batch_size: int) -> tuple[int, float, int]:
+        self._load(global_state)
+        self.model.eval()
+        correct, loss_sum = 0, 0.0
+        for s in range(0, len(indices), batch_size):
+            x, y = self._tensors(indices[s:s + batch_size], None)
+            logits = self.model(x)
+            loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
+            correct += int((logits.argmax(1) == y).sum())
+        return correct, loss_sum, len(indices)
+
+
+class Worker(ClientRunner):
+    """The Ray actor (wrapped with ``ray.remote`` by the server)."""
+
+    def ping(self) -> int:
+        return os.getpid()

@@ -1,0 +1,154 @@
+"""The method hook interface and the method registry.
+
+A federated (DG) method is one class in one file, registered by name with
+``@register_method``.  Every hook defaults to FedAvg behaviour, so FedAvg
+overrides nothing; the engine calls hooks and never names a method.
+
+Client side (inside a worker actor, once per sampled client and round):
+  ``build_model``        the network, built identically on server and workers
+  ``local_keys``         state that stays on the client: never broadcast down,
+                         kept per client by the engine across rounds
+  ``private_keys``       the part of ``local_keys`` that is not uploaded either
+  ``round_start``        snapshot what the loss needs (e.g. the global weights)
+  ``loss``               the local objective for one batch
+  ``local_train``        escape hatch owning the whole local loop
+  ``upload_payload``     extra small records to upload (named numpy arrays)
+Server side (in the server actor):
+  ``aggregation_weights``  per-client weights of the reduce (default |D_i|)
+  ``server_payloads``      extra records to broadcast to each sampled client
+  ``after_round``          update server-side method state from the round
+
+Hooks receive a ``ClientContext`` that carries the round, the client id, the
+seeded generator for all of the client's randomness, the device and a
+``scratch`` dict for snapshots that live for one client task.
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict
+
+from rayfed_dg.models import build_backbone
+
+
+class NoParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+@dataclass
+class ClientContext:
+    client_id: int
+    round: int
+    device: torch.device
+    generator: torch.Generator
+    num_samples: int
+    payload: dict[str, np.ndarray] = field(default_factory=dict)
+    scratch: dict[str, Any] = field(default_factory=dict)
+
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class Method:
+    """FedAvg (McMahan et al., 2017): local SGD on cross-entropy, weighted
+    averaging of all weights by client sample counts (gPerXAN paper Eq. 1)."""
+
+    name = "fedavg"
+    Params: type[BaseModel] = NoParams
+
+    def __init__(self, params: BaseModel, model_cfg, training_cfg):
+        self.p = params
+        self.model_cfg = model_cfg
+        self.training = training_cfg
+
+    # ------------------------------------------------------------------ model
+    def build_model(self, num_classes: int) -> nn.Module:
+        m = self.model_cfg
+        return build_backbone(m.arch, num_classes, m.pretrained, m.width)
+
+    def local_keys(self, model: nn.Module) -> set[str]:
+        return set()
+
+    def private_keys(self, model: nn.Module) -> set[str]:
+        return set()
+
+    def tensor_group(self, key: str, is_local: bool) -> str:
+        """Ledger group of a state-dict key ("shared" or "local" by default)."""
+        return "local" if is_local else "shared"
+
+    # ------------------------------------------------------------ client side
+    def round_start(self, model: nn.Module, ctx: ClientContext) -> None:
+        pass
+
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, ctx: ClientContext) -> torch.Tensor:
+        return F.cross_entropy(model(x), y)
+
+    def make_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        t = self.training
+        params = [p for p in model.parameters() if p.requires_grad]
+        if t.optimizer == "adam":
+            return torch.optim.Adam(params, lr=t.lr, weight_decay=t.weight_decay)
+        return torch.optim.SGD(params, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
+
+    def local_train(self, model: nn.Module, batches: Callable[[], Iterator[Batch]], ctx: ClientContext) -> dict:
+        """Default loop: a fresh optimizer per client and round (a client in a
+        cross-device federation holds no optimizer state between rounds)."""
+        opt = self.make_optimizer(model)
+        model.train()
+        total, n = 0.0, 0
+        for x, y in batches():
+            loss = self.loss(model, x, y, ctx)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            total += float(loss.detach()) * len(y)
+            n += len(y)
+        return {"train_loss": total / max(n, 1), "steps_samples": n}
+
+    def upload_payload(self, model: nn.Module, ctx: ClientContext) -> dict[str, np.ndarray]:
+        return {}
+
+    # ------------------------------------------------------------ server side
+    def aggregation_weights(self, client_ids: list[int], sizes: np.ndarray, server_state: dict) -> np.ndarray:
+        return sizes.astype(np.float64)
+
+    def server_payloads(self, round: int, client_ids: list[int], server_state: dict,
+                        rng: np.random.Generator) -> dict[int, dict[str, np.ndarray]]:
+        return {}
+
+    def after_round(self, round: int, results: list[dict], server_state: dict) -> None:
+        pass
+
+
+_REGISTRY: dict[str, type[Method]] = {}
+
+
+def register_method(cls: type[Method]) -> type[Method]:
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+register_method(Method)
+
+
+def method_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_method_class(name: str) -> type[Method]:
+    if name not in _REGISTRY:
+        hint = difflib.get_close_matches(name, _REGISTRY, n=1)
+        extra = f" (did you mean {hint[0]}?)" if hint else ""
+        raise KeyError(f"unknown method {name!r}{extra}; known: {', '.join(method_names())}")
+    return _REGISTRY[name]
+
+
+def build_method(cfg) -> Method:
+    cls = get_method_class(cfg.method.name)
+    return cls(cls.Params.model_validate(cfg.method.params()), cfg.model, cfg.training)

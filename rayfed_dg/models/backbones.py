@@ -1,0 +1,108 @@
+"""Backbones split into a feature extractor and a linear head.
+
+``SplitModel.features(x)`` gives the pooled feature vector g(x) and
+``SplitModel.head`` the classifier h, so methods can regularise features
+through another head (gPerXAN's guiding regularizer) or add losses on them.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+
+class ModelError(ValueError):
+    """A model that cannot be built as configured (e.g. weights missing)."""
+
+
+class SplitModel(nn.Module):
+    def __init__(self, body: nn.Module, head: nn.Linear):
+        super().__init__()
+        self.body = body
+        self.head = head
+
+    @property
+    def feature_dim(self) -> int:
+        return self.head.in_features
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.flatten(self.body(x), 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+def convnet(num_classes: int, width: int = 64, norm_layer=nn.BatchNorm2d) -> SplitModel:
+    """Four conv3x3-BN-ReLU-maxpool blocks for 32 px inputs (the Digits-DG
+    benchmark's network), then global average pooling."""
+    layers: list[nn.Module] = []
+    c_in = 3
+    for _ in range(4):
+        layers += [nn.Conv2d(c_in, width, 3, padding=1, bias=False), norm_layer(width), nn.ReLU(inplace=True), nn.MaxPool2d(2)]
+        c_in = width
+    layers += [nn.AdaptiveAvgPool2d(1)]
+    return SplitModel(nn.Sequential(*layers), nn.Linear(width, num_classes))
+
+
+class _ResNetBody(nn.Module):
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        for name in ("conv1", "bn1", "relu", "maxpool", "layer1", "layer2", "layer3", "layer4", "avgpool"):
+            setattr(self, name, getattr(net, name))
+
+    def forward(self, x):
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.avgpool(x)
+
+
+def _load_pretrained(arch: str, spec: str) -> dict[str, torch.Tensor]:
+    """``spec`` is a torchvision weights name (e.g. IMAGENET1K_V1) or a file."""
+    path = Path(spec).expanduser()
+    if path.suffix in (".pth", ".pt") or path.exists() or "/" in spec:
+        if not path.is_file():
+            raise ModelError(f"model.pretrained: weights file {path} not found; give an existing .pth file")
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+        return sd.get("state_dict", sd) if isinstance(sd, dict) else sd
+    import torchvision
+
+    try:
+        enum = torchvision.models.get_model_weights(arch)
+        weights = enum[spec]
+    except KeyError:
+        names = ", ".join(w.name for w in torchvision.models.get_model_weights(arch))
+        raise ModelError(f"model.pretrained: {spec!r} is not a torchvision weights name for {arch} (known: {names})") from None
+    fname = Path(torch.hub.get_dir()) / "checkpoints" / Path(weights.url).name
+    if not fname.is_file():
+        raise ModelError(
+            f"model.pretrained: {arch} {spec} weights are not in the torch hub cache ({fname}); "
+            "this machine cannot download them: copy that file there, or set model.pretrained to a local .pth path"
+        )
+    return torch.load(fname, map_location="cpu", weights_only=True)
+
+
+def resnet(arch: str, num_classes: int, pretrained: str | None = None, norm_layer=None) -> SplitModel:
+    import torchvision
+
+    ctor = getattr(torchvision.models, arch)
+    net = ctor(weights=None, num_classes=1000, **({"norm_layer": norm_layer} if norm_layer else {}))
+    if pretrained:
+        sd = _load_pretrained(arch, pretrained)
+        sd = {k: v for k, v in sd.items() if not k.startswith("fc.")}
+        missing, unexpected = net.load_state_dict(sd, strict=False)
+        missing = [k for k in missing if not k.startswith("fc.")]
+        if missing or unexpected:
+            raise ModelError(
+                f"model.pretrained: {len(missing)} model tensors got no weights (e.g. {missing[:2]}) and "
+                f"{len(unexpected)} weights found no home (e.g. {unexpected[:2]})"
+            )
+    return SplitModel(_ResNetBody(net), nn.Linear(net.fc.in_features, num_classes))
+
+
+def build_backbone(arch: str, num_classes: int, pretrained: str | None = None, width: int = 64) -> SplitModel:
+    if arch == "convnet":
+        if pretrained:
+            raise ModelError("model.pretrained: the convnet has no pretrained weights; set it to null")
+        return convnet(num_classes, width)
+    return resnet(arch, num_classes, pretrained)
