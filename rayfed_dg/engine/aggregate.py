@@ -7,7 +7,10 @@ Memory stays O(model) plus the updates that arrived early.
 """
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
+import torch
 
 
 class OrderedReducer:
@@ -35,7 +38,11 @@ class OrderedReducer:
                 if k not in self._acc:
                     self._acc[k] = np.zeros(v.shape, dtype=np.float64)
                     self._wsum[k] = 0.0
-                self._acc[k] += w * v.astype(np.float64, copy=False)
+                # in place, product and sum in float64, no temporaries (numpy's
+                # astype + multiply allocates two model-sized arrays per client)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # read-only object-store view, only read
+                    torch.from_numpy(self._acc[k]).add_(torch.as_tensor(np.asarray(v)), alpha=w)
                 self._wsum[k] += w
 
     @property

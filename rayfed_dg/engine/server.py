@@ -123,14 +123,16 @@ class Server:
 
     # ------------------------------------------------------------ dispatch
     def _run_pool(self, jobs: list[tuple], submit, on_result, retries: int) -> list:
-        """Run ``jobs`` on the worker pool, one in flight per worker.
+        """Run ``jobs`` on the worker pool, at most two in flight per worker.
 
         ``submit(worker, job, attempt)`` returns an ObjectRef; a failed job is
         retried up to ``retries`` times (on whichever worker is free, after Ray
         restarted a dead one) and reported to ``on_result(job, None, err)``
         when it keeps failing."""
         queue = [(job, 0) for job in jobs]
-        free = list(range(len(self.workers)))
+        # two tasks queued per worker: the next one starts while the server
+        # is still reducing the previous result, so workers never wait on it
+        free = [w for _ in range(2) for w in range(len(self.workers))]
         inflight: dict = {}
         failed = []
         while queue or inflight:
@@ -229,6 +231,7 @@ class Server:
             "ledger": ledger,
             "train_loss": float(np.mean([results[c]["stats"].get("train_loss", np.nan) for c in sorted(results)])),
             "seconds_train": train_s,
+            "seconds_client_tasks": float(sum(results[c]["stats"].get("seconds", 0.0) for c in results)),
             "seconds_total": time.perf_counter() - t0,
         }
 

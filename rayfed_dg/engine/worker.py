@@ -9,6 +9,7 @@ repeat, which is what Ray's actor restarts and task retries need.
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from typing import Iterator
 
@@ -33,13 +34,20 @@ def resolve_device(device: str, num_gpus: float) -> torch.device:
     return torch.device("cpu")
 
 
-def to_numpy_state(sd: dict[str, torch.Tensor], keys) -> dict[str, np.ndarray]:
-    return {k: sd[k].detach().cpu().numpy().copy() for k in keys}
+def to_numpy_state(sd: dict[str, torch.Tensor], keys, copy: bool = True) -> dict[str, np.ndarray]:
+    """``copy=False`` returns views of the model's tensors: only for values that
+    Ray serializes at once (a task's return value)."""
+    out = {k: sd[k].detach().cpu().numpy() for k in keys}
+    return {k: v.copy() for k, v in out.items()} if copy else out
 
 
 class ClientRunner:
     """Model, data and method hooks of one worker; used by the actor and by
     tests that want the exact client computation without Ray."""
+
+    # True in the actor: Ray serializes a task's return value at once, so the
+    # update can be views of the model's tensors (saves a model-sized copy)
+    returns_to_ray = False
 
     def __init__(self, cfg_tree: dict, images: np.ndarray, labels: np.ndarray, num_classes: int):
         self.cfg = validate(cfg_tree, "<worker>")
@@ -106,6 +114,7 @@ class ClientRunner:
     def train(self, client_id: int, round: int, indices: np.ndarray, global_state: dict[str, np.ndarray],
               local_state: dict[str, np.ndarray], payload: dict[str, np.ndarray],
               fault_p: float = 0.0, attempt: int = 0) -> dict:
+        t0 = time.perf_counter()
         seed = self.cfg.training.seed
         if fault_p > 0 and numpy_rng(seed, FAULT, round, client_id, attempt).random() < fault_p:
             if self.cfg.engine.fault_mode == "kill":
@@ -120,10 +129,11 @@ class ClientRunner:
         self.method.round_start(self.model, ctx)
         stats = self.method.local_train(self.model, lambda: self.batches(indices, gen), ctx)
         sd = self.model.state_dict()
+        stats["seconds"] = time.perf_counter() - t0
         return {
             "client": client_id,
             "num_samples": len(indices),
-            "update": to_numpy_state(sd, self.upload_keys),
+            "update": to_numpy_state(sd, self.upload_keys, copy=not self.returns_to_ray),
             "private": to_numpy_state(sd, sorted(self.private_keys)),
             "payload": self.method.upload_payload(self.model, ctx),
             "stats": stats,
@@ -144,6 +154,8 @@ class ClientRunner:
 
 class Worker(ClientRunner):
     """The Ray actor (wrapped with ``ray.remote`` by the server)."""
+
+    returns_to_ray = True
 
     def ping(self) -> int:
         return os.getpid()

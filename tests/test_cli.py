@@ -1,0 +1,51 @@
+"""The command line, end to end, in a subprocess with its own local Ray."""
+import json
+import subprocess
+import sys
+
+import pyarrow.parquet as pq
+import torch
+
+from conftest import REPO
+
+
+def test_two_round_run_writes_the_run_directory(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "rayfed_dg", "run", str(REPO / "configs" / "quickstart.yaml"),
+           "--target", "colour", "--run-dir", str(run_dir), "--no-progress",
+           "--set", "training.rounds=2", "--set", "data.resolution=16", "--set", "model.width=8",
+           "--set", "compare=null", "--set", "method.name=fedbn"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "fedbn" in proc.stdout and "colour" in proc.stdout
+    for name in ("config.yaml", "metrics.parquet", "ledger.parquet", "summary.json", "best_colour.pt"):
+        assert (run_dir / name).is_file(), name
+    m = pq.read_table(run_dir / "metrics.parquet").to_pylist()
+    assert {r["split"] for r in m} == {"source_val", "target_test"}
+    assert {r["round"] for r in m} == {1, 2}
+    assert {r["domain"] for r in m if r["split"] == "source_val"} == {"mono", "negative", "texture"}
+    s = json.loads((run_dir / "summary.json").read_text())["targets"]["colour"]
+    val = {r["round"]: [] for r in m}
+    for r in m:
+        if r["split"] == "source_val":
+            val[r["round"]].append(r["accuracy"])
+    best = max(val, key=lambda k: (sum(val[k]) / 3, -k))
+    assert s["selected_round"] == best
+    tgt = [r["accuracy"] for r in m if r["split"] == "target_test" and r["round"] == best][0]
+    assert abs(s["target_acc"] - tgt) < 1e-12
+    sd = torch.load(run_dir / "best_colour.pt", weights_only=True)
+    assert "head.weight" in sd
+    led = pq.read_table(run_dir / "ledger.parquet").to_pylist()
+    assert {r["direction"] for r in led} == {"up", "down"} and len({r["client"] for r in led}) == 3
+    assert "method:\n  name: fedbn" in (run_dir / "config.yaml").read_text()
+
+
+def test_unknown_target_is_one_line_exit_2(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "rayfed_dg", "run", str(REPO / "configs" / "quickstart.yaml"),
+                           "--target", "textures", "--run-dir", str(run_dir)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "did you mean texture" in lines[0]
+    assert not run_dir.exists()

@@ -1,0 +1,67 @@
+import subprocess
+import sys
+
+import pytest
+
+from rayfed_dg.config import ConfigError, load_config, method_variants
+
+
+def write(tmp_path, text, name="exp.yaml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_defaults_and_layering(tmp_path):
+    write(tmp_path, "training:\n  lr: 0.5\n  rounds: 7\n", "base.yaml")
+    p = write(tmp_path, "base: base.yaml\ntraining:\n  rounds: 3\nmethod:\n  name: fedprox\n  mu: 0.1\n")
+    cfg = load_config(p, ["training.seed=5"])
+    assert cfg.training.lr == 0.5 and cfg.training.rounds == 3 and cfg.training.seed == 5
+    assert cfg.method.name == "fedprox" and cfg.method.params() == {"mu": 0.1}
+    assert cfg.data.name == "embedded_digits"  # untouched default
+
+
+@pytest.mark.parametrize("text,key", [
+    ("training:\n  lrr: 0.1\n", "training.lrr: unknown key"),
+    ("training:\n  rounds: many\n", "training.rounds"),
+    ("training:\n  lr: -1\n", "training.lr: Input should be greater than 0"),
+    ("partition:\n  alpha: 0\n", "partition.alpha"),
+    ("method:\n  name: fedprox\n  mu: -0.5\n", "method.mu"),
+    ("method:\n  name: fedprox\n  nu: 1\n", "method.nu: unknown key"),
+    ("method:\n  name: fedavgg\n", "did you mean fedavg"),
+    ("bogus: 1\n", "bogus: unknown key"),
+])
+def test_bad_values_name_key_and_file(tmp_path, text, key):
+    p = write(tmp_path, text)
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    msg = str(e.value)
+    assert key in msg and str(p) in msg and "\n" not in msg
+
+
+def test_bad_override_and_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="training.batch_size"):
+        load_config(None, ["training.batch_size=0"])
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(None, ["training.lr"])
+    p = write(tmp_path, "training: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(p)
+
+
+def test_compare_variants():
+    cfg = load_config(None, ["compare=[{name: fedavg}, {name: fedprox, mu: 0.2, label: prox}]"])
+    v = method_variants(cfg)
+    assert [label for label, _ in v] == ["fedavg", "prox"]
+    assert v[1][1].method.params() == {"mu": 0.2} and v[1][1].compare is None
+
+
+def test_cli_bad_config_exits_2_with_one_line(tmp_path):
+    p = write(tmp_path, "training:\n  lr: -0.1\n")
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "rayfed_dg", "run", str(p), "--run-dir", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and "training.lr" in lines[0] and str(p) in lines[0]
+    assert not out.exists()  # nothing written

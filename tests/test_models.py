@@ -1,0 +1,41 @@
+import pytest
+import torch
+
+from rayfed_dg.models import BN_TYPES, ModelError, build_backbone, state_keys_of
+
+
+def test_bn_found_by_type_including_downsample():
+    m = build_backbone("resnet18", 7)
+    keys = state_keys_of(m, BN_TYPES)
+    assert "body.layer2.0.downsample.1.weight" in keys
+    assert "body.layer2.0.downsample.1.running_var" in keys
+    assert not any(k.startswith("head.") for k in keys)
+    # 20 BN layers in ResNet-18, 5 tensors each
+    assert len(keys) == 20 * 5
+
+
+def test_split_model_features_and_head():
+    m = build_backbone("convnet", 10, width=16).eval()
+    x = torch.randn(2, 3, 32, 32)
+    assert m.features(x).shape == (2, 16)
+    assert torch.allclose(m(x), m.head(m.features(x)))
+
+
+def test_missing_pretrained_weights_fail_clearly(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))  # an empty hub cache
+    with pytest.raises(ModelError, match="not found"):
+        build_backbone("resnet18", 7, pretrained=str(tmp_path / "nope.pth"))
+    with pytest.raises(ModelError, match="not a torchvision weights name"):
+        build_backbone("resnet18", 7, pretrained="IMAGENET9K")
+    with pytest.raises(ModelError, match="torch hub cache"):
+        build_backbone("resnet18", 7, pretrained="IMAGENET1K_V1")
+
+
+def test_local_pretrained_file_loads(tmp_path):
+    import torchvision
+
+    ref = torchvision.models.resnet18(weights=None)
+    torch.save(ref.state_dict(), tmp_path / "r18.pth")
+    m = build_backbone("resnet18", 7, pretrained=str(tmp_path / "r18.pth"))
+    assert torch.equal(m.body.layer1[0].bn1.running_var, ref.layer1[0].bn1.running_var)
+    assert torch.equal(m.body.conv1.weight, ref.conv1.weight)
