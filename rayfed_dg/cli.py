@@ -24,6 +24,8 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config value, e.g. --set training.lr=0.01 (repeatable)")
     run.add_argument("--run-dir", default=None, help="output directory (default: output.root/name-timestamp)")
+    run.add_argument("--resume", metavar="RUN_DIR", default=None,
+                     help="continue RUN_DIR (made with the same config) from its last complete checkpoint")
     run.add_argument("--no-progress", action="store_true", help="no live progress bars")
     run.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     return p
@@ -32,19 +34,29 @@ def _build_parser() -> argparse.ArgumentParser:
 def _run(args) -> int:
     from rayfed_dg.config import method_variants, load_config
     from rayfed_dg.data import load_dataset
-    from rayfed_dg.engine import format_table, make_run_dir, resolve_targets, run_experiment
+    from rayfed_dg.engine import (check_resume_dir, format_table, make_run_dir, make_splits, resolve_targets,
+                                  run_experiment)
 
     cfg = load_config(args.config, args.overrides)
     ds = load_dataset(cfg.data.name, cfg.data.root, cfg.data.resolution, cfg.data.domains)
     targets = resolve_targets(ds, args.target)
     variants = method_variants(cfg)
-    run_dir = make_run_dir(cfg, args.run_dir)
+    splits = make_splits(cfg, ds, targets)  # partition errors surface before anything is written
+    if args.resume:
+        run_dir = Path(args.resume)
+        check_resume_dir(cfg, run_dir)
+    else:
+        run_dir = make_run_dir(cfg, args.run_dir)
+    from rayfed_dg.config import save_config
+
+    if not (run_dir / "config.yaml").exists():
+        save_config(cfg, run_dir / "config.yaml")
     tables, summaries = [], {}
     for label, vcfg in variants:
         sub = run_dir if len(variants) == 1 else run_dir / label
         sub.mkdir(parents=True, exist_ok=True)
         print(f"== {label}: {len(targets)} target(s), {vcfg.training.rounds} rounds -> {sub}", file=sys.stderr)
-        summary = run_experiment(vcfg, ds, targets, sub, progress=not args.no_progress)
+        summary = run_experiment(vcfg, ds, targets, sub, progress=not args.no_progress, splits=splits)
         summaries[label] = summary
         tables.append(format_table(summary, label))
     if len(variants) > 1:
@@ -55,8 +67,16 @@ def _run(args) -> int:
     return 0
 
 
+def _one_line_warning(message, category, filename, lineno, file=None, line=None):
+    print(f"rayfed-dg: warning: {message}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
+    if not args.debug:
+        import warnings
+
+        warnings.showwarning = _one_line_warning
     from rayfed_dg.config import ConfigError
     from rayfed_dg.data import DataError
     from rayfed_dg.engine import EngineError

@@ -91,6 +91,7 @@ class EngineConfig(_Strict):
     max_task_retries: int = Field(2, ge=0)  # re-submissions of a failed client task
     fault_probability: float = Field(0.0, ge=0.0, le=1.0)  # seeded fault injection per task
     fault_mode: Literal["exception", "kill"] = "exception"  # kill: the worker process exits
+    fault_clients: list[int] = []  # clients whose every task fails (to test dropping)
 
 
 class EvaluationConfig(_Strict):
@@ -102,6 +103,7 @@ class OutputConfig(_Strict):
     root: str = "runs"
     name: str = "experiment"
     save_best_checkpoint: bool = True
+    checkpoint_every: int = Field(5, ge=0)  # rounds between resumable checkpoints; 0: none
 
 
 class ExperimentConfig(_Strict):

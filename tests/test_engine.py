@@ -13,7 +13,7 @@ from rayfed_dg.models import BN_TYPES, state_keys_of
 def start_server(ray, cfg, ds, target="texture", workers=1):
     split = leave_one_domain_out(ds, target, cfg.data.val_fraction, cfg.data.split_seed)
     server = ray.remote(Server).options(num_cpus=0).remote(
-        cfg.to_dict(), split, ray.put(ds.images), ray.put(ds.labels), ds.num_classes, workers)
+        cfg.to_dict(), split, [ray.put(ds.images), ray.put(ds.labels)], ds.num_classes, workers)
     return server, split
 
 

@@ -5,23 +5,26 @@ in the object store once per run, starts one server actor per target domain
 (which starts its worker pool), calls ``run_round`` and writes what comes
 back.  Records of a run directory:
 
-``config.yaml``      the resolved config
-``metrics.parquet``  target, round, split (source_val | target_test), domain,
-                     accuracy, loss, samples
-``ledger.parquet``   target, round, client, direction (up | down), group,
-                     tensors, bytes
-``dropped.parquet``  clients that failed every retry (only if any did)
-``summary.json``     per target: selected round (by mean source validation
-                     accuracy), its source-val and target accuracy
-``best_<target>.pt`` global weights of the selected round
+``config.yaml``        the resolved config
+``metrics.parquet``    target, round, split (source_val | target_test), domain,
+                       accuracy, loss, samples, clients_dropped
+``ledger.parquet``     target, round, client, direction (up | down), group,
+                       tensors, bytes (a dropped client: group ``dropped``)
+``summary.json``       per target: selected round (by mean source-validation
+                       accuracy), its source-val and target accuracy
+``best_<target>.pt``   global weights of the selected round
+``final_<target>.pt``  global weights after the last round
+``checkpoints/<target>/round_*.pt``  resumable state every
+                       ``output.checkpoint_every`` rounds
 """
 from __future__ import annotations
 
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -29,9 +32,10 @@ import pyarrow.parquet as pq
 import ray
 import torch
 
-from rayfed_dg.config import ExperimentConfig, save_config
+from rayfed_dg.config import ConfigError, ExperimentConfig, save_config
 from rayfed_dg.data import DomainDataset, FederatedSplit, leave_one_domain_out
 
+from .checkpoint import load_latest, save_checkpoint
 from .selection import select_round
 from .server import Server, plan_workers
 
@@ -40,10 +44,9 @@ def init_ray(cfg: ExperimentConfig) -> None:
     if ray.is_initialized():
         return
     e = cfg.engine
+    # the dashboard is off by default; when on, it listens on loopback only
     kwargs = dict(include_dashboard=e.include_dashboard, configure_logging=True, logging_level="WARNING",
-                  log_to_driver=True)
-    if e.include_dashboard:
-        kwargs["dashboard_host"] = "127.0.0.1"
+                  log_to_driver=True, dashboard_host="127.0.0.1")
     if e.ray_address:
         ray.init(address=e.ray_address, **kwargs)
     else:
@@ -51,14 +54,23 @@ def init_ray(cfg: ExperimentConfig) -> None:
 
 
 def write_table(rows: list[dict], path: Path) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp = path.with_name(path.name + ".tmp")
     pq.write_table(pa.Table.from_pylist(rows), tmp)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+def write_text(text: str, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.chmod(tmp, 0o644)
     os.replace(tmp, path)
 
 
 def save_weights(state: dict[str, np.ndarray], path: Path) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp = path.with_name(path.name + ".tmp")
     torch.save({k: torch.from_numpy(np.array(v)) for k, v in state.items()}, tmp)
+    os.chmod(tmp, 0o644)
     os.replace(tmp, path)
 
 
@@ -72,60 +84,101 @@ class TargetResult:
     selected_round: int | None = None
     selected_val: float | None = None
     selected_target_acc: float | None = None
+    rounds_done: int = 0
+    tasks_retried: int = 0
 
     def summary(self) -> dict:
         return {"selected_round": self.selected_round, "source_val_acc": self.selected_val,
                 "target_acc": self.selected_target_acc,
                 "final_target_acc": next((m["accuracy"] for m in reversed(self.metrics)
                                           if m["split"] == "target_test"), None),
+                "clients_dropped": len(self.dropped), "tasks_retried": self.tasks_retried,
                 "mean_seconds_per_round": float(np.mean(self.seconds_per_round)) if self.seconds_per_round else None}
 
 
-def run_federation(cfg: ExperimentConfig, split: FederatedSplit, images_ref, labels_ref, num_classes: int,
-                   run_dir: Path | None = None, progress: bool = True,
-                   worker_options: dict | None = None) -> TargetResult:
-    """Run one federation (one target domain) to the end."""
-    k = cfg.training.clients_per_round or split.num_clients
-    if k > split.num_clients:
-        from rayfed_dg.config import ConfigError
+def check_split(cfg: ExperimentConfig, split: FederatedSplit) -> None:
+    k = cfg.training.clients_per_round
+    if k is not None and k > split.num_clients:
+        raise ConfigError(f"training.clients_per_round={k} exceeds the {split.num_clients} clients "
+                          f"of partition {cfg.partition.strategy}; lower it or add clients")
 
-        raise ConfigError(f"training.clients_per_round={k} exceeds the {split.num_clients} clients of the partition")
+
+def run_federation(cfg: ExperimentConfig, split: FederatedSplit, images_ref, labels_ref, num_classes: int,
+                   run_dir: Path | None = None, progress: bool = True, worker_options: dict | None = None,
+                   on_round: Callable[[dict, "TargetResult"], None] | None = None,
+                   stop_after: int | None = None) -> TargetResult:
+    """Run one federation (one target domain) to the end, resuming from the
+    newest valid checkpoint in ``run_dir`` if there is one.  ``stop_after``
+    ends early after that round (tests of resume use it)."""
+    check_split(cfg, split)
+    k = cfg.training.clients_per_round or split.num_clients
     n_workers = plan_workers(cfg.engine, k, ray.cluster_resources())
-    ServerActor = ray.remote(Server)
-    server = ServerActor.options(num_cpus=0).remote(cfg.to_dict(), split, images_ref, labels_ref,
-                                                   num_classes, n_workers, worker_options)
+    ckpt_dir = run_dir / "checkpoints" / split.target if run_dir is not None else None
     res = TargetResult(split.target)
+    state = load_latest(ckpt_dir) if ckpt_dir is not None and ckpt_dir.exists() else None
+    if state is not None:
+        res = TargetResult(**state["result"])
+        if res.rounds_done >= cfg.training.rounds:
+            return res
+    ServerActor = ray.remote(Server)
+    server = ServerActor.options(num_cpus=0).remote(cfg.to_dict(), split, [images_ref, labels_ref],
+                                                   num_classes, n_workers, worker_options)
+    if state is not None:
+        ray.get(server.set_state.remote(state["server"]))
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=cfg.training.rounds, desc=f"target {split.target}", unit="round", leave=True)
+        bar = tqdm(total=cfg.training.rounds, initial=res.rounds_done, desc=f"target {split.target}",
+                   unit="round", leave=True)
+    every = cfg.output.checkpoint_every
     try:
-        for _ in range(cfg.training.rounds):
+        for r in range(res.rounds_done + 1, cfg.training.rounds + 1):
             out = ray.get(server.run_round.remote())
-            r = out["round"]
+            assert out["round"] == r
+            res.rounds_done = r
+            res.tasks_retried = out["tasks_retried"]
             res.seconds_per_round.append(out["seconds_total"])
-            rows = [dict(m, target=split.target) for m in out["metrics"]]
+            n_drop = len(out["dropped"])
+            rows = [dict(m, target=split.target, clients_dropped=n_drop) for m in out["metrics"]]
             res.metrics += rows
             res.ledger += [dict(x, target=split.target) for x in out["ledger"]]
+            res.ledger += [{"round": r, "client": d["client"], "direction": "up", "group": "dropped",
+                            "tensors": 0, "bytes": 0, "target": split.target} for d in out["dropped"]]
             res.dropped += [dict(x, target=split.target) for x in out["dropped"]]
+            new_best = False
             if rows:
                 best, best_val = select_round(res.metrics)
                 if best == r:
+                    new_best = True
                     res.selected_round, res.selected_val = best, best_val
                     res.selected_target_acc = float(np.mean(
                         [m["accuracy"] for m in rows if m["split"] == "target_test"]))
-                    if run_dir is not None and cfg.output.save_best_checkpoint:
-                        state = ray.get(server.get_state.remote())["global_state"]
-                        save_weights(state, run_dir / f"best_{split.target}.pt")
+            need_state = run_dir is not None and (
+                (new_best and cfg.output.save_best_checkpoint) or r == cfg.training.rounds
+                or (every and r % every == 0))
+            if need_state:
+                sstate = ray.get(server.get_state.remote())
+                if new_best and cfg.output.save_best_checkpoint:
+                    save_weights(sstate["global_state"], run_dir / f"best_{split.target}.pt")
+                if r == cfg.training.rounds:
+                    save_weights(sstate["global_state"], run_dir / f"final_{split.target}.pt")
+                if every and (r % every == 0 or r == cfg.training.rounds):
+                    save_checkpoint(ckpt_dir, r, {"server": sstate, "result": asdict(res)})
+            if on_round is not None:
+                on_round(out, res)
             if bar is not None:
                 src = [m["accuracy"] for m in rows if m["split"] == "source_val"]
                 tgt = [m["accuracy"] for m in rows if m["split"] == "target_test"]
                 post = {"loss": f"{out['train_loss']:.3f}"}
                 if src:
                     post |= {"src_val": f"{np.mean(src):.3f}", "target": f"{np.mean(tgt):.3f}"}
+                if n_drop:
+                    post["dropped"] = n_drop
                 bar.set_postfix(post)
                 bar.update(1)
+            if stop_after is not None and r >= stop_after:
+                break
     finally:
         if bar is not None:
             bar.close()
@@ -142,11 +195,29 @@ def make_run_dir(cfg: ExperimentConfig, run_dir: str | Path | None) -> Path:
         run_dir = Path(cfg.output.root) / f"{cfg.output.name}-{stamp}"
     run_dir = Path(run_dir)
     if run_dir.exists() and any(run_dir.iterdir()):
-        from rayfed_dg.config import ConfigError
-
-        raise ConfigError(f"run directory {run_dir} already exists and is not empty; choose another --run-dir")
-    run_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
+        raise ConfigError(f"run directory {run_dir} already exists and is not empty; "
+                          "choose another --run-dir, or continue it with --resume")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(run_dir, 0o755)
     return run_dir
+
+
+def check_resume_dir(cfg: ExperimentConfig, run_dir: Path) -> None:
+    """A run directory can be resumed only with the config that made it."""
+    from rayfed_dg.config import load_config
+
+    saved = run_dir / "config.yaml"
+    if not saved.is_file():
+        raise ConfigError(f"--resume {run_dir}: no config.yaml there; not a rayfed-dg run directory")
+    old = load_config(saved).to_dict()
+    new = cfg.to_dict()
+    diff = sorted(f"{s}.{k}" for s in new if s != "output" for k in (new[s] or {}) if isinstance(new[s], dict)
+                  and (old.get(s) or {}).get(k) != new[s][k])
+    if new.get("compare") != old.get("compare"):
+        diff.append("compare")
+    if diff:
+        raise ConfigError(f"--resume {run_dir}: that run used a different config ({', '.join(diff[:4])} differ); "
+                          "resume with the same config and --set values")
 
 
 def resolve_targets(ds: DomainDataset, target: str | None) -> list[str]:
@@ -158,14 +229,23 @@ def resolve_targets(ds: DomainDataset, target: str | None) -> list[str]:
     return names
 
 
-def run_experiment(cfg: ExperimentConfig, ds: DomainDataset, targets: list[str], run_dir: Path,
-                   progress: bool = True) -> dict:
-    """Leave-one-domain-out over ``targets``; writes the run directory."""
-    init_ray(cfg)
+def make_splits(cfg: ExperimentConfig, ds: DomainDataset, targets: list[str]) -> list[FederatedSplit]:
+    """All partitions of a run, checked before anything is written."""
     p, d = cfg.partition, cfg.data
     splits = [leave_one_domain_out(ds, t, d.val_fraction, d.split_seed, p.strategy, p.num_clients, p.alpha,
                                    p.min_size) for t in targets]
-    save_config(cfg, run_dir / "config.yaml")
+    for s in splits:
+        check_split(cfg, s)
+    return splits
+
+
+def run_experiment(cfg: ExperimentConfig, ds: DomainDataset, targets: list[str], run_dir: Path,
+                   progress: bool = True, splits: list[FederatedSplit] | None = None) -> dict:
+    """Leave-one-domain-out over ``targets``; writes (or resumes) ``run_dir``."""
+    splits = splits or make_splits(cfg, ds, targets)
+    init_ray(cfg)
+    if not (run_dir / "config.yaml").exists():
+        save_config(cfg, run_dir / "config.yaml")
     images_ref, labels_ref = ray.put(ds.images), ray.put(ds.labels)
     metrics, ledger, dropped, summary = [], [], [], {"targets": {}}
     for split in splits:
@@ -181,7 +261,7 @@ def run_experiment(cfg: ExperimentConfig, ds: DomainDataset, targets: list[str],
     accs = [v["target_acc"] for v in summary["targets"].values() if v["target_acc"] is not None]
     summary["average_target_acc"] = float(np.mean(accs)) if accs else None
     summary["method"] = cfg.method.name
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_text(json.dumps(summary, indent=2), run_dir / "summary.json")
     return summary
 
 

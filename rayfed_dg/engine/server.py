@@ -74,8 +74,13 @@ def plan_workers(engine_cfg, clients_per_round: int, resources: dict) -> int:
 
 
 class Server:
-    def __init__(self, cfg_tree: dict, split: FederatedSplit, images_ref, labels_ref, num_classes: int,
+    def __init__(self, cfg_tree: dict, split: FederatedSplit, data_refs: list, num_classes: int,
                  num_workers: int, worker_options: dict | None = None):
+        # ``data_refs`` = [images_ref, labels_ref] inside a list, so Ray hands the
+        # server the references, not the arrays; the server keeps them alive
+        # because a restarted worker re-runs its constructor with them
+        self.data_refs = list(data_refs)
+        images_ref, labels_ref = self.data_refs
         self.cfg = validate(cfg_tree, "<server>")
         self.split = split
         self.method = build_method(self.cfg)
@@ -91,6 +96,7 @@ class Server:
         self.client_store: dict[int, dict[str, np.ndarray]] = {}
         self.server_state: dict = {}
         self.round = 0
+        self.retried = 0  # failed task attempts that were retried, over the run
         e = self.cfg.engine
         opts = dict(num_cpus=e.num_cpus_per_worker, num_gpus=e.num_gpus_per_worker,
                     max_restarts=e.max_restarts, max_task_retries=0)
@@ -150,6 +156,7 @@ class Server:
                 if not _retryable(err):
                     raise
                 if attempt < retries:
+                    self.retried += 1
                     queue.insert(0, (job, attempt + 1))
                 else:
                     failed.append((job, repr(err).splitlines()[0][:200]))
@@ -230,6 +237,7 @@ class Server:
             "metrics": rows,
             "ledger": ledger,
             "train_loss": float(np.mean([results[c]["stats"].get("train_loss", np.nan) for c in sorted(results)])),
+            "tasks_retried": self.retried,
             "seconds_train": train_s,
             "seconds_client_tasks": float(sum(results[c]["stats"].get("seconds", 0.0) for c in results)),
             "seconds_total": time.perf_counter() - t0,

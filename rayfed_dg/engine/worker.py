@@ -116,8 +116,10 @@ class ClientRunner:
               fault_p: float = 0.0, attempt: int = 0) -> dict:
         t0 = time.perf_counter()
         seed = self.cfg.training.seed
-        if fault_p > 0 and numpy_rng(seed, FAULT, round, client_id, attempt).random() < fault_p:
-            if self.cfg.engine.fault_mode == "kill":
+        e = self.cfg.engine
+        if client_id in e.fault_clients or (
+                fault_p > 0 and numpy_rng(seed, FAULT, round, client_id, attempt).random() < fault_p):
+            if e.fault_mode == "kill":
                 os._exit(1)  # a dead worker process, as after an OOM kill
             raise InjectedFault(f"injected fault in client {client_id} round {round} attempt {attempt}")
         self._load({k: v for k, v in global_state.items() if k not in self.local_keys})

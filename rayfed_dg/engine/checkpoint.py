@@ -1,0 +1,97 @@
+"""Atomic, verifiable round checkpoints.
+
+A checkpoint is written as ``round_00012.pt`` (torch.save of tensors and
+plain Python values only, loadable with ``torch.load(weights_only=True)``)
+plus ``round_00012.json`` holding its SHA-256.  Both are written to a
+temporary name and renamed, the digest last, so a checkpoint without a
+matching digest is incomplete or corrupt and the previous one is used, with
+a warning naming the file.  The two most recent checkpoints are kept.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+KEEP = 2
+
+
+class CheckpointWarning(UserWarning):
+    pass
+
+
+def to_torch_tree(x: Any) -> Any:
+    if isinstance(x, np.ndarray):
+        return torch.from_numpy(np.array(x))
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, dict):
+        return {k: to_torch_tree(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(to_torch_tree(v) for v in x)
+    return x
+
+
+def to_numpy_tree(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.numpy()
+    if isinstance(x, dict):
+        return {k: to_numpy_tree(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(to_numpy_tree(v) for v in x)
+    return x
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(directory: Path, round: int, state: dict) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    buf = io.BytesIO()
+    torch.save(to_torch_tree(state), buf)
+    data = buf.getvalue()
+    path = directory / f"round_{round:05d}.pt"
+    write_atomic(path, data)
+    digest = {"round": round, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    write_atomic(path.with_suffix(".json"), json.dumps(digest).encode())
+    for old in sorted(directory.glob("round_*.pt"))[:-KEEP]:
+        old.unlink(missing_ok=True)
+        old.with_suffix(".json").unlink(missing_ok=True)
+    return path
+
+
+def _verified(path: Path) -> dict | None:
+    meta_path = path.with_suffix(".json")
+    try:
+        meta = json.loads(meta_path.read_text())
+        data = path.read_bytes()
+        if hashlib.sha256(data).hexdigest() != meta["sha256"]:
+            raise ValueError("digest mismatch")
+        return to_numpy_tree(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
+    except Exception as e:  # noqa: BLE001  any failure means: not usable
+        warnings.warn(f"checkpoint {path} is incomplete or corrupt ({type(e).__name__}: {e}); "
+                      "falling back to the previous one", CheckpointWarning, stacklevel=2)
+        return None
+
+
+def load_latest(directory: Path) -> dict | None:
+    """The newest checkpoint that verifies, or None."""
+    for path in sorted(directory.glob("round_*.pt"), reverse=True):
+        state = _verified(path)
+        if state is not None:
+            return state
+    return None
