@@ -38,7 +38,8 @@ def _run(args) -> int:
                                   run_experiment)
 
     cfg = load_config(args.config, args.overrides)
-    ds = load_dataset(cfg.data.name, cfg.data.root, cfg.data.resolution, cfg.data.domains)
+    ds = load_dataset(cfg.data.name, cfg.data.root, cfg.data.resolution, cfg.data.domains,
+                      **cfg.data.loader_options())
     targets = resolve_targets(ds, args.target)
     variants = method_variants(cfg)
     splits = make_splits(cfg, ds, targets)  # partition errors surface before anything is written

@@ -41,6 +41,11 @@ class DataConfig(_Strict):
     std: tuple[float, float, float] = (0.229, 0.224, 0.225)
     augment: Literal["none", "flip", "flip_jitter"] = "none"
     domains: list[str] | None = None  # restrict to these domains
+    on_corrupt: Literal["fail", "skip"] = "fail"  # an undecodable image: stop, or skip and count
+    top_classes: int | None = Field(None, ge=2)  # keep the K most frequent classes (DomainNet)
+
+    def loader_options(self) -> dict:
+        return {"on_corrupt": self.on_corrupt, "top_classes": self.top_classes}
 
 
 class PartitionConfig(_Strict):

@@ -64,12 +64,14 @@ def dataset_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def load_dataset(name: str, root: str | None, resolution: int, domains: list[str] | None = None) -> DomainDataset:
+def load_dataset(name: str, root: str | None, resolution: int, domains: list[str] | None = None,
+                 **options) -> DomainDataset:
+    """``options``: loader settings such as ``on_corrupt`` and ``top_classes``."""
     if name not in _REGISTRY:
         hint = difflib.get_close_matches(name, _REGISTRY, n=1)
         extra = f" (did you mean {hint[0]}?)" if hint else ""
         raise DataError(f"unknown dataset {name!r}{extra}; known: {', '.join(dataset_names())}")
-    ds = _REGISTRY[name](root=root, resolution=resolution)
+    ds = _REGISTRY[name](root=root, resolution=resolution, **options)
     if domains:
         keep_idx = [ds.domain_index(d) for d in domains]
         mask = np.isin(ds.domains, keep_idx)

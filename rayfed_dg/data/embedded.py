@@ -47,7 +47,7 @@ def _hue_rgb(h: float, s: float, v: float) -> np.ndarray:
 
 
 @register_dataset("embedded_digits")
-def embedded_digits(root: str | None = None, resolution: int = 32) -> DomainDataset:
+def embedded_digits(root: str | None = None, resolution: int = 32, **_) -> DomainDataset:
     from sklearn.datasets import load_digits
 
     raw = load_digits()

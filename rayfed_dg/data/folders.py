@@ -1,0 +1,269 @@
+"""Loaders for the standard folder layouts, with an on-disk decode cache.
+
+Every loader lists files, checks the layout, then decodes and resizes each
+image once to the run's resolution into a cache (NumPy ``.npy`` in
+``$RAYFED_DG_CACHE`` or ``~/.cache/rayfed_dg``), keyed by the file list (paths,
+sizes, modification times) and the resolution.  A second run memory-maps the
+cache instead of decoding.  Layouts (``<root>`` is ``data.root``):
+
+* ``pacs``        ``<root>/{photo,art_painting,cartoon,sketch}/<class>/*``
+* ``office_home`` ``<root>/{Art,Clipart,Product,Real World}/<class>/*``
+  (``Real_World`` is accepted too)
+* ``vlcs``        ``<root>/{Caltech101,LabelMe,SUN09,VOC2007}/<class>/*``
+* ``domainnet``   ``<root>/{clipart,infograph,painting,quickdraw,real,sketch}/<class>/*``;
+  ``data.top_classes: K`` keeps the K classes with most images overall
+* ``digits``      ``<root>/<domain>/<class>/*`` for any set of digit domains
+  (``../shared/data/digits``: mnist, mnist_m, usps), and the Digits-DG layout
+  ``<root>/<domain>/{train,val}/<class>/*`` (both parts are pooled; the
+  protocol makes its own split)
+* ``camelyon17``  the WILDS v1.0 layout: ``<root>/metadata.csv`` (columns
+  patient, node, x_coord, y_coord, tumor, center, ...) and
+  ``<root>/patches/patient_<p>_node_<n>/patch_patient_<p>_node_<n>_x_<x>_y_<y>.png``;
+  the hospital (``center`` 0-4) is the domain, ``tumor`` the label
+* ``folder``      any ``<root>/<domain>/<class>/*`` tree
+
+A missing or malformed root fails with one line naming the root, what was
+expected and what was found.  A file that cannot be decoded fails with its
+path, or with ``data.on_corrupt: skip`` is skipped and counted.
+"""
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import os
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from .base import DataError, DomainDataset, register_dataset
+
+IMAGE_EXT = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
+CACHE_VERSION = 1
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RAYFED_DG_CACHE", Path.home() / ".cache" / "rayfed_dg"))
+
+
+def _need_root(root: str | None, name: str, expected: str) -> Path:
+    if not root:
+        raise DataError(f"dataset {name} needs data.root: a folder laid out as {expected}")
+    p = Path(root).expanduser()
+    if not p.is_dir():
+        raise DataError(f"data.root {p} does not exist or is not a folder; expected {expected}")
+    return p
+
+
+def _subdirs(p: Path) -> list[str]:
+    return sorted(d.name for d in p.iterdir() if d.is_dir() and not d.name.startswith("."))
+
+
+def _images_in(p: Path) -> list[Path]:
+    return sorted(f for f in p.rglob("*") if f.suffix.lower() in IMAGE_EXT and f.is_file())
+
+
+def list_domain_class_tree(root: Path, domains: list[str], name: str, aliases: dict[str, str] | None = None):
+    """Files of ``<root>/<domain>/<class>/*``; class names are the union over domains."""
+    aliases = aliases or {}
+    found = _subdirs(root)
+    dirs = {}
+    for d in domains:
+        cands = [d] + [a for a, canon in aliases.items() if canon == d]
+        hit = next((c for c in cands if (root / c).is_dir()), None)
+        if hit is None:
+            raise DataError(f"data.root {root} is not a {name} tree: expected domain folders "
+                            f"{', '.join(domains)}; found {', '.join(found) or 'no folders'}")
+        dirs[d] = root / hit
+    classes = sorted({c for d in domains for c in _subdirs(dirs[d])})
+    if not classes:
+        raise DataError(f"data.root {root}: domain folders hold no class folders; expected {name} "
+                        "<domain>/<class>/<images>")
+    files, labels, doms = [], [], []
+    for j, d in enumerate(domains):
+        n_before = len(files)
+        for ci, c in enumerate(classes):
+            cdir = dirs[d] / c
+            if not cdir.is_dir():
+                continue
+            for f in _images_in(cdir):
+                files.append(f)
+                labels.append(ci)
+                doms.append(j)
+        if len(files) == n_before:
+            raise DataError(f"data.root {root}: domain folder {dirs[d]} holds no images "
+                            f"({', '.join(sorted(IMAGE_EXT))})")
+    return files, np.array(labels, np.int64), np.array(doms, np.int64), classes
+
+
+def _decode_one(args) -> np.ndarray | str:
+    path, res = args
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            im = im.convert("RGB").resize((res, res), Image.BILINEAR)
+            return np.asarray(im, dtype=np.uint8)
+    except Exception as e:  # noqa: BLE001  reported with its path by the caller
+        return f"{type(e).__name__}: {e}"
+
+
+def decode_cached(files: list[Path], resolution: int, on_corrupt: str = "fail",
+                  progress: bool = True) -> tuple[np.ndarray, np.ndarray, dict]:
+    """Decoded (N, R, R, 3) uint8 images and the kept-file mask, from the
+    cache when its key matches, else decoded in parallel and cached."""
+    h = hashlib.sha256(f"v{CACHE_VERSION}|{resolution}|{on_corrupt}".encode())
+    for f in files:
+        st = f.stat()
+        h.update(f"{f}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    key = h.hexdigest()[:24]
+    cdir = cache_dir()
+    img_path, meta_path = cdir / f"{key}.npy", cdir / f"{key}.json"
+    if img_path.exists() and meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+        keep = np.array(meta["keep"], dtype=bool)
+        return np.load(img_path, mmap_mode="r"), keep, {"cache": "hit", "path": str(img_path), **meta["info"]}
+    out = np.zeros((len(files), resolution, resolution, 3), np.uint8)
+    keep = np.ones(len(files), bool)
+    bad = []
+    jobs = [(str(f), resolution) for f in files]
+    workers = max(1, min(os.cpu_count() or 1, 8))
+    it = None
+    with ProcessPoolExecutor(workers) as pool:
+        it = pool.map(_decode_one, jobs, chunksize=64)
+        if progress:
+            from tqdm import tqdm
+
+            it = tqdm(it, total=len(jobs), desc=f"decode {resolution}px", unit="img", leave=False)
+        for i, r in enumerate(it):
+            if isinstance(r, str):
+                if on_corrupt == "fail":
+                    raise DataError(f"cannot decode image {files[i]} ({r}); fix or remove it, "
+                                    "or set data.on_corrupt: skip")
+                keep[i] = False
+                bad.append(str(files[i]))
+            else:
+                out[i] = r
+    out = out[keep]
+    info = {"skipped_corrupt": len(bad), "skipped_files": bad[:20]}
+    cdir.mkdir(parents=True, exist_ok=True)
+    tmp = img_path.with_name(img_path.name + ".tmp.npy")
+    np.save(tmp, out)
+    os.replace(tmp, img_path)
+    meta_tmp = meta_path.with_name(meta_path.name + ".tmp")
+    meta_tmp.write_text(json.dumps({"keep": keep.tolist(), "info": info}))
+    os.replace(meta_tmp, meta_path)
+    return out, keep, {"cache": "miss", "path": str(img_path), **info}
+
+
+def _build(name, root, resolution, domains, aliases=None, on_corrupt="fail", top_classes=None, **_):
+    files, labels, doms, classes = list_domain_class_tree(root, domains, name, aliases)
+    if top_classes:
+        counts = np.bincount(labels, minlength=len(classes))
+        keep_c = sorted(np.argsort(-counts, kind="stable")[:top_classes])
+        sel = np.isin(labels, keep_c)
+        remap = {old: new for new, old in enumerate(keep_c)}
+        files = [f for f, s in zip(files, sel) if s]
+        labels = np.array([remap[int(x)] for x in labels[sel]], np.int64)
+        doms = doms[sel]
+        classes = [classes[c] for c in keep_c]
+    images, keep, info = decode_cached(files, resolution, on_corrupt)
+    return DomainDataset(images=np.asarray(images), labels=labels[keep], domains=doms[keep], domain_names=list(domains),
+                         class_names=classes, meta={"root": str(root), **info})
+
+
+PACS_DOMAINS = ["photo", "art_painting", "cartoon", "sketch"]
+
+
+@register_dataset("pacs")
+def pacs(root=None, resolution=64, **kw):
+    r = _need_root(root, "pacs", "<root>/{photo,art_painting,cartoon,sketch}/<class>/<images>")
+    return _build("PACS", r, resolution, PACS_DOMAINS, **kw)
+
+
+@register_dataset("office_home")
+def office_home(root=None, resolution=64, **kw):
+    r = _need_root(root, "office_home", "<root>/{Art,Clipart,Product,Real World}/<class>/<images>")
+    return _build("Office-Home", r, resolution, ["Art", "Clipart", "Product", "Real World"],
+                  aliases={"Real_World": "Real World", "RealWorld": "Real World"}, **kw)
+
+
+@register_dataset("vlcs")
+def vlcs(root=None, resolution=64, **kw):
+    r = _need_root(root, "vlcs", "<root>/{Caltech101,LabelMe,SUN09,VOC2007}/<class>/<images>")
+    return _build("VLCS", r, resolution, ["Caltech101", "LabelMe", "SUN09", "VOC2007"], **kw)
+
+
+@register_dataset("domainnet")
+def domainnet(root=None, resolution=64, **kw):
+    doms = ["clipart", "infograph", "painting", "quickdraw", "real", "sketch"]
+    r = _need_root(root, "domainnet", "<root>/{" + ",".join(doms) + "}/<class>/<images>")
+    return _build("DomainNet", r, resolution, doms, **kw)
+
+
+@register_dataset("digits")
+def digits(root=None, resolution=32, **kw):
+    r = _need_root(root, "digits", "<root>/<domain>/<class>/<images> (e.g. mnist, mnist_m, usps)")
+    doms = _subdirs(r)
+    if not doms:
+        raise DataError(f"data.root {r} holds no domain folders; expected <root>/<domain>/<class>/<images>")
+    # Digits-DG nests train/ and val/ inside each domain: pool both parts
+    if all(set(_subdirs(r / d)) >= {"train"} for d in doms):
+        files, labels, dl, classes = [], [], [], None
+        for j, d in enumerate(doms):
+            parts = [p for p in ("train", "val") if (r / d / p).is_dir()]
+            for p in parts:
+                f, lab, _, cls = list_domain_class_tree(r / d, [p], "Digits-DG")
+                if classes is None:
+                    classes = cls
+                elif cls != classes:
+                    raise DataError(f"data.root {r}: {d}/{p} has classes {cls}, expected {classes}")
+                files += f
+                labels.append(lab)
+                dl.append(np.full(len(f), j, np.int64))
+        images, keep, info = decode_cached(files, resolution, kw.get("on_corrupt", "fail"))
+        return DomainDataset(np.asarray(images), np.concatenate(labels)[keep], np.concatenate(dl)[keep], doms,
+                             classes, {"root": str(r), **info})
+    return _build("digits", r, resolution, doms, **kw)
+
+
+@register_dataset("folder")
+def folder(root=None, resolution=64, **kw):
+    r = _need_root(root, "folder", "<root>/<domain>/<class>/<images>")
+    doms = _subdirs(r)
+    if not doms:
+        raise DataError(f"data.root {r} holds no domain folders; expected <root>/<domain>/<class>/<images>")
+    return _build("folder", r, resolution, doms, **kw)
+
+
+@register_dataset("camelyon17")
+def camelyon17(root=None, resolution=96, on_corrupt="fail", **_):
+    expected = "<root>/metadata.csv and <root>/patches/patient_<p>_node_<n>/<png>"
+    r = _need_root(root, "camelyon17", expected)
+    meta = r / "metadata.csv"
+    if not meta.is_file():
+        raise DataError(f"data.root {r} is not a Camelyon17 (WILDS) tree: expected {expected}; "
+                        f"found {', '.join(p.name for p in sorted(r.iterdir())[:6]) or 'nothing'}")
+    with open(meta, newline="") as f:
+        rows = list(csv.DictReader(f))
+    need = {"patient", "node", "x_coord", "y_coord", "tumor", "center"}
+    if not rows or not need <= set(rows[0]):
+        raise DataError(f"{meta}: expected columns {', '.join(sorted(need))}; "
+                        f"found {', '.join(rows[0]) if rows else 'no rows'}")
+    files, labels, doms = [], [], []
+    for row in rows:
+        p, n = int(float(row["patient"])), int(float(row["node"]))
+        x, y = int(float(row["x_coord"])), int(float(row["y_coord"]))
+        f = r / "patches" / f"patient_{p:03d}_node_{n}" / f"patch_patient_{p:03d}_node_{n}_x_{x}_y_{y}.png"
+        if not f.is_file():
+            raise DataError(f"{meta} lists a patch that is missing: {f}")
+        files.append(f)
+        labels.append(int(float(row["tumor"])))
+        doms.append(int(float(row["center"])))
+    images, keep, info = decode_cached(files, resolution, on_corrupt)
+    centers = sorted(set(doms))
+    remap = {c: i for i, c in enumerate(centers)}
+    return DomainDataset(np.asarray(images), np.array(labels, np.int64)[keep],
+                         np.array([remap[d] for d in doms], np.int64)[keep],
+                         [f"hospital{c + 1}" for c in centers], ["normal", "tumor"], {"root": str(r), **info})
