@@ -56,7 +56,7 @@ class PartitionConfig(_Strict):
 
 
 class ModelConfig(_Strict):
-    arch: Literal["convnet", "resnet18", "resnet50"] = "convnet"
+    arch: Literal["convnet", "resnet18", "resnet50", "densenet121"] = "convnet"
     pretrained: str | None = None  # torchvision weights name or a local file
     width: int = Field(64, ge=4, le=1024)  # convnet channels
 

@@ -6,6 +6,7 @@ through another head (gPerXAN's guiding regularizer) or add losses on them.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -100,9 +101,38 @@ def resnet(arch: str, num_classes: int, pretrained: str | None = None, norm_laye
     return SplitModel(_ResNetBody(net), nn.Linear(net.fc.in_features, num_classes))
 
 
+class _DenseNetBody(nn.Module):
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.features = net.features
+        self.pool = nn.Sequential(nn.ReLU(inplace=True), nn.AdaptiveAvgPool2d(1))
+
+    def forward(self, x):
+        return self.pool(self.features(x))
+
+
+def densenet(arch: str, num_classes: int, pretrained: str | None = None) -> SplitModel:
+    import torchvision
+
+    net = getattr(torchvision.models, arch)(weights=None)
+    if pretrained:
+        sd = _load_pretrained(arch, pretrained)
+        # torchvision's old checkpoints name dense layers 'norm.1'; the model 'norm1'
+        sd = {re.sub(r"\.(norm|relu|conv)\.((?:[12])\.(?:weight|bias|running_mean|running_var))$", r".\1\2", k): v
+              for k, v in sd.items() if not k.startswith("classifier.")}
+        missing, unexpected = net.load_state_dict(sd, strict=False)
+        missing = [k for k in missing if not k.startswith("classifier.")]
+        if missing or unexpected:
+            raise ModelError(f"model.pretrained: {len(missing)} model tensors got no weights (e.g. {missing[:2]}) "
+                             f"and {len(unexpected)} weights found no home (e.g. {unexpected[:2]})")
+    return SplitModel(_DenseNetBody(net), nn.Linear(net.classifier.in_features, num_classes))
+
+
 def build_backbone(arch: str, num_classes: int, pretrained: str | None = None, width: int = 64) -> SplitModel:
     if arch == "convnet":
         if pretrained:
             raise ModelError("model.pretrained: the convnet has no pretrained weights; set it to null")
         return convnet(num_classes, width)
+    if arch.startswith("densenet"):
+        return densenet(arch, num_classes, pretrained)
     return resnet(arch, num_classes, pretrained)

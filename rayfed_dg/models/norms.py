@@ -1,0 +1,171 @@
+"""Normalization layers that replace BatchNorm, and where they go.
+
+``XAN``  eXplicitly Assembled Normalization (gPerXAN, Le et al., CVPR 2024,
+         Eq. 2): y = w_in * IN(x) + w_bn * BN(x), each branch with its own
+         affine parameters.
+``IBN``  IBN-Net's IBN-a layer (Pan et al., ECCV 2018): InstanceNorm on the
+         first half of the channels, BatchNorm on the rest.
+
+Placement names which BatchNorm layers of a backbone are replaced:
+
+``all``        every BatchNorm layer (stem, every block, every shortcut); the
+               gPerXAN reference code's choice (53 layers in ResNet-50).
+``blocks:K``   the BatchNorm layers inside the first K residual blocks in
+               forward order, shortcut (``downsample.1``) BNs included, stem
+               excluded.  ResNet-50 ``blocks:4`` = layer1.0-2 and layer2.0
+               (14 layers: the paper's PACS setting read literally),
+               ``blocks:2`` = layer1.0-1 (7 layers; Office-Home).  ResNet-18 blocks are
+               its 8 BasicBlocks; the conv net's blocks are its 4
+               conv-BN-ReLU-pool units.
+``stages:K``   every BatchNorm inside layer1..layerK of a ResNet (K <= 4).
+``dense1``     DenseNet-121's first dense block and the following transition
+               block (``features.denseblock1``, ``features.transition1``; the
+               paper's Camelyon17 setting).
+``first_bn:stages:K``  (IBN-a) only the first BN (``bn1``) of each block in
+               layer1..layerK.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .surgery import BN_TYPES, modules_of_type, replace_norm
+
+
+class XAN(nn.Module):
+    """y = w_in * (gamma_in * (x - mu_in) / sqrt(var_in + eps) + beta_in)
+         + w_bn * (gamma_bn * (x - mu_bn) / sqrt(var_bn + eps) + beta_bn)   (Eq. 2)
+
+    (w_bn, w_in) = softmax(logit_bn, logit_in), one pair per layer.  The paper
+    says the weights are "randomly initialized" and learned end to end; we
+    follow the reference code: two scalar logits initialised equal (w = 0.5,
+    0.5) and a softmax, so the weights stay positive and sum to 1.  The IN
+    branch uses per-sample statistics in training and in evaluation (no
+    running statistics); the BN branch is an ordinary BatchNorm2d.
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.1):
+        super().__init__()
+        self.bn = nn.BatchNorm2d(num_features, eps=eps, momentum=momentum)
+        self.inorm = nn.InstanceNorm2d(num_features, eps=eps, affine=True, track_running_stats=False)
+        self.logit_bn = nn.Parameter(torch.ones(1))
+        self.logit_in = nn.Parameter(torch.ones(1))
+
+    def weights(self) -> torch.Tensor:
+        return torch.softmax(torch.cat([self.logit_bn, self.logit_in]), 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weights()
+        return w[0] * self.bn(x) + w[1] * self.inorm(x)
+
+    @classmethod
+    def from_bn(cls, bn: nn.BatchNorm2d) -> "XAN":
+        """Both branches start from ``bn``: the BN branch takes its affine
+        parameters and running statistics, the IN branch its affine ones."""
+        m = cls(bn.num_features, bn.eps, bn.momentum if bn.momentum is not None else 0.1)
+        with torch.no_grad():
+            m.bn.load_state_dict(bn.state_dict())
+            if bn.affine:
+                m.inorm.weight.copy_(bn.weight)
+                m.inorm.bias.copy_(bn.bias)
+        return m
+
+
+class IBN(nn.Module):
+    """IBN-a: InstanceNorm (affine) on the first ``C // 2`` channels,
+    BatchNorm on the remaining ones."""
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.1):
+        super().__init__()
+        self.half = num_features // 2
+        self.inorm = nn.InstanceNorm2d(self.half, eps=eps, affine=True)
+        self.bn = nn.BatchNorm2d(num_features - self.half, eps=eps, momentum=momentum)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = torch.split(x, [self.half, x.shape[1] - self.half], 1)
+        return torch.cat([self.inorm(a.contiguous()), self.bn(b.contiguous())], 1)
+
+    @classmethod
+    def from_bn(cls, bn: nn.BatchNorm2d) -> "IBN":
+        m = cls(bn.num_features, bn.eps, bn.momentum if bn.momentum is not None else 0.1)
+        with torch.no_grad():
+            h = m.half
+            if bn.affine:
+                m.inorm.weight.copy_(bn.weight[:h])
+                m.inorm.bias.copy_(bn.bias[:h])
+                m.bn.weight.copy_(bn.weight[h:])
+                m.bn.bias.copy_(bn.bias[h:])
+            m.bn.running_mean.copy_(bn.running_mean[h:])
+            m.bn.running_var.copy_(bn.running_var[h:])
+        return m
+
+
+def _block_prefixes(model: nn.Module) -> list[str]:
+    """Residual blocks (or conv-net units) in forward order."""
+    from torchvision.models.resnet import BasicBlock, Bottleneck
+
+    blocks = [n for n, m in model.named_modules() if isinstance(m, (BasicBlock, Bottleneck))]
+    if blocks:
+        return blocks
+    # the conv net: each BatchNorm is one unit
+    return [n for n, _ in modules_of_type(model, BN_TYPES)]
+
+
+def placement_names(model: nn.Module, placement: str) -> list[str]:
+    """Qualified names of the BatchNorm2d layers that ``placement`` selects."""
+    bns = [n for n, m in modules_of_type(model, (nn.BatchNorm2d,))]
+    if placement == "all":
+        return bns
+    m = re.fullmatch(r"(first_bn:)?(blocks|stages):(\d+)", placement)
+    if m:
+        first_only, kind, k = bool(m.group(1)), m.group(2), int(m.group(3))
+        if kind == "blocks":
+            prefixes = _block_prefixes(model)
+            if k > len(prefixes):
+                raise ValueError(f"placement {placement}: the model has only {len(prefixes)} blocks")
+            prefixes = prefixes[:k]
+        else:
+            if k > 4:
+                raise ValueError(f"placement {placement}: a ResNet has 4 stages")
+            prefixes = [n for n, _ in model.named_modules() if re.search(rf"(^|\.)layer[1-{k}]$", n)]
+            if not prefixes:
+                raise ValueError(f"placement {placement} needs a ResNet (layer1..layer4)")
+        out = [n for n in bns if any(n == p or n.startswith(p + ".") for p in prefixes)]
+        if first_only:
+            out = [n for n in out if n.endswith(".bn1")]
+        return out
+    if placement == "dense1":
+        out = [n for n in bns if re.search(r"(^|\.)(denseblock1|transition1)(\.|$)", n)]
+        if not out:
+            raise ValueError("placement dense1 needs a DenseNet (features.denseblock1)")
+        return out
+    raise ValueError(f"unknown placement {placement!r}; use all, blocks:K, stages:K, dense1 or first_bn:stages:K")
+
+
+def apply_norm(model: nn.Module, placement: str, kind: str) -> list[str]:
+    """Replace the BatchNorm2d layers named by ``placement`` with ``kind``
+    (``xan`` or ``ibn``), each initialised from the BN it replaces."""
+    names = set(placement_names(model, placement))
+    make = {"xan": XAN.from_bn, "ibn": IBN.from_bn}[kind]
+    return replace_norm(model, lambda n, old: make(old) if n in names else None, (nn.BatchNorm2d,))
+
+
+def xan_output_by_hand(x: torch.Tensor, m: XAN, training: bool) -> torch.Tensor:
+    """Eq. 2 written out with explicit statistics (tests compare the layer to it)."""
+    eps = m.bn.eps
+    mu_in = x.mean((2, 3), keepdim=True)
+    var_in = x.var((2, 3), unbiased=False, keepdim=True)
+    if training:
+        mu_bn = x.mean((0, 2, 3), keepdim=True)
+        var_bn = x.var((0, 2, 3), unbiased=False, keepdim=True)
+    else:
+        mu_bn = m.bn.running_mean.view(1, -1, 1, 1)
+        var_bn = m.bn.running_var.view(1, -1, 1, 1)
+    c = lambda t: t.view(1, -1, 1, 1)  # noqa: E731
+    y_in = c(m.inorm.weight) * (x - mu_in) / torch.sqrt(var_in + eps) + c(m.inorm.bias)
+    y_bn = c(m.bn.weight) * (x - mu_bn) / torch.sqrt(var_bn + eps) + c(m.bn.bias)
+    w = F.softmax(torch.cat([m.logit_bn, m.logit_in]), 0)
+    return w[1] * y_in + w[0] * y_bn

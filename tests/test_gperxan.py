@@ -1,0 +1,156 @@
+"""gPerXAN (CVPR 2024): XAN formula, placement, PerXAN state, frozen h_g."""
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+from conftest import tiny_cfg
+from rayfed_dg.data import leave_one_domain_out
+from rayfed_dg.engine import ClientRunner, Server
+from rayfed_dg.methods import ClientContext, build_method
+from rayfed_dg.models import XAN, build_backbone, placement_names
+from rayfed_dg.models.norms import IBN
+
+
+def test_xan_matches_eq2_by_hand_in_train_and_eval():
+    torch.manual_seed(0)
+    m = XAN(3)
+    with torch.no_grad():
+        m.bn.weight.copy_(torch.tensor([1.5, -0.5, 2.0]))
+        m.bn.bias.copy_(torch.tensor([0.1, 0.2, -0.3]))
+        m.inorm.weight.copy_(torch.tensor([0.7, 1.1, -1.0]))
+        m.inorm.bias.copy_(torch.tensor([-0.2, 0.0, 0.5]))
+        m.logit_bn.fill_(0.3)
+        m.logit_in.fill_(-0.4)
+    x = torch.randn(4, 3, 5, 5) * 2 + 1
+    m.train()
+    y = m(x)
+    # hand computation of one element: sample 1, channel 2, position (3, 4)
+    xc = x[:, 2]
+    mu_bn, var_bn = xc.mean(), xc.var(unbiased=False)
+    mu_in, var_in = x[1, 2].mean(), x[1, 2].var(unbiased=False)
+    w_bn = np.exp(0.3) / (np.exp(0.3) + np.exp(-0.4))
+    v = x[1, 2, 3, 4]
+    by_hand = w_bn * (2.0 * (v - mu_bn) / torch.sqrt(var_bn + 1e-5) - 0.3) + \
+        (1 - w_bn) * (-1.0 * (v - mu_in) / torch.sqrt(var_in + 1e-5) + 0.5)
+    assert abs(float(y[1, 2, 3, 4]) - float(by_hand)) < 1e-5
+    from rayfed_dg.models.norms import xan_output_by_hand
+
+    assert torch.allclose(y, xan_output_by_hand(x, m, training=True), atol=1e-5)
+    m.eval()  # BN side uses running statistics, IN side still per-sample
+    assert torch.allclose(m(x), xan_output_by_hand(x, m, training=False), atol=1e-5)
+    assert abs(m.weights().sum().item() - 1) < 1e-7
+
+
+def test_xan_from_pretrained_bn_keeps_its_values():
+    bn = nn.BatchNorm2d(4)
+    with torch.no_grad():
+        bn.weight.uniform_()
+        bn.bias.uniform_()
+        bn.running_mean.uniform_()
+        bn.running_var.uniform_(1, 2)
+    x = XAN.from_bn(bn)
+    assert torch.equal(x.bn.running_var, bn.running_var) and torch.equal(x.bn.weight, bn.weight)
+    assert torch.equal(x.inorm.weight, bn.weight) and torch.equal(x.inorm.bias, bn.bias)
+    i = IBN.from_bn(bn)
+    assert torch.equal(i.inorm.weight, bn.weight[:2]) and torch.equal(i.bn.running_mean, bn.running_mean[2:])
+
+
+def test_placements_name_the_documented_layers():
+    r50 = build_backbone("resnet50", 7)
+    b4 = placement_names(r50, "blocks:4")
+    assert b4[0] == "body.layer1.0.bn1" and b4[-1] == "body.layer2.0.downsample.1" and len(b4) == 14
+    assert "body.bn1" not in b4 and not any("layer2.1" in n for n in b4)
+    assert len(placement_names(r50, "blocks:2")) == 7 and len(placement_names(r50, "all")) == 53
+    d = placement_names(build_backbone("densenet121", 2), "dense1")
+    assert len(d) == 13 and d[-1] == "body.features.transition1.norm"
+    assert all("denseblock1" in n or "transition1" in n for n in d)
+    assert placement_names(build_backbone("convnet", 10), "blocks:2") == ["body.1", "body.5"]
+    assert placement_names(build_backbone("resnet18", 7), "first_bn:stages:3") == [
+        f"body.layer{s}.{b}.bn1" for s in (1, 2, 3) for b in (0, 1)]
+    with pytest.raises(ValueError, match="unknown placement"):
+        placement_names(r50, "first4")
+
+
+def test_gperxan_model_surgery_and_local_keys():
+    cfg = tiny_cfg("method.name=gperxan", "model.arch=resnet18")
+    m = build_method(cfg)
+    net = m.build_model(7)
+    xans = [n for n, mod in net.named_modules() if isinstance(mod, XAN)]
+    assert xans == placement_names(build_backbone("resnet18", 7), "blocks:4")
+    local = m.local_keys(net)
+    assert len(local) == len(xans) * 6  # bn weight, bias, running mean/var, num_batches_tracked, logit_bn
+    assert all(".bn." in k or k.endswith("logit_bn") for k in local)
+    assert not any(".inorm." in k or k.endswith("logit_in") for k in local)
+    off = build_method(tiny_cfg("method.name=gperxan", "method.personalize=false"))
+    assert off.local_keys(off.build_model(10)) == set()
+
+
+def test_guiding_head_is_frozen_and_gets_no_gradient(tiny_ds):
+    cfg = tiny_cfg("method.name=gperxan", "method.lam=1.0")
+    runner = ClientRunner(cfg.to_dict(), tiny_ds.images, tiny_ds.labels, 10)
+    model, method = runner.model, runner.method
+    ctx = ClientContext(0, 1, torch.device("cpu"), torch.Generator().manual_seed(0), 64)
+    method.round_start(model, ctx)
+    w_g, b_g = (t.clone() for t in ctx.scratch["h_g"])
+    assert not ctx.scratch["h_g"][0].requires_grad
+    gen = torch.Generator().manual_seed(1)
+    stats = method.local_train(model, lambda: runner.batches(np.arange(200), gen), ctx)
+    assert stats["steps_samples"] == 200
+    assert torch.equal(ctx.scratch["h_g"][0], w_g) and torch.equal(ctx.scratch["h_g"][1], b_g)
+    assert not torch.equal(model.head.weight, w_g)  # the local head did train
+    # the regularizer alone sends gradient to the features only
+    x, y = runner._tensors(np.arange(8), None)
+    model.zero_grad()
+    feats = model.features(x)
+    reg = torch.nn.functional.cross_entropy(torch.nn.functional.linear(feats, *ctx.scratch["h_g"]), y)
+    reg.backward()
+    assert model.head.weight.grad is None
+    assert model.body[0].weight.grad is not None and model.body[0].weight.grad.abs().sum() > 0
+
+
+def test_loss_is_ce_plus_lambda_ce_through_global_head(tiny_ds):
+    cfg = tiny_cfg("method.name=gperxan", "method.lam=0.25")
+    runner = ClientRunner(cfg.to_dict(), tiny_ds.images, tiny_ds.labels, 10)
+    model, method = runner.model, runner.method
+    ctx = ClientContext(0, 1, torch.device("cpu"), torch.Generator(), 8)
+    method.round_start(model, ctx)
+    with torch.no_grad():
+        ctx.scratch["h_g"][0].mul_(2.0)  # make h_g differ from the local head
+    x, y = runner._tensors(np.arange(8), None)
+    model.train()
+    got = method.loss(model, x, y, ctx)
+    f = model.features(x)
+    ce = torch.nn.functional.cross_entropy
+    expect = ce(model.head(f), y) + 0.25 * ce(f @ ctx.scratch["h_g"][0].T + ctx.scratch["h_g"][1], y)
+    assert abs(float(got) - float(expect)) < 1e-5
+
+
+def test_perxan_bn_side_is_the_clients_own_and_global_averages_it(ray_session, tiny_ds):
+    ray = ray_session
+    cfg = tiny_cfg("method.name=gperxan")
+    split = leave_one_domain_out(tiny_ds, "texture", 0.2, 0)
+    server = ray.remote(Server).options(num_cpus=0).remote(
+        cfg.to_dict(), split, [ray.put(tiny_ds.images), ray.put(tiny_ds.labels)], 10, 2)
+    ray.get(server.run_round.remote())
+    s1 = ray.get(server.get_state.remote())
+    ray.get(server.run_round.remote())
+    s2 = ray.get(server.get_state.remote())
+    bcast = ray.get(server.broadcast_state.remote())
+    ray.get(server.shutdown.remote())
+    method = build_method(cfg)
+    local = method.local_keys(method.build_model(10))
+    assert local and local.isdisjoint(bcast)
+    assert any(".inorm." in k for k in bcast) and any(k.endswith("logit_in") for k in bcast)
+    runner = ClientRunner(cfg.to_dict(), tiny_ds.images, tiny_ds.labels, 10)
+    n = split.client_sizes().astype(np.float64)
+    for c in range(3):
+        # after round 2: the client's round-1 BN side plus its own round-2 training
+        redo = runner.train(c, 2, split.clients[c], s1["global_state"], s1["client_store"][c], {})["update"]
+        for k in local:
+            np.testing.assert_array_equal(s2["client_store"][c][k], redo[k])
+    for k in [k for k in local if not k.endswith("num_batches_tracked")]:
+        avg = sum(n[c] * s2["client_store"][c][k].astype(np.float64) for c in range(3)) / n.sum()
+        np.testing.assert_allclose(s2["global_state"][k], avg.astype(np.float32), rtol=1e-5, atol=1e-6)
+        # ... and that global value is not what the clients hold
+        assert not all(np.array_equal(s2["global_state"][k], s2["client_store"][c][k]) for c in range(3))
