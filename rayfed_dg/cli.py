@@ -28,7 +28,41 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="continue RUN_DIR (made with the same config) from its last complete checkpoint")
     run.add_argument("--no-progress", action="store_true", help="no live progress bars")
     run.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    part = sub.add_parser("partition", help="summarise a config's partition, write its manifest and heatmap")
+    part.add_argument("config")
+    part.add_argument("--target", default=None, help="target domain (default: the first)")
+    part.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    part.add_argument("--out", default="partitions", help="folder for the manifest and heatmap")
+    part.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     return p
+
+
+def _partition(args) -> int:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rayfed_dg.config import load_config
+    from rayfed_dg.data import load_dataset
+    from rayfed_dg.data.protocol import manifest
+    from rayfed_dg.engine.run import resolve_targets, split_for
+    from rayfed_dg.reporting import partition_heatmap, partition_summary
+
+    cfg = load_config(args.config, args.overrides)
+    ds = load_dataset(cfg.data.name, cfg.data.root, cfg.data.resolution, cfg.data.domains,
+                      **cfg.data.loader_options())
+    target = resolve_targets(ds, args.target)[0] if args.target else ds.domain_names[0]
+    split = split_for(cfg, ds, target)
+    print(partition_summary(ds, split))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{Path(args.config).stem}-{target}"
+    pq.write_table(pa.table(manifest(ds, split)), out / f"{stem}.parquet")
+    p = cfg.partition
+    title = f"{cfg.data.name} {p.strategy}" + (f" alpha={p.alpha}" if p.alpha else "") + \
+        f", {split.num_clients} clients, target {target}"
+    png = partition_heatmap(ds, split, out / f"{stem}.png", title)
+    print(f"manifest {out / (stem + '.parquet')}\nheatmap  {png}")
+    return 0
 
 
 def _run(args) -> int:
@@ -84,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     from rayfed_dg.models import ModelError
 
     try:
-        return _run(args)
+        return _run(args) if args.command == "run" else _partition(args)
     except (ConfigError, DataError, ModelError) as e:
         if args.debug:
             traceback.print_exc()

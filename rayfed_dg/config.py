@@ -51,8 +51,10 @@ class DataConfig(_Strict):
 class PartitionConfig(_Strict):
     strategy: str = "per_domain"
     num_clients: int | None = Field(None, ge=1)
-    alpha: float | None = Field(None, gt=0.0)
-    min_size: int = Field(1, ge=1)
+    alpha: float | None = Field(None, gt=0.0)  # Dirichlet concentration (dirichlet, label_dirichlet)
+    min_size: int = Field(1, ge=1)  # fewest training samples a client may have
+    clients: list[list[str]] | None = None  # explicit: each client's domains
+    heterogeneity: float | None = Field(None, ge=0.0, le=1.0)  # heterogeneity: Bai et al.'s lambda
 
 
 class ModelConfig(_Strict):

@@ -111,10 +111,98 @@ def partition_dirichlet_domains(source_train, labels, num_clients: int, alpha: f
     )
 
 
+def _even_split(idx: np.ndarray, k: int, rng: np.random.Generator) -> list[np.ndarray]:
+    idx = idx.copy()
+    rng.shuffle(idx)
+    return np.array_split(idx, k)
+
+
+def partition_label_dirichlet(source_train, labels, num_clients: int, alpha: float, seed: int, min_size: int, **_):
+    """Label non-IID (FedFD-A appendix D.1): N / #sources clients per domain;
+    within each domain, each class is spread over that domain's clients with
+    proportions ~ Dir(alpha).  Redrawn until every client has ``min_size``."""
+    names = list(source_train)
+    if num_clients % len(names):
+        raise DataError(f"partition.num_clients={num_clients} is not a multiple of the {len(names)} source domains")
+    per = num_clients // len(names)
+    rng = np.random.default_rng(_seed_for(seed, "label_dirichlet", alpha))
+    clients, doms = [], []
+    for d in names:
+        idx = source_train[d]
+        for _attempt in range(1000):
+            buckets: list[list[np.ndarray]] = [[] for _ in range(per)]
+            for c in np.unique(labels[idx]):
+                ic = idx[labels[idx] == c].copy()
+                rng.shuffle(ic)
+                cuts = (np.cumsum(rng.dirichlet(np.full(per, alpha))) * len(ic)).astype(int)[:-1]
+                for i, part in enumerate(np.split(ic, cuts)):
+                    buckets[i].append(part)
+            parts = [np.sort(np.concatenate(b)) for b in buckets]
+            if min(len(p) for p in parts) >= min_size:
+                break
+        else:
+            raise DataError(f"partition label_dirichlet(alpha={alpha}) could not give the {per} clients of {d} "
+                            f"min_size={min_size} samples in 1000 draws; lower partition.min_size or raise alpha")
+        clients += parts
+        doms += [d] * per
+    return clients, doms
+
+
+def partition_explicit(source_train, labels, seed: int, clients_spec: list[list[str]] | None = None, **_):
+    """Clients named by their domains (FedFD-A Table 11: P+A, A+C, C+P); each
+    domain's training data is split evenly among the clients that list it."""
+    if not clients_spec:
+        raise DataError("partition.strategy explicit needs partition.clients, e.g. [[photo, art_painting], ...]")
+    names = list(source_train)
+    holders: dict[str, list[int]] = {d: [] for d in names}
+    for i, spec in enumerate(clients_spec):
+        for d in spec:
+            if d not in holders:
+                raise DataError(f"partition.clients[{i}] names {d!r}, which is not a source domain here "
+                                f"(sources: {', '.join(names)}; the target cannot be a client's domain)")
+            holders[d].append(i)
+    parts: list[list[np.ndarray]] = [[] for _ in clients_spec]
+    for d, who in holders.items():
+        if not who:
+            continue
+        for i, chunk in zip(who, _even_split(source_train[d], len(who), np.random.default_rng(_seed_for(seed, "explicit", d)))):
+            parts[i].append(chunk)
+    clients = [np.sort(np.concatenate(p)) if p else np.zeros(0, np.int64) for p in parts]
+    return clients, ["+".join(spec) for spec in clients_spec]
+
+
+def partition_heterogeneity(source_train, labels, num_clients: int, seed: int, heterogeneity: float | None = None, **_):
+    """Domain heterogeneity lambda in [0, 1] (Bai et al., ICLR 2024 FedDG
+    benchmark): client i has home domain i mod #sources; a fraction lambda of
+    each domain is spread evenly over all clients, the rest evenly over the
+    domain's home clients.  lambda = 0: single-domain clients; lambda = 1:
+    every client has the same domain mix."""
+    if heterogeneity is None:
+        raise DataError("partition.strategy heterogeneity needs partition.heterogeneity (lambda in [0, 1])")
+    names = list(source_train)
+    if num_clients < len(names):
+        raise DataError(f"partition.num_clients={num_clients} is smaller than the {len(names)} source domains")
+    parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+    for j, d in enumerate(names):
+        rng = np.random.default_rng(_seed_for(seed, "heterogeneity", d))
+        idx = source_train[d].copy()
+        rng.shuffle(idx)
+        n_shared = int(round(heterogeneity * len(idx)))
+        home = [i for i in range(num_clients) if i % len(names) == j]
+        for i, chunk in enumerate(np.array_split(idx[:n_shared], num_clients)):
+            parts[i].append(chunk)
+        for i, chunk in zip(home, np.array_split(idx[n_shared:], len(home))):
+            parts[i].append(chunk)
+    return [np.sort(np.concatenate(p)) for p in parts], [names[i % len(names)] for i in range(num_clients)]
+
+
 PARTITIONS = {
     "per_domain": partition_per_domain,
     "single_domain": partition_single_domain,
     "dirichlet": partition_dirichlet_domains,
+    "label_dirichlet": partition_label_dirichlet,
+    "explicit": partition_explicit,
+    "heterogeneity": partition_heterogeneity,
 }
 
 
@@ -127,6 +215,8 @@ def leave_one_domain_out(
     num_clients: int | None = None,
     alpha: float | None = None,
     min_size: int = 1,
+    clients_spec: list[list[str]] | None = None,
+    heterogeneity: float | None = None,
 ) -> FederatedSplit:
     t = ds.domain_index(target)
     if strategy not in PARTITIONS:
@@ -138,12 +228,13 @@ def leave_one_domain_out(
         idx = np.flatnonzero(ds.domains == j)
         tr, va = stratified_split(idx, ds.labels, val_fraction, seed=int(_seed_for(split_seed, d).generate_state(1)[0]))
         source_train[d], val[d] = tr, va
-    if strategy != "per_domain" and num_clients is None:
+    if strategy not in ("per_domain", "explicit") and num_clients is None:
         raise DataError(f"partition.strategy {strategy} needs partition.num_clients")
-    if strategy == "dirichlet" and alpha is None:
-        raise DataError("partition.strategy dirichlet needs partition.alpha > 0")
+    if strategy in ("dirichlet", "label_dirichlet") and alpha is None:
+        raise DataError(f"partition.strategy {strategy} needs partition.alpha > 0")
     clients, doms = PARTITIONS[strategy](
-        source_train, ds.labels, num_clients=num_clients, alpha=alpha, seed=split_seed, min_size=min_size
+        source_train, ds.labels, num_clients=num_clients, alpha=alpha, seed=split_seed, min_size=min_size,
+        clients_spec=clients_spec, heterogeneity=heterogeneity,
     )
     for i, c in enumerate(clients):
         if len(c) < min_size:
@@ -153,3 +244,26 @@ def leave_one_domain_out(
             )
     test = {target: np.flatnonzero(ds.domains == t)}
     return FederatedSplit(target=target, clients=clients, client_domains=doms, val=val, test=test)
+
+
+def manifest(ds: DomainDataset, split: FederatedSplit) -> dict[str, np.ndarray]:
+    """Columns of the partition manifest: client (-1 outside training),
+    domain, class, sample id (index in the dataset) and split."""
+    client, sid, part = [], [], []
+    for i, idx in enumerate(split.clients):
+        client.append(np.full(len(idx), i))
+        sid.append(idx)
+        part += ["train"] * len(idx)
+    for name, sets in (("val", split.val), ("test", split.test)):
+        for idx in sets.values():
+            client.append(np.full(len(idx), -1))
+            sid.append(idx)
+            part += [name] * len(idx)
+    sid = np.concatenate(sid).astype(np.int64)
+    return {
+        "client": np.concatenate(client).astype(np.int64),
+        "domain": np.array(ds.domain_names, dtype=object)[ds.domains[sid]],
+        "class": np.array(ds.class_names, dtype=object)[ds.labels[sid]],
+        "sample_id": sid,
+        "split": np.array(part, dtype=object),
+    }

@@ -229,11 +229,15 @@ def resolve_targets(ds: DomainDataset, target: str | None) -> list[str]:
     return names
 
 
+def split_for(cfg: ExperimentConfig, ds: DomainDataset, target: str) -> FederatedSplit:
+    p, d = cfg.partition, cfg.data
+    return leave_one_domain_out(ds, target, d.val_fraction, d.split_seed, p.strategy, p.num_clients, p.alpha,
+                                p.min_size, p.clients, p.heterogeneity)
+
+
 def make_splits(cfg: ExperimentConfig, ds: DomainDataset, targets: list[str]) -> list[FederatedSplit]:
     """All partitions of a run, checked before anything is written."""
-    p, d = cfg.partition, cfg.data
-    splits = [leave_one_domain_out(ds, t, d.val_fraction, d.split_seed, p.strategy, p.num_clients, p.alpha,
-                                   p.min_size) for t in targets]
+    splits = [split_for(cfg, ds, t) for t in targets]
     for s in splits:
         check_split(cfg, s)
     return splits
