@@ -27,6 +27,8 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", metavar="RUN_DIR", default=None,
                      help="continue RUN_DIR (made with the same config) from its last complete checkpoint")
     run.add_argument("--no-progress", action="store_true", help="no live progress bars")
+    run.add_argument("--dry-run", action="store_true",
+                     help="prove the config builds and trains: 1 round, 1 local step, 24 images per domain")
     run.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     part = sub.add_parser("partition", help="summarise a config's partition, write its manifest and heatmap")
     part.add_argument("config")
@@ -50,6 +52,8 @@ def _partition(args) -> int:
     cfg = load_config(args.config, args.overrides)
     ds = load_dataset(cfg.data.name, cfg.data.root, cfg.data.resolution, cfg.data.domains,
                       **cfg.data.loader_options())
+    if cfg.data.limit_per_domain:
+        ds = ds.subsample(cfg.data.limit_per_domain, cfg.data.split_seed)
     target = resolve_targets(ds, args.target)[0] if args.target else ds.domain_names[0]
     split = split_for(cfg, ds, target)
     print(partition_summary(ds, split))
@@ -68,15 +72,21 @@ def _partition(args) -> int:
 def _run(args) -> int:
     from rayfed_dg.config import method_variants, load_config
     from rayfed_dg.data import load_dataset
-    from rayfed_dg.engine import (check_resume_dir, format_table, make_run_dir, make_splits, resolve_targets,
-                                  run_experiment)
+    from rayfed_dg.engine import (check_resume_dir, format_table, make_run_dir, make_splits, preflight,
+                                  resolve_targets, run_experiment)
 
-    cfg = load_config(args.config, args.overrides)
+    dry = ["training.rounds=1", "training.local_steps=1", "training.batch_size=4", "data.limit_per_domain=24",
+           "evaluation.batch_size=8", "output.checkpoint_every=1"] if args.dry_run else []
+    cfg = load_config(args.config, args.overrides + dry)
     ds = load_dataset(cfg.data.name, cfg.data.root, cfg.data.resolution, cfg.data.domains,
                       **cfg.data.loader_options())
+    if cfg.data.limit_per_domain:
+        ds = ds.subsample(cfg.data.limit_per_domain, cfg.data.split_seed)
     targets = resolve_targets(ds, args.target)
     variants = method_variants(cfg)
     splits = make_splits(cfg, ds, targets)  # partition errors surface before anything is written
+    for _, vcfg in variants:
+        preflight(vcfg, splits, ds.num_classes)
     if args.resume:
         run_dir = Path(args.resume)
         check_resume_dir(cfg, run_dir)

@@ -43,6 +43,7 @@ class DataConfig(_Strict):
     domains: list[str] | None = None  # restrict to these domains
     on_corrupt: Literal["fail", "skip"] = "fail"  # an undecodable image: stop, or skip and count
     top_classes: int | None = Field(None, ge=2)  # keep the K most frequent classes (DomainNet)
+    limit_per_domain: int | None = Field(None, ge=2)  # use at most this many images per domain
 
     def loader_options(self) -> dict:
         return {"on_corrupt": self.on_corrupt, "top_classes": self.top_classes}

@@ -45,6 +45,21 @@ class DomainDataset:
             raise DataError(f"unknown domain {name!r}{extra}; this dataset has {', '.join(self.domain_names)}")
         return self.domain_names.index(name)
 
+    def subsample(self, per_domain: int, seed: int = 0) -> "DomainDataset":
+        """At most ``per_domain`` images of each domain, classes kept in proportion."""
+        rng = np.random.default_rng(seed)
+        keep = []
+        for j in range(len(self.domain_names)):
+            idx = np.flatnonzero(self.domains == j)
+            if len(idx) > per_domain:
+                # sort by (class, random key) then take every k-th: stratified and seeded
+                order = np.lexsort((rng.random(len(idx)), self.labels[idx]))
+                idx = idx[order][np.linspace(0, len(idx) - 1, per_domain).round().astype(int)]
+            keep.append(idx)
+        k = np.sort(np.concatenate(keep))
+        return DomainDataset(np.ascontiguousarray(self.images[k]), self.labels[k], self.domains[k],
+                             self.domain_names, self.class_names, dict(self.meta, subsampled=per_domain))
+
     def counts(self) -> dict[str, int]:
         return {d: int((self.domains == i).sum()) for i, d in enumerate(self.domain_names)}
 

@@ -86,9 +86,12 @@ def partition_single_domain(source_train, labels, num_clients: int, seed: int, *
 
 def partition_dirichlet_domains(source_train, labels, num_clients: int, alpha: float, seed: int, min_size: int, **_):
     """Multi-domain Dirichlet: per domain, proportions ~ Dir(alpha) over all
-    clients; redrawn (up to 1,000 times) until every client has ``min_size``."""
+    clients, with the proportion of a client already holding its fair share
+    (total / N) zeroed before renormalising, as in StableFDG's reference
+    split; redrawn (up to 1,000 times) until every client has ``min_size``."""
     names = list(source_train)
     rng = np.random.default_rng(_seed_for(seed, "dirichlet", alpha))
+    fair = sum(len(v) for v in source_train.values()) / num_clients
     for _attempt in range(1000):
         buckets: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
         main = np.zeros((num_clients, len(names)), dtype=np.int64)
@@ -96,6 +99,8 @@ def partition_dirichlet_domains(source_train, labels, num_clients: int, alpha: f
             idx = source_train[d].copy()
             rng.shuffle(idx)
             p = rng.dirichlet(np.full(num_clients, alpha))
+            p[main.sum(1) >= fair] = 0.0
+            p = p / p.sum() if p.sum() > 0 else np.full(num_clients, 1.0 / num_clients)
             cuts = (np.cumsum(p) * len(idx)).astype(int)[:-1]
             for i, part in enumerate(np.split(idx, cuts)):
                 buckets[i].append(part)

@@ -243,6 +243,17 @@ def make_splits(cfg: ExperimentConfig, ds: DomainDataset, targets: list[str]) ->
     return splits
 
 
+def preflight(cfg: ExperimentConfig, splits: list[FederatedSplit], num_classes: int) -> None:
+    """Fail before anything is written: the model builds (weights found) and
+    the worker pool fits the Ray cluster."""
+    from rayfed_dg.methods import build_method
+
+    build_method(cfg).build_model(num_classes)
+    init_ray(cfg)
+    for s in splits:
+        plan_workers(cfg.engine, cfg.training.clients_per_round or s.num_clients, ray.cluster_resources())
+
+
 def run_experiment(cfg: ExperimentConfig, ds: DomainDataset, targets: list[str], run_dir: Path,
                    progress: bool = True, splits: list[FederatedSplit] | None = None) -> dict:
     """Leave-one-domain-out over ``targets``; writes (or resumes) ``run_dir``."""

@@ -1,0 +1,74 @@
+"""Partitions: coverage, no target leakage, seeding, minimum sizes, manifest."""
+import numpy as np
+import pytest
+
+from rayfed_dg.data import DataError, leave_one_domain_out
+from rayfed_dg.data.protocol import manifest
+
+SPECS = [
+    ("per_domain", {}),
+    ("single_domain", {"num_clients": 30}),
+    ("dirichlet", {"num_clients": 30, "alpha": 0.5, "min_size": 5}),
+    ("label_dirichlet", {"num_clients": 30, "alpha": 0.1}),
+    ("explicit", {"clients_spec": [["mono", "negative"], ["negative", "colour"], ["colour", "mono"]]}),
+    ("heterogeneity", {"num_clients": 6, "heterogeneity": 0.5}),
+    ("single_domain", {"num_clients": 999}),  # cross-device scale: ~1 sample each
+]
+
+
+@pytest.mark.parametrize("strategy,kw", SPECS)
+def test_every_train_sample_in_exactly_one_client_and_no_target(tiny_ds, strategy, kw):
+    s = leave_one_domain_out(tiny_ds, "texture", 0.2, 0, strategy, **kw)
+    train = np.concatenate(s.clients)
+    val = np.concatenate(list(s.val.values()))
+    assert len(train) == len(np.unique(train))
+    # together with validation they cover every source sample exactly once
+    src = np.flatnonzero(tiny_ds.domains != 3)
+    assert np.array_equal(np.sort(np.concatenate([train, val])), src)
+    assert not (tiny_ds.domains[train] == 3).any()
+    m = manifest(tiny_ds, s)
+    assert set(m["domain"][m["split"] == "test"]) == {"texture"}
+    assert "texture" not in set(m["domain"][m["split"] != "test"])
+    assert (m["client"][m["split"] == "train"] >= 0).all() and len(m["sample_id"]) == len(tiny_ds.labels)
+
+
+@pytest.mark.parametrize("strategy,kw", [("dirichlet", {"num_clients": 30, "alpha": 0.5}),
+                                         ("label_dirichlet", {"num_clients": 30, "alpha": 0.5})])
+def test_dirichlet_reproducible_by_seed_and_different_across_seeds(tiny_ds, strategy, kw):
+    a = leave_one_domain_out(tiny_ds, "mono", 0.2, 0, strategy, **kw)
+    b = leave_one_domain_out(tiny_ds, "mono", 0.2, 0, strategy, **kw)
+    c = leave_one_domain_out(tiny_ds, "mono", 0.2, 1, strategy, **kw)
+    assert all(np.array_equal(x, y) for x, y in zip(a.clients, b.clients))
+    assert [len(x) for x in a.clients] != [len(x) for x in c.clients]
+
+
+def test_minimum_size_met_or_clear_failure(tiny_ds):
+    s = leave_one_domain_out(tiny_ds, "mono", 0.2, 0, "dirichlet", num_clients=30, alpha=0.5, min_size=8)
+    assert min(len(c) for c in s.clients) >= 8
+    with pytest.raises(DataError, match="min_size=200.*lower partition.min_size"):
+        leave_one_domain_out(tiny_ds, "mono", 0.2, 0, "dirichlet", num_clients=30, alpha=0.5, min_size=200)
+    with pytest.raises(DataError, match="fewer than partition.min_size=100"):
+        leave_one_domain_out(tiny_ds, "mono", 0.2, 0, "single_domain", num_clients=30, min_size=100)
+
+
+def test_label_dirichlet_is_skewed_and_single_domain(tiny_ds):
+    s = leave_one_domain_out(tiny_ds, "mono", 0.2, 0, "label_dirichlet", num_clients=30, alpha=0.1)
+    assert s.client_domains == [d for d in ("negative", "colour", "texture") for _ in range(10)]
+    for i, idx in enumerate(s.clients):
+        assert len(set(tiny_ds.domains[idx])) == 1
+    # alpha 0.1: most clients are dominated by a few classes
+    top = [np.bincount(tiny_ds.labels[c], minlength=10).max() / len(c) for c in s.clients]
+    assert np.median(top) > 0.3
+
+
+def test_heterogeneity_extremes(tiny_ds):
+    s0 = leave_one_domain_out(tiny_ds, "mono", 0.2, 0, "heterogeneity", num_clients=6, heterogeneity=0.0)
+    assert all(len(set(tiny_ds.domains[c])) == 1 for c in s0.clients)
+    s1 = leave_one_domain_out(tiny_ds, "mono", 0.2, 0, "heterogeneity", num_clients=6, heterogeneity=1.0)
+    mix = np.stack([np.bincount(tiny_ds.domains[c], minlength=4)[1:] / len(c) for c in s1.clients])
+    assert np.abs(mix - mix.mean(0)).max() < 0.02  # the same domain mix everywhere
+
+
+def test_explicit_rejects_target_domain(tiny_ds):
+    with pytest.raises(DataError, match="not a source domain"):
+        leave_one_domain_out(tiny_ds, "mono", 0.2, 0, "explicit", clients_spec=[["mono", "negative"]])
