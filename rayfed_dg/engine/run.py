@@ -106,13 +106,15 @@ def check_split(cfg: ExperimentConfig, split: FederatedSplit) -> None:
 def run_federation(cfg: ExperimentConfig, split: FederatedSplit, images_ref, labels_ref, num_classes: int,
                    run_dir: Path | None = None, progress: bool = True, worker_options: dict | None = None,
                    on_round: Callable[[dict, "TargetResult"], None] | None = None,
-                   stop_after: int | None = None) -> TargetResult:
+                   stop_after: int | None = None, pool_workers: int | None = None) -> TargetResult:
     """Run one federation (one target domain) to the end, resuming from the
     newest valid checkpoint in ``run_dir`` if there is one.  ``stop_after``
-    ends early after that round (tests of resume use it)."""
+    ends early after that round (tests of resume use it).  ``pool_workers``
+    fixes the pool size when the resources are already reserved (a Tune
+    trial's placement group); otherwise it is planned against the cluster."""
     check_split(cfg, split)
     k = cfg.training.clients_per_round or split.num_clients
-    n_workers = plan_workers(cfg.engine, k, ray.cluster_resources())
+    n_workers = pool_workers or plan_workers(cfg.engine, k, ray.cluster_resources())
     ckpt_dir = run_dir / "checkpoints" / split.target if run_dir is not None else None
     res = TargetResult(split.target)
     state = load_latest(ckpt_dir) if ckpt_dir is not None and ckpt_dir.exists() else None
@@ -121,7 +123,8 @@ def run_federation(cfg: ExperimentConfig, split: FederatedSplit, images_ref, lab
         if res.rounds_done >= cfg.training.rounds:
             return res
     ServerActor = ray.remote(Server)
-    server = ServerActor.options(num_cpus=0).remote(cfg.to_dict(), split, [images_ref, labels_ref],
+    server_opts = {k_: v for k_, v in (worker_options or {}).items() if k_ == "scheduling_strategy"}
+    server = ServerActor.options(num_cpus=0, **server_opts).remote(cfg.to_dict(), split, [images_ref, labels_ref],
                                                    num_classes, n_workers, worker_options)
     if state is not None:
         ray.get(server.set_state.remote(state["server"]))

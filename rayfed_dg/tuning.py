@@ -1,0 +1,239 @@
+"""Ray Tune sweeps whose trials are whole federated runs.
+
+A search space is a YAML file in ``tuning/`` (resolved by name)::
+
+    config: configs/digits/gperxan_lambda.yaml   # default experiment config
+    set: [method.name=gperxan]                    # fixed overrides (optional)
+    params:
+      method.lam: {grid: [0.0, 0.25, 0.5, 0.75, 1.0]}
+      training.lr: {loguniform: [1.0e-4, 1.0e-1]}
+      method.alpha: {uniform: [0.0, 5.0]}
+      method.k: {choice: [1, 2, 3]}
+
+Each trial is one leave-one-domain-out federation for one target (``--target
+all`` adds the target to the grid).  A trial reserves its server and workers
+together as one placement group: an empty head bundle (the trainable and the
+server only coordinate) and one bundle per worker with the config's
+``num_cpus_per_worker`` / ``num_gpus_per_worker``, so concurrent trials
+never starve each other; inside a trial the pool is sized from those bundles,
+not from the cluster.
+
+Every round reports ``src_val`` (mean source-validation accuracy: the metric
+Tune optimises and ASHA stops on) and ``target_acc`` (recorded, never used
+to choose).  ``select_value`` applies the training-domain-validation rule:
+for each hyper-parameter value, the round of each target's trial is chosen
+by source validation; the value with the best mean selected source
+validation wins, and its target accuracies are what one reports.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from rayfed_dg.config import ConfigError, load_config
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SPACE_DIR = REPO_ROOT / "tuning"
+
+
+def space_names(space_dir: Path = SPACE_DIR) -> list[str]:
+    return sorted(p.stem for p in space_dir.glob("*.yaml"))
+
+
+def load_space(name: str, space_dir: Path = SPACE_DIR) -> dict:
+    path = space_dir / f"{name}.yaml"
+    if not path.is_file():
+        known = space_names(space_dir)
+        hint = difflib.get_close_matches(name, known, n=1)
+        extra = f" (did you mean {hint[0]}?)" if hint else ""
+        raise ConfigError(f"unknown search space {name!r}{extra}; spaces in {space_dir}: {', '.join(known)}")
+    space = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(space.get("params"), dict) or not space["params"]:
+        raise ConfigError(f"{path}: needs a 'params' mapping of config keys to distributions")
+    for key, dist in space["params"].items():
+        if not isinstance(dist, dict) or len(dist) != 1 or next(iter(dist)) not in ("grid", "choice", "uniform",
+                                                                                     "loguniform"):
+            raise ConfigError(f"{path}: params.{key} must be one of {{grid|choice|uniform|loguniform: ...}}")
+    space["path"] = str(path)
+    return space
+
+
+def to_tune(dist: dict):
+    from ray import tune
+
+    kind, v = next(iter(dist.items()))
+    return {"grid": tune.grid_search, "choice": tune.choice}.get(kind, None)(list(v)) if kind in ("grid", "choice") \
+        else (tune.uniform(*v) if kind == "uniform" else tune.loguniform(*v))
+
+
+def overrides_of(trial_config: dict) -> list[str]:
+    return [f"{k}={json.dumps(v)}" for k, v in sorted(trial_config.items()) if k != "target"]
+
+
+def trainable(trial_config: dict, *, config_path: str, fixed: list[str]) -> None:
+    """One Tune trial: a complete federation for ``trial_config['target']``."""
+    import ray
+    from ray import tune
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from rayfed_dg.data import load_dataset
+    from rayfed_dg.engine.run import run_federation, split_for
+
+    cfg = load_config(config_path, fixed + overrides_of(trial_config) + ["output.save_best_checkpoint=false",
+                                                                         "output.checkpoint_every=0"])
+    ds = load_dataset(cfg.data.name, cfg.data.root, cfg.data.resolution, cfg.data.domains,
+                      **cfg.data.loader_options())
+    if cfg.data.limit_per_domain:
+        ds = ds.subsample(cfg.data.limit_per_domain, cfg.data.split_seed)
+    split = split_for(cfg, ds, trial_config["target"])
+    pg = ray.util.get_current_placement_group()
+    opts = {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg)} if pg is not None else None
+    workers = len(pg.bundle_specs) - 1 if pg is not None else None
+
+    def report(out, res):
+        rows = [m for m in out["metrics"]]
+        if not rows:
+            return
+        src = float(np.mean([m["accuracy"] for m in rows if m["split"] == "source_val"]))
+        tgt = float(np.mean([m["accuracy"] for m in rows if m["split"] == "target_test"]))
+        tune.report({"round": out["round"], "src_val": src, "target_acc": tgt,
+                     "selected_round": res.selected_round, "selected_src_val": res.selected_val,
+                     "selected_target_acc": res.selected_target_acc})
+
+    run_federation(cfg, split, ray.put(ds.images), ray.put(ds.labels), ds.num_classes, progress=False,
+                   worker_options=opts, on_round=report, pool_workers=workers)
+
+
+def placement(cfg, workers: int):
+    from ray import tune
+
+    e = cfg.engine
+    bundle = {"CPU": e.num_cpus_per_worker}
+    if e.num_gpus_per_worker:
+        bundle["GPU"] = e.num_gpus_per_worker
+    return tune.PlacementGroupFactory([{"CPU": 0}] + [dict(bundle) for _ in range(workers)])
+
+
+def select_value(records: list[dict], params: list[str]) -> tuple[dict, list[dict]]:
+    """Training-domain validation over trial records.
+
+    ``records``: one per trial with the searched ``params``, ``target``,
+    ``selected_round``, ``selected_src_val``, ``selected_target_acc``.
+    Returns (the chosen value assignment, one table row per value with the
+    target accuracy at each target's selected round).  Target accuracy is
+    carried into the table but never read to choose."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        groups.setdefault(tuple(r[p] for p in params), []).append(r)
+    rows = []
+    for key, rs in sorted(groups.items(), key=lambda kv: str(kv[0])):
+        row = dict(zip(params, key))
+        for r in sorted(rs, key=lambda r: r["target"]):
+            row[f"{r['target']}"] = r["selected_target_acc"]
+            row[f"{r['target']}_round"] = r["selected_round"]
+        row["mean_src_val"] = float(np.mean([r["selected_src_val"] for r in rs]))
+        row["_n"] = len(rs)
+        rows.append(row)
+    full = max(r["_n"] for r in rows)
+    # only values with every target finished compete; ties go to the first listed value
+    best = max((r for r in rows if r["_n"] == full), key=lambda r: r["mean_src_val"])
+    for r in rows:
+        r["chosen"] = r is best
+        del r["_n"]
+    return {p: best[p] for p in params}, rows
+
+
+def markdown_table(rows: list[dict], targets: list[str], params: list[str]) -> str:
+    head = params + [f"{t} (%)" for t in targets] + ["avg (%)", "mean src val (%)", "chosen"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        accs = [r.get(t) for t in targets]
+        avg = np.mean([a for a in accs if a is not None]) if any(a is not None for a in accs) else None
+        cells = [str(r[p]) for p in params] + [f"{100 * a:.2f} (r{r.get(t + '_round')})" if a is not None else "-"
+                                               for t, a in zip(targets, accs)]
+        cells += [f"{100 * avg:.2f}" if avg is not None else "-", f"{100 * r['mean_src_val']:.2f}",
+                  "**yes**" if r["chosen"] else ""]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def run_sweep(space_name: str, config: str | None, target: str, samples: int, scheduler: str, resume: bool,
+              overrides: list[str], storage: str, space_dir: Path = SPACE_DIR, verbose: int = 1) -> dict[str, Any]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import ray
+    from ray import tune
+
+    from rayfed_dg.data import load_dataset
+    from rayfed_dg.engine.run import init_ray, make_splits, resolve_targets
+    from rayfed_dg.engine.server import plan_workers
+
+    space = load_space(space_name, space_dir)
+    config_path = config or space.get("config")
+    if not config_path:
+        raise ConfigError(f"{space['path']}: no 'config' and no --config given")
+    config_path = str((REPO_ROOT / config_path) if not Path(config_path).is_absolute() and
+                      not Path(config_path).exists() else Path(config_path))
+    fixed = list(space.get("set", [])) + list(overrides)
+    cfg = load_config(config_path, fixed)
+    for key in space["params"]:  # every searched key must be a valid config key
+        v = space["params"][key]
+        probe = next(iter(v.values()))[0]
+        load_config(config_path, fixed + [f"{key}={json.dumps(probe)}"])
+    ds = load_dataset(cfg.data.name, cfg.data.root, cfg.data.resolution, cfg.data.domains,
+                      **cfg.data.loader_options())
+    if cfg.data.limit_per_domain:
+        ds = ds.subsample(cfg.data.limit_per_domain, cfg.data.split_seed)
+    targets = resolve_targets(ds, target)
+    splits = make_splits(cfg, ds, targets)
+    init_ray(cfg)
+    k = max((cfg.training.clients_per_round or s.num_clients) for s in splits)
+    workers = plan_workers(cfg.engine, k, ray.cluster_resources())
+
+    param_space = {key: to_tune(d) for key, d in space["params"].items()}
+    param_space["target"] = tune.grid_search(targets)
+    sched = None
+    if scheduler == "asha":
+        sched = tune.schedulers.ASHAScheduler(time_attr="round", max_t=cfg.training.rounds,
+                                              grace_period=max(1, cfg.training.rounds // 4))
+    storage = str(Path(storage).resolve())
+    name = f"{space_name}"
+    exp_path = Path(storage) / name
+    fn = tune.with_parameters(trainable, config_path=config_path, fixed=fixed)
+    fn = tune.with_resources(fn, placement(cfg, workers))
+    if resume:
+        if not tune.Tuner.can_restore(str(exp_path)):
+            raise ConfigError(f"--resume: no sweep to resume at {exp_path}")
+        tuner = tune.Tuner.restore(str(exp_path), fn, resume_unfinished=True, restart_errored=True)
+    else:
+        if exp_path.exists():
+            raise ConfigError(f"sweep directory {exp_path} exists; continue it with --resume or choose --storage")
+        tuner = tune.Tuner(fn, param_space=param_space,
+                           tune_config=tune.TuneConfig(metric="src_val", mode="max", num_samples=samples,
+                                                       scheduler=sched),
+                           run_config=tune.RunConfig(name=name, storage_path=storage, verbose=verbose))
+    results = tuner.fit()
+    params = list(space["params"])
+    records = []
+    for res in results:
+        m = res.metrics or {}
+        if m.get("selected_round") is None:
+            continue
+        records.append({**{p: res.config[p] for p in params}, "target": res.config["target"],
+                        "selected_round": m["selected_round"], "selected_src_val": m["selected_src_val"],
+                        "selected_target_acc": m["selected_target_acc"], "rounds_run": m.get("round")})
+    if not records:
+        raise RuntimeError("no trial reported a selected round")
+    chosen, rows = select_value(records, params)
+    pq.write_table(pa.Table.from_pylist(records), exp_path / "trials.parquet")
+    pq.write_table(pa.Table.from_pylist(rows), exp_path / "selection.parquet")
+    md = markdown_table(rows, targets, params)
+    (exp_path / "selection.md").write_text(md + "\n")
+    chosen_cfg = load_config(config_path, fixed + overrides_of(chosen))
+    (exp_path / "chosen_config.yaml").write_text(yaml.safe_dump(chosen_cfg.to_dict(), sort_keys=False))
+    return {"path": str(exp_path), "chosen": chosen, "table": md, "records": records}

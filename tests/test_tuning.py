@@ -1,0 +1,79 @@
+"""Ray Tune sweeps of whole federations, selection by source validation, cluster.yaml."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from conftest import REPO
+from rayfed_dg.tuning import select_value
+
+
+def test_selection_rule_uses_source_validation_not_target():
+    recs = []
+    # value 0.5 has the best target accuracy everywhere, 1.0 the best source validation
+    for lam, src, tgt in ((0.0, 0.60, 0.50), (0.5, 0.70, 0.95), (1.0, 0.80, 0.40)):
+        for t in ("a", "b"):
+            recs.append({"method.lam": lam, "target": t, "selected_round": 3, "selected_src_val": src,
+                         "selected_target_acc": tgt})
+    chosen, rows = select_value(recs, ["method.lam"])
+    assert chosen == {"method.lam": 1.0}
+    assert [r["chosen"] for r in rows] == [False, False, True]
+    assert rows[1]["a"] == 0.95 and rows[2]["a_round"] == 3
+
+
+def test_selection_ignores_values_missing_targets():
+    recs = [{"x": 1, "target": "a", "selected_round": 1, "selected_src_val": 0.9, "selected_target_acc": 0.1},
+            {"x": 2, "target": "a", "selected_round": 1, "selected_src_val": 0.5, "selected_target_acc": 0.1},
+            {"x": 2, "target": "b", "selected_round": 1, "selected_src_val": 0.5, "selected_target_acc": 0.1}]
+    assert select_value(recs, ["x"])[0] == {"x": 2}
+
+
+def test_bad_space_is_one_line_exit_2():
+    r = subprocess.run([sys.executable, str(REPO / "tune.py"), "--space", "lamda"], capture_output=True, text=True,
+                       timeout=120, cwd=REPO)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "did you mean lambda" in lines[0] and "lr" in lines[0]
+
+
+def test_cluster_yaml_validates_against_rays_schema():
+    import jsonschema
+    import ray
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    cfg = yaml.safe_load((REPO / "cluster.yaml").read_text())
+    schema = json.load(
+        open(os.path.join(os.path.dirname(ray.__file__), "autoscaler", "ray-schema.json")))
+    jsonschema.validate(cfg, schema)
+    validate_config(prepare_config(cfg))
+    assert "--dashboard-host=127.0.0.1" in " ".join(cfg["head_start_ray_commands"])
+    assert any("pip install" in c for c in cfg["setup_commands"])
+
+
+def test_two_trial_sweep_writes_table_and_resumes_without_rerunning(ray_session, tmp_path):
+    from rayfed_dg.tuning import run_sweep
+
+    space_dir = tmp_path / "spaces"
+    space_dir.mkdir()
+    (space_dir / "tiny.yaml").write_text(yaml.safe_dump({
+        "config": str(REPO / "configs" / "quickstart.yaml"),
+        "set": ["compare=null", "method.name=gperxan", "data.resolution=16", "model.width=8", "training.rounds=2"],
+        "params": {"method.lam": {"grid": [0.0, 1.0]}}}))
+    store = tmp_path / "store"
+    out = run_sweep("tiny", None, "colour", 1, "fifo", False, [], str(store), space_dir=space_dir, verbose=0)
+    assert len(out["records"]) == 2 and {r["method.lam"] for r in out["records"]} == {0.0, 1.0}
+    sel = store / "tiny"
+    for f in ("trials.parquet", "selection.parquet", "selection.md", "chosen_config.yaml"):
+        assert (sel / f).is_file()
+    best = max(out["records"], key=lambda r: r["selected_src_val"])
+    assert out["chosen"] == {"method.lam": best["method.lam"]}
+    assert yaml.safe_load((sel / "chosen_config.yaml").read_text())["method"]["lam"] == best["method.lam"]
+    results = sorted(sel.glob("*/result.json"))
+    before = [p.read_text() for p in results]
+    assert len(results) == 2 and all(len(b.splitlines()) == 2 for b in before)  # 2 rounds reported each
+    again = run_sweep("tiny", None, "colour", 1, "fifo", True, [], str(store), space_dir=space_dir, verbose=0)
+    assert [p.read_text() for p in sorted(sel.glob("*/result.json"))] == before  # nothing re-ran
+    assert again["chosen"] == out["chosen"]
