@@ -135,7 +135,8 @@ def decode_cached(files: list[Path], resolution: int, on_corrupt: str = "fail",
         if progress:
             from tqdm import tqdm
 
-            it = tqdm(it, total=len(jobs), desc=f"decode {resolution}px", unit="img", leave=False)
+            it = tqdm(it, total=len(jobs), desc=f"decode {resolution}px", unit="img", leave=False,
+                      disable=None)  # None: only on a terminal
         for i, r in enumerate(it):
             if isinstance(r, str):
                 if on_corrupt == "fail":

@@ -21,7 +21,7 @@ import numpy as np
 import ray
 import torch
 
-from rayfed_dg.config import validate
+from rayfed_dg.config import ConfigError, validate
 from rayfed_dg.data.protocol import FederatedSplit
 from rayfed_dg.methods import build_method
 
@@ -42,7 +42,11 @@ def _retryable(err: Exception) -> bool:
 
 
 class EngineError(RuntimeError):
-    """The engine cannot run as configured (e.g. resources that do not fit)."""
+    """The engine failed while running (e.g. every sampled client failed)."""
+
+
+class ResourceError(ConfigError):
+    """The configured worker pool cannot fit the Ray cluster (bad input)."""
 
 
 def nbytes(arrays: dict[str, np.ndarray]) -> int:
@@ -60,13 +64,13 @@ def plan_workers(engine_cfg, clients_per_round: int, resources: dict) -> int:
     if engine_cfg.num_workers is not None:
         w = engine_cfg.num_workers
         if w > fit:
-            raise EngineError(
+            raise ResourceError(
                 f"engine.num_workers={w} with {c} CPU and {g} GPU each needs {w * c:g} CPU / {w * g:g} GPU, "
                 f"but the Ray cluster has {cpu:g} CPU / {gpu:g} GPU; lower num_workers or the per-worker resources"
             )
         return w
     if fit < 1:
-        raise EngineError(
+        raise ResourceError(
             f"one worker needs {c:g} CPU and {g:g} GPU but the Ray cluster has {cpu:g} CPU / {gpu:g} GPU; "
             "lower engine.num_cpus_per_worker / num_gpus_per_worker"
         )

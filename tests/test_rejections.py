@@ -1,0 +1,84 @@
+"""Every row of the README's rejection table: one line, non-zero exit, nothing written.
+
+Runs the CLI entry point in-process (``rayfed_dg.cli.main``) for speed; the
+subprocess tests in test_config.py and test_cli.py check the same path end
+to end (no traceback, exit code)."""
+import numpy as np
+import pytest
+from PIL import Image
+
+from conftest import REPO
+from rayfed_dg.cli import main
+
+QS = str(REPO / "configs" / "quickstart.yaml")
+TINY = ["--set", "compare=null", "--set", "data.resolution=16", "--set", "model.width=8"]
+
+
+def pacs_like(tmp_path, corrupt=False, wrong=False):
+    root = tmp_path / "pacs"
+    doms = ["photo", "art", "cartoon", "sketch"] if wrong else ["photo", "art_painting", "cartoon", "sketch"]
+    for d in doms:
+        for c in ("dog", "cat"):
+            p = root / d / c
+            p.mkdir(parents=True)
+            for i in range(3):
+                Image.fromarray(np.full((8, 8, 3), 30 * i, np.uint8)).save(p / f"{i}.png")
+    if corrupt:
+        (root / "cartoon" / "cat" / "1.png").write_bytes(b"\x89PNG broken")
+    return root
+
+
+def cases(tmp_path):
+    yield "unknown key", [QS, *TINY, "--set", "training.lrr=0.1"], "training.lrr: unknown key"
+    yield "mistyped method", [QS, *TINY, "--set", "method.name=fedavgg"], "did you mean fedavg"
+    yield "wrong type", [QS, *TINY, "--set", "training.rounds=many"], "training.rounds: Input should be a valid integer"
+    yield "negative learning rate", [QS, *TINY, "--set", "training.lr=-0.1"], "training.lr: Input should be greater than 0"
+    yield "clients_per_round > clients", [QS, *TINY, "--set", "training.clients_per_round=5"], \
+        "training.clients_per_round=5 exceeds the 3 clients"
+    yield "lambda outside [0, 1]", [QS, *TINY, "--set", "method.name=gperxan", "--set", "method.lam=1.5"], \
+        "method.lam: Input should be less than or equal to 1"
+    yield "Dirichlet alpha <= 0", [QS, *TINY, "--set", "partition.strategy=dirichlet", "--set",
+                                   "partition.num_clients=30", "--set", "partition.alpha=0"], \
+        "partition.alpha: Input should be greater than 0"
+    yield "unknown target domain", [QS, *TINY, "--target", "textures"], "unknown domain 'textures' (did you mean texture?)"
+    root = pacs_like(tmp_path / "w", wrong=True)
+    yield "dataset root with the wrong layout", [QS, "--set", "compare=null", "--set", "data.name=pacs", "--set",
+                                                f"data.root={root}"], "is not a PACS tree: expected domain folders"
+    root = pacs_like(tmp_path / "c", corrupt=True)
+    yield "corrupt image", [QS, "--set", "compare=null", "--set", "data.name=pacs", "--set", f"data.root={root}"], \
+        f"cannot decode image {root}/cartoon/cat/1.png"
+    yield "partition leaves a client empty", [QS, *TINY, "--set", "partition.strategy=single_domain", "--set",
+                                              "partition.num_clients=3000"], "got 0 training samples"
+    yield "worker pool that cannot fit", [QS, *TINY, "--set", "engine.num_cpus_per_worker=64"], \
+        "one worker needs 64 CPU"
+    yield "missing pretrained weights", [QS, *TINY, "--set", "model.arch=resnet18", "--set",
+                                         f"model.pretrained={tmp_path}/none.pth"], "weights file"
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAYFED_DG_CACHE", str(tmp_path / "cache"))
+
+
+def test_each_rejection_is_one_line_exit_2_and_writes_nothing(ray_session, tmp_path, capsys, cache):
+    seen = 0
+    for name, argv, expect in cases(tmp_path):
+        run_dir = tmp_path / f"run-{seen}"
+        code = main(["run", *argv, "--run-dir", str(run_dir), "--no-progress"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2, (name, err)
+        assert len(err) == 1 and expect in err[0], (name, err)
+        assert not run_dir.exists(), name
+        seen += 1
+    assert seen == 13
+
+
+def test_existing_run_dir_is_refused_and_left_untouched(ray_session, tmp_path, capsys):
+    run_dir = tmp_path / "old"
+    run_dir.mkdir()
+    (run_dir / "metrics.parquet").write_bytes(b"precious")
+    code = main(["run", QS, *TINY, "--run-dir", str(run_dir), "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "already exists" in err[0]
+    assert [p.name for p in run_dir.iterdir()] == ["metrics.parquet"]
+    assert (run_dir / "metrics.parquet").read_bytes() == b"precious"
