@@ -180,7 +180,8 @@ class Server:
         sizes = self.split.client_sizes()[sampled]
         weights = self.method.aggregation_weights(sampled, sizes, self.server_state)
         reducer = OrderedReducer(sampled, dict(zip(sampled, weights)))
-        payloads = self.method.server_payloads(r, sampled, self.server_state, numpy_rng(cfg.training.seed, 7, r))
+        payloads = self.method.server_payloads(r, sampled, self.server_state, numpy_rng(cfg.training.seed, 7, r),
+                                               self.global_state)
         bcast = self.broadcast_state()
         down_bytes = {}
         for key, arr in bcast.items():

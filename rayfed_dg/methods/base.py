@@ -119,7 +119,10 @@ class Method:
         return sizes.astype(np.float64)
 
     def server_payloads(self, round: int, client_ids: list[int], server_state: dict,
-                        rng: np.random.Generator) -> dict[int, dict[str, np.ndarray]]:
+                        rng: np.random.Generator, global_state: dict[str, np.ndarray]
+                        ) -> dict[int, dict[str, np.ndarray]]:
+        """Records to send each sampled client besides the broadcast weights
+        (each sized in the ledger)."""
         return {}
 
     def after_round(self, round: int, results: list[dict], server_state: dict) -> None:

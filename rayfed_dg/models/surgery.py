@@ -17,7 +17,8 @@ def modules_of_type(model: nn.Module, types: tuple[type, ...]) -> list[tuple[str
 
 
 def state_keys_of(model: nn.Module, types: tuple[type, ...], kinds: Iterable[str] = ("param", "buffer")) -> set[str]:
-    """State-dict keys owned directly by modules of ``types``."""
+    """State-dict keys owned directly by modules of ``types`` (parameters and
+    persistent buffers; a module's sub-modules, e.g. adapters, excluded)."""
     kinds = set(kinds)
     keys: set[str] = set()
     for name, m in modules_of_type(model, types):
@@ -25,7 +26,8 @@ def state_keys_of(model: nn.Module, types: tuple[type, ...], kinds: Iterable[str
         if "param" in kinds:
             keys |= {prefix + n for n, _ in m.named_parameters(recurse=False)}
         if "buffer" in kinds:
-            keys |= {prefix + n for n, b in m.named_buffers(recurse=False) if b is not None}
+            keys |= {prefix + n for n, b in m.named_buffers(recurse=False)
+                     if b is not None and n not in m._non_persistent_buffers_set}
     return keys
 
 

@@ -1,0 +1,131 @@
+"""FedFD / FedFD-A (ECCV 2024): Eq. 2 mixing, Eq. 6-7 adapter, alternation, global statistics."""
+import numpy as np
+import torch
+
+from conftest import tiny_cfg
+from rayfed_dg.data import leave_one_domain_out
+from rayfed_dg.engine import ClientRunner, Server
+from rayfed_dg.engine.worker import to_numpy_state
+from rayfed_dg.methods import ClientContext, build_method
+from rayfed_dg.methods.fedfd import FDBN, fd_layers, set_mode
+
+
+def test_mixed_statistics_match_eq2_by_hand():
+    m = FDBN(2).train()
+    with torch.no_grad():
+        m.weight.copy_(torch.tensor([2.0, 1.0]))
+        m.bias.copy_(torch.tensor([0.5, -1.0]))
+    m.g_mean.copy_(torch.tensor([1.0, -2.0]))
+    m.g_var.copy_(torch.tensor([4.0, 0.25]))
+    m.u = torch.tensor([0.25, 0.8])
+    m.mode = "mix"
+    x = torch.tensor([[[[1.0, 3.0], [5.0, 7.0]], [[0.0, 0.0], [2.0, 2.0]]]])  # (1, 2, 2, 2)
+    y = m(x)
+    # channel 0: mu_inst = 4, var_inst = 5 -> sigma_inst = sqrt(5 + 1e-5); sigma_G = sqrt(4 + 1e-5)
+    mu = 0.25 * 4 + 0.75 * 1.0
+    sig = 0.25 * np.sqrt(5 + 1e-5) + 0.75 * np.sqrt(4 + 1e-5)
+    assert abs(float(y[0, 0, 1, 1]) - (2.0 * (7.0 - mu) / sig + 0.5)) < 1e-5
+    # channel 1: mu_inst = 1, var_inst = 1
+    mu1 = 0.8 * 1 + 0.2 * -2.0
+    sig1 = 0.8 * np.sqrt(1 + 1e-5) + 0.2 * np.sqrt(0.25 + 1e-5)
+    assert abs(float(y[0, 1, 0, 0]) - (1.0 * (0.0 - mu1) / sig1 - 1.0)) < 1e-5
+    before = m.running_mean.clone()
+    m(x)
+    assert torch.equal(m.running_mean, before)  # the augmented path leaves running statistics alone
+
+
+def runner(ds, *sets):
+    cfg = tiny_cfg(*sets)
+    r = ClientRunner(cfg.to_dict(), ds.images, ds.labels, 10)
+    return cfg, r
+
+
+def test_u_per_channel_in_range_and_new_each_iteration(tiny_ds):
+    cfg, r = runner(tiny_ds, "method.name=fedfd", "method.u_low=0.2", "method.u_high=0.4")
+    ctx = ClientContext(0, 1, torch.device("cpu"), torch.Generator().manual_seed(0), 10)
+    draws = []
+    for _ in range(3):
+        r.method._draw_u(r.model, ctx)
+        draws.append(torch.cat([m.u for m in fd_layers(r.model)]))
+    for u in draws:
+        assert (u >= 0.2).all() and (u <= 0.4).all() and u.std() > 0  # per channel, not one scalar
+    assert not torch.equal(draws[0], draws[1]) and not torch.equal(draws[1], draws[2])
+    _, r0 = runner(tiny_ds, "method.name=fedfd", "method.u_fixed=0")
+    r0.method._draw_u(r0.model, ctx)
+    assert all((m.u == 0).all() for m in fd_layers(r0.model))
+
+
+def test_alpha_in_unit_interval_and_deterministic_at_test(tiny_ds):
+    cfg, r = runner(tiny_ds, "method.name=fedfda")
+    model = r.model
+    with torch.no_grad():  # a random adapter, so alpha is not the constant initial 0.5
+        for m in fd_layers(model):
+            for p in m.adapter.parameters():
+                p.normal_(0, 2.0)
+    x, _ = r._tensors(np.arange(16), None)
+    model.train()
+    set_mode(model, "adapt")
+    for m in fd_layers(model):
+        m.gen = torch.Generator().manual_seed(1)
+    model(x)
+    a_train = torch.cat([m.last_alpha for m in fd_layers(model)])
+    assert (a_train >= 0).all() and (a_train <= 1).all() and 0 < (a_train == 0).float().mean() + (
+        a_train == 1).float().mean() < 1  # the clamp bites, but not everywhere
+    model.eval()
+    y1, y2 = model(x), model(x)
+    assert torch.equal(y1, y2)
+    a_test = [m.last_alpha for m in fd_layers(model)]
+    assert all(((a >= 0) & (a <= 1)).all() for a in a_test) and a_test[0].shape == (16,)  # one alpha per sample
+
+
+def test_adapter_gets_gradient_only_in_its_phase(tiny_ds):
+    cfg, r = runner(tiny_ds, "method.name=fedfda")
+    model, method = r.model, r.method
+    g = to_numpy_state(model.state_dict(), model.state_dict().keys())
+    payload = method.server_payloads(1, [0], {}, None, g)[0]
+    ctx = ClientContext(0, 1, torch.device("cpu"), torch.Generator().manual_seed(0), 32, payload=payload)
+    method.round_start(model, ctx)
+    adapter = {n: p.detach().clone() for n, p in model.named_parameters() if ".adapter." in n}
+    main = {n: p.detach().clone() for n, p in model.named_parameters() if ".adapter." not in n}
+    x, y = r._tensors(np.arange(32), None)
+    model.train()
+    for p in adapter:
+        model.get_parameter(p).requires_grad_(False)
+    method.main_loss(model, x, y, ctx).backward()
+    assert all(model.get_parameter(n).grad is None for n in adapter)
+    assert any(model.get_parameter(n).grad is not None for n in main)
+    # a whole local step changes both groups, each by its own optimiser
+    model.zero_grad(set_to_none=True)
+    for p in adapter:
+        model.get_parameter(p).requires_grad_(True)
+    method.local_train(model, lambda: iter([(x, y)]), ctx)
+    assert any(not torch.equal(model.get_parameter(n), v) for n, v in adapter.items())
+    assert any(not torch.equal(model.get_parameter(n), v) for n, v in main.items())
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_clients_use_the_servers_averaged_running_statistics(ray_session, tiny_ds):
+    ray = ray_session
+    cfg = tiny_cfg("method.name=fedfda", "training.rounds=1")
+    split = leave_one_domain_out(tiny_ds, "texture", 0.2, 0)
+    server = ray.remote(Server).options(num_cpus=0).remote(
+        cfg.to_dict(), split, [ray.put(tiny_ds.images), ray.put(tiny_ds.labels)], 10, 1)
+    ray.get(server.run_round.remote())
+    s1 = ray.get(server.get_state.remote())
+    ray.get(server.shutdown.remote())
+    g = s1["global_state"]
+    n = split.client_sizes().astype(np.float64)
+    k = "body.1.running_mean"
+    avg = sum(n[c] * s1["client_store"][c][k].astype(np.float64) for c in range(3)) / n.sum()
+    np.testing.assert_allclose(g[k], avg.astype(np.float32), rtol=1e-5, atol=1e-7)  # SiloBN base: averaged
+    method = build_method(cfg)
+    payload = method.server_payloads(2, [0], {}, None, g)[0]
+    _, r = runner(tiny_ds, "method.name=fedfda")
+    ctx = ClientContext(0, 2, torch.device("cpu"), torch.Generator(), 10, payload=payload)
+    r.method.round_start(r.model, ctx)
+    layer = dict(r.model.named_modules())["body.1"]
+    assert torch.equal(layer.g_mean, torch.from_numpy(g[k]))
+    assert torch.equal(layer.g_var, torch.from_numpy(g["body.1.running_var"]))
+    # the payload is exactly the running statistics: the bytes a FedAvg client gets for them
+    stat_bytes = sum(v.nbytes for kk, v in g.items() if kk.endswith(("running_mean", "running_var")))
+    assert payload["global_stats"].nbytes == stat_bytes
