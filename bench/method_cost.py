@@ -17,7 +17,7 @@ import time
 import numpy as np
 import torch
 
-DEFAULT = ["fedavg", "fedprox", "gperxan"]
+DEFAULT = ["fedavg", "fedprox", "gperxan", "fedfd", "fedfda", "stablefdg"]
 
 
 def main() -> None:

@@ -127,7 +127,8 @@ class ClientRunner:
         torch.manual_seed(seed_int(seed, TRAIN, round, client_id))
         gen = torch_generator(seed, TRAIN, round, client_id)
         ctx = ClientContext(client_id=client_id, round=round, device=self.device, generator=gen,
-                            num_samples=len(indices), payload=payload)
+                            num_samples=len(indices), payload=payload, indices=indices,
+                            labels=self.labels[indices], fetch=lambda idx: self._tensors(idx, None))
         self.method.round_start(self.model, ctx)
         stats = self.method.local_train(self.model, lambda: self.batches(indices, gen), ctx)
         sd = self.model.state_dict()

@@ -50,6 +50,10 @@ class ClientContext:
     num_samples: int
     payload: dict[str, np.ndarray] = field(default_factory=dict)
     scratch: dict[str, Any] = field(default_factory=dict)
+    # the client's own data, for methods that look beyond the current batch
+    indices: np.ndarray | None = None  # dataset indices of the client's training samples
+    labels: np.ndarray | None = None  # their labels
+    fetch: Callable[[np.ndarray], tuple[torch.Tensor, torch.Tensor]] | None = None  # (x, y) of indices
 
 
 Batch = tuple[torch.Tensor, torch.Tensor]

@@ -1,0 +1,230 @@
+"""StableFDG: style-based learning and attention-based feature highlighter.
+
+Park, Han, Lee, Ryu, Moon, "StableFDG: Style and Attention Based Learning for
+Federated Domain Generalization", NeurIPS 2023.  Modules in
+``models/style.py``.
+
+* Style sharing (Sec. 3.1 step 1, Eq. 2-3): each participating client
+  computes Phi_n = [mu_n, sigma_n, Sigma_n(mu), Sigma_n(sigma)] (4C floats)
+  at the first residual block's output with the received global model (eval
+  mode, no gradient) over its local data, and uploads it with its update.
+  The server keeps each client's latest Phi and, next round, gives every
+  sampled client ``styles_per_client`` styles of other clients, no client its
+  own and no two clients the same one (a seeded random assignment, a
+  derangement when the pool is the sampled set).  Round 1 shares nothing.
+  Styles computed at the start of round t are therefore shared in round t+1,
+  the reference code's order: one upload per round, no extra round trip.
+* Selective style shifting (step 2, probability ``shift_p``): k-means++
+  seeding with k = floor(B/2) in the per-sample style space picks the samples
+  that keep their style; the others are AdaIN-shifted to mu ~ N(mu_n',
+  Sigma_n'(mu)), sigma ~ N(sigma_n', Sigma_n'(sigma)) (the paper's garbled
+  noise term read with Sigma as a variance, Eq. 2), per sample and channel.
+  The reference code gives the kept samples centroid styles in an order
+  unrelated to the samples and hard-codes B/2 = 16; we do neither.
+* Class-balanced oversampling (step 3, appendix G) to ``oversample_size``
+  (default B), exploration (step 4, Eq. 4-5, alpha = 3) and MixStyle over the
+  enlarged batch (step 5, Beta(0.1, 0.1)), after blocks 1, 2 and 3, each
+  firing with probability 0.5; only the first firing one enlarges the batch.
+* Feature highlighter (Sec. 3.2, Eq. 6-8), d = 30, on the last block's map;
+  a sample whose class has no other sample in the batch gets a partner drawn
+  from the client's own data (appended to the batch and trained on, as the
+  reference's supplemental samples are), never a sample of another class.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+
+from rayfed_dg.models.style import (FeatureHighlighter, StyleExplore, StyleShift, StyleState, channel_stats,
+                                    style_information)
+
+from .base import Method, register_method
+
+
+def _insert_points(body: nn.Module) -> tuple[list[tuple[nn.Module, str]], str]:
+    """(parent, attribute) of blocks 1-3 and the pooling attribute, for the
+    ResNet body or the conv net."""
+    if hasattr(body, "layer1"):
+        return [(body, f"layer{i}") for i in (1, 2, 3)], "avgpool"
+    if isinstance(body, nn.Sequential) and len(body) == 17:
+        # conv net: 4 x [conv, bn, relu, pool] + pool; blocks end at indices 3, 7, 11
+        return [(body, "3"), (body, "7"), (body, "11")], "16"
+    raise ValueError("stablefdg supports the ResNets and the conv net")
+
+
+@register_method
+class StableFDG(Method):
+    name = "stablefdg"
+
+    class Params(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        style: bool = True  # Sec. 3.1 (ablation: attention only)
+        attention: bool = True  # Sec. 3.2 (ablation: style only)
+        shift_p: float = Field(0.5, ge=0.0, le=1.0)
+        selection: str = Field("kmeans++", pattern="^(kmeans\\+\\+|random)$")  # Table 11
+        oversample: str = Field("balanced", pattern="^(balanced|random|none)$")  # Table 12
+        oversample_size: int | None = Field(None, ge=1)  # default: the batch size
+        alpha: float = Field(3.0, ge=0.0)  # exploration level
+        explore_p: float = Field(0.5, ge=0.0, le=1.0)  # probability per block (Table 13)
+        mix_alpha: float = Field(0.1, gt=0.0)
+        styles_per_client: int = Field(1, ge=1)  # Table 10
+        attention_dim: int = Field(30, ge=1)
+        style_samples: int | None = Field(None, ge=2)  # cap on samples used for Phi
+
+    def build_model(self, num_classes):
+        model = super().build_model(num_classes)
+        p = self.p
+        state = StyleState(shift=p.style, shift_p=p.shift_p, selection=p.selection, oversample=p.oversample,
+                           oversample_size=p.oversample_size, explore=p.style, alpha=p.alpha,
+                           explore_p=p.explore_p, mix_alpha=p.mix_alpha)
+        model.style_state = state
+        blocks, pool = _insert_points(model.body)
+        channels = model.head.in_features
+        for i, (parent, attr) in enumerate(blocks):
+            mods = [parent.get_submodule(attr) if not attr.isdigit() else parent[int(attr)]]
+            if i == 0:
+                mods.append(StyleShift(state))
+            mods.append(StyleExplore(state))
+            new = nn.Sequential(*mods)
+            if attr.isdigit():
+                parent[int(attr)] = new
+            else:
+                setattr(parent, attr, new)
+        if p.attention:
+            hl = FeatureHighlighter(channels, state, p.attention_dim)
+            if pool.isdigit():
+                model.body[int(pool)] = hl
+            else:
+                setattr(model.body, pool, hl)
+            model.head = nn.Linear(2 * channels, num_classes)
+        return model
+
+    # --------------------------------------------------------------- styles
+    def _block1(self, model) -> nn.Module:
+        b = model.body
+        return b.layer1 if hasattr(b, "layer1") else b[3]
+
+    @torch.no_grad()
+    def compute_style(self, model, x_batches) -> np.ndarray:
+        """Phi_n at the first block's output (style operations off)."""
+        captured = []
+        hook = self._block1(model)[0].register_forward_hook(lambda m, i, o: captured.append(channel_stats(o)))
+        was = model.training
+        model.eval()
+        try:
+            for x in x_batches:
+                model.features(x)
+        finally:
+            hook.remove()
+            model.train(was)
+        mus = torch.cat([c[0] for c in captured]).cpu()
+        sigs = torch.cat([c[1] for c in captured]).cpu()
+        return style_information(mus, sigs)
+
+    def round_start(self, model, ctx):
+        st: StyleState = model.style_state
+        st.gen = ctx.generator
+        st.received = np.asarray(ctx.payload["styles"]) if "styles" in ctx.payload else None
+        if self.p.style:
+            idx = ctx.indices
+            if self.p.style_samples and len(idx) > self.p.style_samples:
+                idx = idx[torch.randperm(len(idx), generator=ctx.generator)[:self.p.style_samples].numpy()]
+            bs = 256
+            ctx.scratch["phi"] = self.compute_style(
+                model, (ctx.fetch(idx[s:s + bs])[0] for s in range(0, len(idx), bs)))
+
+    def upload_payload(self, model, ctx):
+        return {"style": ctx.scratch["phi"]} if "phi" in ctx.scratch else {}
+
+    def after_round(self, round, results, server_state):
+        styles = server_state.setdefault("styles", {})
+        for r in results:
+            if "style" in r["payload"]:
+                styles[int(r["client"])] = np.asarray(r["payload"]["style"])
+
+    def server_payloads(self, round, client_ids, server_state, rng, global_state):
+        pool = server_state.get("styles", {})
+        if not pool:
+            return {}
+        return {c: {"styles": np.stack([pool[o] for o in others])}
+                for c, others in assign_styles(client_ids, sorted(pool), self.p.styles_per_client, rng).items()
+                if others}
+
+    # ---------------------------------------------------------------- train
+    def _with_partners(self, x, y, ctx):
+        """Append, for each class with a single sample in the batch, one more
+        sample of that class from the client's data (if it has one)."""
+        if not self.p.attention or ctx.fetch is None:
+            return x, y
+        extra = []
+        for c in torch.unique(y):
+            if int((y == c).sum()) == 1:
+                pool = np.flatnonzero(ctx.labels == int(c))
+                if len(pool) >= 2:
+                    extra.append(pool[int(torch.randint(len(pool), (1,), generator=ctx.generator))])
+        if not extra:
+            return x, y
+        # a draw may hit the very sample already in the batch; it is still a same-class partner slot
+        xe, ye = ctx.fetch(ctx.indices[np.array(extra)])
+        return torch.cat([x, xe]), torch.cat([y, ye])
+
+    def loss(self, model, x, y, ctx):
+        st: StyleState = model.style_state
+        x, y = self._with_partners(x, y, ctx)
+        st.labels, st.fired = y, False
+        hl = self._highlighter(model)
+        if hl is not None:
+            hl.partners = None
+        feats_in = x
+        # the highlighter needs partners for the final (possibly enlarged) batch: set them
+        # from the labels as they stand when the last block is reached
+        if hl is not None:
+            handle = hl.register_forward_pre_hook(lambda m, inp: setattr(m, "partners", _partners(st.labels)))
+        try:
+            logits = model(feats_in)
+        finally:
+            if hl is not None:
+                handle.remove()
+        return F.cross_entropy(logits, st.labels)
+
+    def _highlighter(self, model):
+        for m in model.modules():
+            if isinstance(m, FeatureHighlighter):
+                return m
+        return None
+
+
+def _partners(labels: torch.Tensor) -> torch.Tensor:
+    from rayfed_dg.models.style import same_class_partners
+
+    partner, _ = same_class_partners(labels.cpu(), None)
+    return partner.to(labels.device)
+
+
+def assign_styles(clients: list[int], pool: list[int], per_client: int,
+                  rng: np.random.Generator) -> dict[int, list[int]]:
+    """Give each client up to ``per_client`` styles from ``pool`` (client ids
+    with a known style): never its own, and no style to two clients while
+    unused ones remain.  When the pool is exactly the clients and
+    per_client = 1 this is a uniformly random derangement."""
+    clients = list(clients)
+    if per_client == 1 and sorted(pool) == sorted(clients) and len(clients) >= 2:
+        while True:  # rejection sampling: a uniform derangement in e ~ 2.7 draws
+            perm = rng.permutation(len(clients))
+            if all(perm[i] != i for i in range(len(clients))):
+                return {c: [clients[perm[i]]] for i, c in enumerate(clients)}
+    out: dict[int, list[int]] = {c: [] for c in clients}
+    used: set[int] = set()
+    order = [clients[i] for i in rng.permutation(len(clients))]
+    for _ in range(per_client):
+        for c in order:
+            fresh = [o for o in pool if o != c and o not in used and o not in out[c]]
+            cand = fresh or [o for o in pool if o != c and o not in out[c]]
+            if cand:
+                pick = cand[int(rng.integers(len(cand)))]
+                out[c].append(pick)
+                used.add(pick)
+    return out

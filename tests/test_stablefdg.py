@@ -1,0 +1,110 @@
+"""StableFDG (NeurIPS 2023): style sharing, k-means++ shifting, oversampling,
+exploration, attention highlighter."""
+import numpy as np
+import torch
+
+from conftest import tiny_cfg
+from rayfed_dg.engine import ClientRunner
+from rayfed_dg.methods.stablefdg import assign_styles
+from rayfed_dg.models.style import (FeatureHighlighter, StyleShift, StyleState, balanced_oversample, channel_stats,
+                                    explore, kmeanspp_seeds, style_information)
+
+
+def test_derangement_never_self_and_seeded():
+    clients = list(range(7))
+    for seed in range(50):
+        a = assign_styles(clients, clients, 1, np.random.default_rng(seed))
+        assert all(a[c] != [c] for c in clients)
+        assert sorted(x[0] for x in a.values()) == clients  # one-to-one: no two get the same
+    a1 = assign_styles(clients, clients, 1, np.random.default_rng(3))
+    assert a1 == assign_styles(clients, clients, 1, np.random.default_rng(3))
+    assert a1 != assign_styles(clients, clients, 1, np.random.default_rng(4))
+    # partial participation: 3 sampled of a pool of 10 known styles, 2 styles each, all distinct
+    b = assign_styles([1, 4, 7], list(range(10)), 2, np.random.default_rng(0))
+    got = [s for v in b.values() for s in v]
+    assert len(got) == 6 == len(set(got)) and all(c not in b[c] for c in b)
+
+
+def test_style_information_by_hand():
+    x = torch.tensor([[[[1.0, 3.0]], [[2.0, 2.0]]], [[[5.0, 5.0]], [[0.0, 4.0]]]])  # (2, 2, 1, 2)
+    mu, sig = channel_stats(x)
+    phi = style_information(mu, sig)
+    # per-sample means: s0 (2, 2), s1 (5, 2); stds: s0 (1, 0), s1 (0, 2) (+1e-6 inside the sqrt)
+    s = np.sqrt
+    expect = [3.5, 2.0, (s(1 + 1e-6) + s(1e-6)) / 2, (s(1e-6) + s(4 + 1e-6)) / 2,
+              2.25, 0.0, ((s(1 + 1e-6) - s(1e-6)) / 2) ** 2, ((s(4 + 1e-6) - s(1e-6)) / 2) ** 2]
+    np.testing.assert_allclose(phi, expect, rtol=1e-5, atol=1e-7)
+
+
+def test_kmeanspp_keeps_exactly_half_and_shift_changes_the_rest():
+    g = torch.Generator().manual_seed(0)
+    for b in (2, 3, 7, 32):
+        pts = torch.randn(b, 6)
+        seeds = kmeanspp_seeds(pts, b // 2, g)
+        assert len(seeds) == b // 2 == len(set(seeds.tolist()))
+    st = StyleState(gen=torch.Generator().manual_seed(1), shift_p=1.0)
+    c = 4
+    st.received = np.concatenate([np.full(c, 5.0), np.full(c, 2.0), np.full(c, 0.1), np.full(c, 0.1)])[None]
+    layer = StyleShift(st).train()
+    x = torch.randn(9, c, 3, 3)
+    y = layer(x)
+    same = [torch.equal(x[i], y[i]) for i in range(9)]
+    assert sum(same) == 9 // 2  # floor(B/2) keep their style, the rest are shifted
+    moved = [i for i in range(9) if not same[i]]
+    mu, _ = channel_stats(y[moved])
+    assert (mu - 5.0).abs().max() < 2.0  # shifted towards the received centre
+
+
+def test_oversampling_balances_as_in_appendix_g():
+    labels = torch.tensor([0, 0, 0, 1, 1, 2])  # counts 3, 2, 1
+    extra = balanced_oversample(labels, 6, torch.Generator().manual_seed(0))
+    assert torch.bincount(labels[extra], minlength=3).tolist() == [1, 2, 3]
+    extra = balanced_oversample(torch.tensor([4, 4, 4, 4, 9]), 3, torch.Generator())
+    assert sorted(torch.tensor([4, 4, 4, 4, 9])[extra].tolist()) == [9, 9, 9]
+
+
+def test_exploration_with_alpha_zero_is_identity_and_moves_otherwise():
+    x = torch.randn(6, 3, 4, 4) * 2 + 1
+    pick = torch.tensor([0, 2, 2, 5])
+    out = explore(x, pick, 0.0)
+    assert out.shape == (10, 3, 4, 4) and torch.equal(out[:6], x)
+    assert torch.allclose(out[6:], x[pick], atol=1e-5)
+    far = explore(x, pick, 3.0)
+    mu_all = channel_stats(torch.cat([x, x[pick]]))[0].mean(0)
+    d0 = (channel_stats(x[pick])[0] - mu_all).abs()
+    d3 = (channel_stats(far[6:])[0] - mu_all).abs()
+    assert torch.allclose(d3, 4 * d0, atol=1e-4)  # mu + 3 (mu - mean): four times as far
+
+
+def test_attention_sums_to_one_and_test_forward_is_self_attention():
+    st = StyleState()
+    hl = FeatureHighlighter(8, st, d=5)
+    z = torch.randn(4, 8, 3, 3)
+    hl.train()
+    hl.partners = torch.tensor([1, 0, 3, 2])
+    out_train = hl(z)
+    a = hl.last_attention
+    assert a.shape == (4, 9) and torch.allclose(a.sum(1), torch.ones(4))
+    assert out_train.shape == (4, 16, 1, 1)
+    hl.eval()
+    e1, e2 = hl(z), hl(z)
+    assert torch.equal(e1, e2)
+    q, k = hl.q(z).flatten(2), hl.k(z).flatten(2)
+    s = torch.einsum("bdm,bdn->bmn", q, k) / 5 ** 0.5
+    att = torch.softmax(s.mean(1), 1)
+    expect = torch.cat([z.mean((2, 3)), torch.einsum("bn,bcn->bc", att, z.flatten(2))], 1)
+    assert torch.allclose(e1[:, :, 0, 0], expect, atol=1e-6)
+    assert not torch.allclose(out_train, e1)  # training mixed in the partner's query
+
+
+def test_stablefdg_client_uploads_4c_style_and_trains(tiny_ds):
+    cfg = tiny_cfg("method.name=stablefdg", "model.width=8")
+    r = ClientRunner(cfg.to_dict(), tiny_ds.images, tiny_ds.labels, 10)
+    from rayfed_dg.engine.worker import to_numpy_state
+
+    g = to_numpy_state(r.model.state_dict(), r.model.state_dict().keys())
+    out = r.train(0, 1, np.arange(100), g, {}, {})
+    assert out["payload"]["style"].shape == (4 * 8,)
+    assert r.model.head.in_features == 16  # [GAP, attention] doubles the classifier input
+    again = r.train(0, 1, np.arange(100), g, {}, {})
+    assert all(np.array_equal(out["update"][k], again["update"][k]) for k in out["update"])  # seeded
