@@ -108,3 +108,19 @@ def test_stablefdg_client_uploads_4c_style_and_trains(tiny_ds):
     assert r.model.head.in_features == 16  # [GAP, attention] doubles the classifier input
     again = r.train(0, 1, np.arange(100), g, {}, {})
     assert all(np.array_equal(out["update"][k], again["update"][k]) for k in out["update"])  # seeded
+
+
+def test_styles_travel_through_the_engine_and_ledger(ray_session, tiny_ds):
+    from rayfed_dg.data import leave_one_domain_out
+    from rayfed_dg.engine import run_federation
+
+    ray = ray_session
+    cfg = tiny_cfg("method.name=stablefdg", "model.width=8", "training.rounds=2")
+    split = leave_one_domain_out(tiny_ds, "mono", 0.2, 0)
+    res = run_federation(cfg, split, ray.put(tiny_ds.images), ray.put(tiny_ds.labels), 10, progress=False)
+    up = [r for r in res.ledger if r["group"] == "payload:style"]
+    down = [r for r in res.ledger if r["group"] == "payload:styles"]
+    assert {(r["round"], r["direction"]) for r in up} == {(1, "up"), (2, "up")}
+    assert all(r["bytes"] == 4 * 8 * 4 for r in up)  # 4C float32
+    assert {r["round"] for r in down} == {2} and len(down) == 3  # round 1 shares nothing
+    assert all(r["bytes"] == 4 * 8 * 4 for r in down)
