@@ -114,6 +114,20 @@ class OutputConfig(_Strict):
     checkpoint_every: int = Field(5, ge=0)  # rounds between resumable checkpoints; 0: none
 
 
+class CCSTConfig(_Strict):
+    """Cross-client style transfer (CCST, WACV 2023) as a data stage before round 1."""
+    enabled: bool = False
+    backend: Literal["ghiasi", "adain"] = "ghiasi"
+    style: Literal["overall", "single"] = "overall"
+    k: int = Field(2, ge=1)  # augmentation level K: copies per image, the original among them
+    j: int = Field(1, ge=1)  # single-image styles per client in the bank
+    adain_vgg: str | None = None  # vgg_normalised.pth (pytorch-AdaIN)
+    adain_decoder: str | None = None  # decoder.pth (pytorch-AdaIN)
+    max_style_images: int = Field(256, ge=1)  # ghiasi overall style: images averaged
+    work_size: int = Field(112, ge=16, le=376)  # ghiasi: pixels an image is stylized at
+    cache_dir: str | None = None  # stylized images (default: $RAYFED_DG_CACHE/ccst)
+
+
 class ExperimentConfig(_Strict):
     data: DataConfig = DataConfig()
     partition: PartitionConfig = PartitionConfig()
@@ -123,6 +137,7 @@ class ExperimentConfig(_Strict):
     engine: EngineConfig = EngineConfig()
     evaluation: EvaluationConfig = EvaluationConfig()
     output: OutputConfig = OutputConfig()
+    ccst: CCSTConfig = CCSTConfig()
     # optional: run several methods with everything else equal, one table row each
     compare: list[MethodConfig] | None = None
 

