@@ -12,6 +12,7 @@ selection.parquet, selection.md and chosen_config.yaml in the sweep folder.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 
@@ -28,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--storage", default="runs/tune", help="where sweeps are kept")
     ap.add_argument("--debug", action="store_true")
     args = ap.parse_args(argv)
+    os.umask(os.umask(0) | 0o022)  # nothing written is group/world-writable
 
     from rayfed_dg.config import ConfigError
     from rayfed_dg.data import DataError

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -118,6 +119,7 @@ def _one_line_warning(message, category, filename, lineno, file=None, line=None)
 
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
+    os.umask(os.umask(0) | 0o022)  # nothing we (or Ray's processes) write is group/world-writable
     if not args.debug:
         import warnings
 

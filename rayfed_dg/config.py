@@ -46,7 +46,8 @@ class DataConfig(_Strict):
     limit_per_domain: int | None = Field(None, ge=2)  # use at most this many images per domain
 
     def loader_options(self) -> dict:
-        return {"on_corrupt": self.on_corrupt, "top_classes": self.top_classes}
+        return {"on_corrupt": self.on_corrupt, "top_classes": self.top_classes,
+                "limit_per_domain": self.limit_per_domain}
 
 
 class PartitionConfig(_Strict):
@@ -82,6 +83,7 @@ class TrainingConfig(_Strict):
     batch_size: int = Field(32, ge=1)
     optimizer: Literal["sgd", "adam"] = "sgd"
     lr: float = Field(0.01, gt=0.0)
+    lr_schedule: Literal["constant", "cosine"] = "constant"  # cosine: over rounds, per round
     momentum: float = Field(0.9, ge=0.0, lt=1.0)
     weight_decay: float = Field(5e-4, ge=0.0)
     clients_per_round: int | None = Field(None, ge=1)  # None: all clients

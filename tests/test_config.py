@@ -65,3 +65,15 @@ def test_cli_bad_config_exits_2_with_one_line(tmp_path):
     lines = [l for l in proc.stderr.splitlines() if l.strip()]
     assert len(lines) == 1 and "training.lr" in lines[0] and str(p) in lines[0]
     assert not out.exists()  # nothing written
+
+
+def test_cosine_learning_rate_by_hand():
+    import math
+
+    from rayfed_dg.methods import build_method
+
+    m = build_method(load_config(None, ["training.lr=0.1", "training.rounds=4", "training.lr_schedule=cosine"]))
+    assert [round(m.lr_at(r), 12) for r in (1, 2, 3, 4)] == [
+        round(0.1 * 0.5 * (1 + math.cos(math.pi * k / 4)), 12) for k in range(4)]
+    assert abs(m.lr_at(3) - 0.05) < 1e-12
+    assert build_method(load_config(None, ["training.lr=0.1"])).lr_at(7) == 0.1

@@ -117,3 +117,19 @@ def test_fedbn_ledger_sends_less_down_same_up(ray_session, tiny_ds):
                    if k in local)
     assert totals["fedbn"]["up"] == totals["fedavg"]["up"]
     assert totals["fedavg"]["down"] - totals["fedbn"]["down"] == 3 * bn_bytes
+
+
+def test_local_steps_and_epochs_bound_the_local_loop(tiny_ds):
+    from rayfed_dg.engine.worker import to_numpy_state
+
+    for sets, expect in ((["training.local_steps=3"], 3 * 32), (["training.local_epochs=2"], 2 * 200)):
+        cfg = tiny_cfg(*sets)
+        r = ClientRunner(cfg.to_dict(), tiny_ds.images, tiny_ds.labels, 10)
+        g = to_numpy_state(r.model.state_dict(), r.model.state_dict().keys())
+        out = r.train(0, 1, np.arange(200), g, {}, {})
+        assert out["stats"]["steps_samples"] == expect
+        # with data-stage additions (CCST copies) the same bound holds
+        extra = {"images": tiny_ds.images[200:300], "labels": tiny_ds.labels[200:300]}
+        out = r.train(0, 1, np.arange(200), g, {}, {}, extra=extra)
+        assert out["stats"]["steps_samples"] == (3 * 32 if "local_steps" in sets[0] else 2 * 300)
+        assert out["num_samples"] == 300

@@ -141,3 +141,16 @@ def test_client_failing_every_retry_is_dropped_and_weights_renormalised(ray_sess
     ups = {c: runner.train(c, 1, split.clients[c], g0, {}, {})["update"] for c in (0, 2)}
     expect = (n[0] * ups[0]["head.bias"].astype(np.float64) + n[2] * ups[2]["head.bias"]) / (n[0] + n[2])
     np.testing.assert_allclose(g1["head.bias"], expect.astype(np.float32), rtol=1e-6, atol=1e-7)
+
+
+def test_nothing_written_is_world_writable(tmp_path):
+    old = os.umask(0)  # the most permissive umask a user could have
+    try:
+        r = subprocess.run(cli("--run-dir", str(tmp_path / "run"), "--set", "training.rounds=1"),
+                           capture_output=True, text=True, timeout=300)
+    finally:
+        os.umask(old)
+    assert r.returncode == 0, r.stderr[-2000:]
+    paths = list((tmp_path / "run").rglob("*")) + [tmp_path / "run"]
+    assert len(paths) > 5
+    assert all(not (p.stat().st_mode & 0o002) for p in paths), [p for p in paths if p.stat().st_mode & 0o002]

@@ -47,21 +47,28 @@ class DomainDataset:
 
     def subsample(self, per_domain: int, seed: int = 0) -> "DomainDataset":
         """At most ``per_domain`` images of each domain, classes kept in proportion."""
-        rng = np.random.default_rng(seed)
-        keep = []
-        for j in range(len(self.domain_names)):
-            idx = np.flatnonzero(self.domains == j)
-            if len(idx) > per_domain:
-                # sort by (class, random key) then take every k-th: stratified and seeded
-                order = np.lexsort((rng.random(len(idx)), self.labels[idx]))
-                idx = idx[order][np.linspace(0, len(idx) - 1, per_domain).round().astype(int)]
-            keep.append(idx)
-        k = np.sort(np.concatenate(keep))
+        k = subsample_indices(self.labels, self.domains, per_domain, seed)
+        if len(k) == len(self.labels):
+            return self
         return DomainDataset(np.ascontiguousarray(self.images[k]), self.labels[k], self.domains[k],
                              self.domain_names, self.class_names, dict(self.meta, subsampled=per_domain))
 
     def counts(self) -> dict[str, int]:
         return {d: int((self.domains == i).sum()) for i, d in enumerate(self.domain_names)}
+
+
+def subsample_indices(labels: np.ndarray, domains: np.ndarray, per_domain: int, seed: int = 0) -> np.ndarray:
+    """Sorted indices of at most ``per_domain`` samples of each domain,
+    stratified by class (sorted by class, then evenly spaced) and seeded."""
+    rng = np.random.default_rng(seed)
+    keep = []
+    for j in np.unique(domains):
+        idx = np.flatnonzero(domains == j)
+        if len(idx) > per_domain:
+            order = np.lexsort((rng.random(len(idx)), labels[idx]))
+            idx = idx[order][np.linspace(0, len(idx) - 1, per_domain).round().astype(int)]
+        keep.append(idx)
+    return np.sort(np.concatenate(keep))
 
 
 _REGISTRY: dict[str, Callable[..., DomainDataset]] = {}

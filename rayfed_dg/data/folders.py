@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .base import DataError, DomainDataset, register_dataset
+from .base import DataError, DomainDataset, register_dataset, subsample_indices
 
 IMAGE_EXT = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
 CACHE_VERSION = 1
@@ -151,14 +151,17 @@ def decode_cached(files: list[Path], resolution: int, on_corrupt: str = "fail",
     cdir.mkdir(parents=True, exist_ok=True)
     tmp = img_path.with_name(img_path.name + ".tmp.npy")
     np.save(tmp, out)
+    os.chmod(tmp, 0o644)
     os.replace(tmp, img_path)
     meta_tmp = meta_path.with_name(meta_path.name + ".tmp")
     meta_tmp.write_text(json.dumps({"keep": keep.tolist(), "info": info}))
+    os.chmod(meta_tmp, 0o644)
     os.replace(meta_tmp, meta_path)
     return out, keep, {"cache": "miss", "path": str(img_path), **info}
 
 
-def _build(name, root, resolution, domains, aliases=None, on_corrupt="fail", top_classes=None, **_):
+def _build(name, root, resolution, domains, aliases=None, on_corrupt="fail", top_classes=None,
+           limit_per_domain=None, **_):
     files, labels, doms, classes = list_domain_class_tree(root, domains, name, aliases)
     if top_classes:
         counts = np.bincount(labels, minlength=len(classes))
@@ -169,6 +172,9 @@ def _build(name, root, resolution, domains, aliases=None, on_corrupt="fail", top
         labels = np.array([remap[int(x)] for x in labels[sel]], np.int64)
         doms = doms[sel]
         classes = [classes[c] for c in keep_c]
+    if limit_per_domain:  # decode only what will be used
+        sel = subsample_indices(labels, doms, limit_per_domain)
+        files, labels, doms = [files[i] for i in sel], labels[sel], doms[sel]
     images, keep, info = decode_cached(files, resolution, on_corrupt)
     return DomainDataset(images=np.asarray(images), labels=labels[keep], domains=doms[keep], domain_names=list(domains),
                          class_names=classes, meta={"root": str(root), **info})
@@ -203,12 +209,17 @@ def domainnet(root=None, resolution=64, **kw):
     return _build("DomainNet", r, resolution, doms, **kw)
 
 
-@register_dataset("digits")
-def digits(root=None, resolution=32, **kw):
-    r = _need_root(root, "digits", "<root>/<domain>/<class>/<images> (e.g. mnist, mnist_m, usps)")
+def _root_and_domains(root, name: str, example: str = "") -> tuple[Path, list[str]]:
+    r = _need_root(root, name, f"<root>/<domain>/<class>/<images>{example}")
     doms = _subdirs(r)
     if not doms:
         raise DataError(f"data.root {r} holds no domain folders; expected <root>/<domain>/<class>/<images>")
+    return r, doms
+
+
+@register_dataset("digits")
+def digits(root=None, resolution=32, **kw):
+    r, doms = _root_and_domains(root, "digits", " (e.g. mnist, mnist_m, usps)")
     # Digits-DG nests train/ and val/ inside each domain: pool both parts
     if all(set(_subdirs(r / d)) >= {"train"} for d in doms):
         files, labels, dl, classes = [], [], [], None
@@ -231,10 +242,7 @@ def digits(root=None, resolution=32, **kw):
 
 @register_dataset("folder")
 def folder(root=None, resolution=64, **kw):
-    r = _need_root(root, "folder", "<root>/<domain>/<class>/<images>")
-    doms = _subdirs(r)
-    if not doms:
-        raise DataError(f"data.root {r} holds no domain folders; expected <root>/<domain>/<class>/<images>")
+    r, doms = _root_and_domains(root, "folder")
     return _build("folder", r, resolution, doms, **kw)
 
 

@@ -89,6 +89,7 @@ def augment_client(backend, ccst_cfg, images: np.ndarray, labels: np.ndarray, ba
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp.npz")
     np.savez(tmp, images=out, labels=lab, source=source, style_row=style_row)
+    os.chmod(tmp, 0o644)
     os.replace(tmp, path)
     return {"images": out, "labels": lab, "source": source, "style_row": style_row, "cache": "miss",
             "seconds": time.perf_counter() - t0}

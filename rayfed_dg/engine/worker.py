@@ -113,15 +113,15 @@ class ClientRunner:
                     continue
                 if n_extra == 0:
                     yield self._tensors(indices[chunk], gen)
-                    continue
-                base = chunk < nb
-                raw = np.empty((len(chunk),) + self.images.shape[1:], np.uint8)
-                lab = np.empty(len(chunk), np.int64)
-                raw[base] = self.images[indices[chunk[base]]]
-                lab[base] = self.labels[indices[chunk[base]]]
-                raw[~base] = extra["images"][chunk[~base] - nb]
-                lab[~base] = extra["labels"][chunk[~base] - nb]
-                yield self._to_tensors(raw, lab, gen)
+                else:
+                    base = chunk < nb
+                    raw = np.empty((len(chunk),) + self.images.shape[1:], np.uint8)
+                    lab = np.empty(len(chunk), np.int64)
+                    raw[base] = self.images[indices[chunk[base]]]
+                    lab[base] = self.labels[indices[chunk[base]]]
+                    raw[~base] = extra["images"][chunk[~base] - nb]
+                    lab[~base] = extra["labels"][chunk[~base] - nb]
+                    yield self._to_tensors(raw, lab, gen)
                 done += 1
                 if steps is not None and done >= steps:
                     return

@@ -25,6 +25,7 @@ seeded generator for all of the client's randomness, the device and a
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -93,17 +94,25 @@ class Method:
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, ctx: ClientContext) -> torch.Tensor:
         return F.cross_entropy(model(x), y)
 
-    def make_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+    def lr_at(self, round: int) -> float:
+        """The round's learning rate: constant, or cosine-annealed over the rounds."""
         t = self.training
-        params = [p for p in model.parameters() if p.requires_grad]
+        if t.lr_schedule == "cosine" and t.rounds > 1:
+            return t.lr * 0.5 * (1 + math.cos(math.pi * (round - 1) / t.rounds))
+        return t.lr
+
+    def make_optimizer(self, model: nn.Module, round: int = 1, params=None) -> torch.optim.Optimizer:
+        t = self.training
+        params = [p for p in (model.parameters() if params is None else params) if p.requires_grad]
+        lr = self.lr_at(round)
         if t.optimizer == "adam":
-            return torch.optim.Adam(params, lr=t.lr, weight_decay=t.weight_decay)
-        return torch.optim.SGD(params, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
+            return torch.optim.Adam(params, lr=lr, weight_decay=t.weight_decay)
+        return torch.optim.SGD(params, lr=lr, momentum=t.momentum, weight_decay=t.weight_decay)
 
     def local_train(self, model: nn.Module, batches: Callable[[], Iterator[Batch]], ctx: ClientContext) -> dict:
         """Default loop: a fresh optimizer per client and round (a client in a
         cross-device federation holds no optimizer state between rounds)."""
-        opt = self.make_optimizer(model)
+        opt = self.make_optimizer(model, ctx.round)
         model.train()
         total, n = 0.0, 0
         for x, y in batches():

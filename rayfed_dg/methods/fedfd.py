@@ -227,8 +227,9 @@ class FedFD(Method):
     def local_train(self, model, batches, ctx):
         main = [p for n, p in model.named_parameters() if ".adapter." not in n]
         adapter = [p for n, p in model.named_parameters() if ".adapter." in n]
-        opt = self._sgd(main)
-        opt_a = self._sgd(adapter) if adapter else None
+        opt = self.make_optimizer(model, ctx.round, main)
+        # the adapter's own optimiser; make_optimizer skips frozen tensors, so build it unfrozen
+        opt_a = self.make_optimizer(model, ctx.round, adapter) if adapter else None
         model.train()
         total, n = 0.0, 0
         for x, y in batches():
@@ -256,10 +257,6 @@ class FedFD(Method):
             n += len(y)
         set_mode(model, self._eval_mode)
         return {"train_loss": total / max(n, 1), "steps_samples": n}
-
-    def _sgd(self, params):
-        t = self.training
-        return torch.optim.SGD(params, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
 
 
 @register_method
