@@ -37,6 +37,9 @@ def _build_parser() -> argparse.ArgumentParser:
     part.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     part.add_argument("--out", default="partitions", help="folder for the manifest and heatmap")
     part.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    rep = sub.add_parser("report", help="table of target accuracy over runs (seeds) per method")
+    rep.add_argument("run_dirs", nargs="+")
+    rep.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     return p
 
 
@@ -130,6 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     from rayfed_dg.models import ModelError
 
     try:
+        if args.command == "report":
+            from rayfed_dg.reporting import seeds_table
+
+            print(seeds_table([Path(p) for p in args.run_dirs]))
+            return 0
         return _run(args) if args.command == "run" else _partition(args)
     except (ConfigError, DataError, ModelError) as e:
         if args.debug:

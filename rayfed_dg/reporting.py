@@ -68,3 +68,39 @@ def partition_heatmap(ds: DomainDataset, split: FederatedSplit, path: Path, titl
     fig.savefig(path, dpi=130)
     plt.close(fig)
     return path
+
+
+def collect_summaries(run_dirs: list[Path]) -> dict[str, list[dict]]:
+    """method label -> the per-run summaries found under ``run_dirs`` (a run
+    directory with ``summary.json``, or one whose sub-directories have them)."""
+    import json
+
+    out: dict[str, list[dict]] = {}
+    for rd in run_dirs:
+        rd = Path(rd)
+        subs = [rd] if (rd / "summary.json").is_file() and "targets" in json.loads((rd / "summary.json").read_text()) \
+            else sorted(p.parent for p in rd.glob("*/summary.json"))
+        for sd in subs:
+            s = json.loads((sd / "summary.json").read_text())
+            label = sd.name if sd != rd else s.get("method", rd.name)
+            out.setdefault(label, []).append(s)
+    return out
+
+
+def seeds_table(run_dirs: list[Path]) -> str:
+    """Markdown: target accuracy (%) at the source-validation-selected round,
+    mean +- std over the runs (seeds) of each method."""
+    runs = collect_summaries(run_dirs)
+    if not runs:
+        return "(no summaries found)"
+    targets = list(next(iter(runs.values()))[0]["targets"])
+    lines = ["| method | runs | " + " | ".join(targets) + " | avg |", "|---|---|" + "---|" * (len(targets) + 1)]
+    for label, ss in runs.items():
+        cells = []
+        for t in targets + ["__avg"]:
+            vals = [100 * (s["average_target_acc"] if t == "__avg" else s["targets"][t]["target_acc"])
+                    for s in ss if t == "__avg" or t in s["targets"]]
+            cells.append(f"{np.mean(vals):.2f} ± {np.std(vals):.2f}" if len(vals) > 1 else
+                         (f"{vals[0]:.2f}" if vals else "-"))
+        lines.append(f"| {label} | {len(ss)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

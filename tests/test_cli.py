@@ -49,3 +49,21 @@ def test_unknown_target_is_one_line_exit_2(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "did you mean texture" in lines[0]
     assert not run_dir.exists()
+
+
+def test_report_averages_seeds(tmp_path):
+    from rayfed_dg.cli import main
+
+    for seed, (a, b) in enumerate(((0.5, 0.7), (0.7, 0.9))):
+        d = tmp_path / f"s{seed}" / "fedavg"
+        d.mkdir(parents=True)
+        (d / "summary.json").write_text(json.dumps({"targets": {"x": {"target_acc": a}, "y": {"target_acc": b}},
+                                                    "average_target_acc": (a + b) / 2, "method": "fedavg"}))
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["report", str(tmp_path / "s0"), str(tmp_path / "s1")]) == 0
+    row = [l for l in buf.getvalue().splitlines() if l.startswith("| fedavg")][0]
+    assert "| 2 |" in row and "60.00 ± 10.00" in row and "80.00 ± 10.00" in row and "70.00 ± 10.00" in row
