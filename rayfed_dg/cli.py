@@ -29,7 +29,7 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="continue RUN_DIR (made with the same config) from its last complete checkpoint")
     run.add_argument("--no-progress", action="store_true", help="no live progress bars")
     run.add_argument("--dry-run", action="store_true",
-                     help="prove the config builds and trains: 1 round, 1 local step, 24 images per domain")
+                     help="prove the config builds and trains: 1 round, 1 local step, a few images per client")
     run.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     part = sub.add_parser("partition", help="summarise a config's partition, write its manifest and heatmap")
     part.add_argument("config")
@@ -79,8 +79,13 @@ def _run(args) -> int:
     from rayfed_dg.engine import (check_resume_dir, format_table, make_run_dir, make_splits, preflight,
                                   resolve_targets, run_experiment)
 
-    dry = ["training.rounds=1", "training.local_steps=1", "training.batch_size=4", "data.limit_per_domain=24",
-           "evaluation.batch_size=8", "output.checkpoint_every=1"] if args.dry_run else []
+    dry = []
+    if args.dry_run:
+        clients = load_config(args.config, args.overrides).partition.num_clients or 1
+        # enough images that every client of the partition gets a few
+        dry = ["training.rounds=1", "training.local_steps=1", "training.batch_size=4",
+               f"data.limit_per_domain={max(24, 6 * clients)}", "partition.min_size=1",
+               "evaluation.batch_size=8", "output.checkpoint_every=1"]
     cfg = load_config(args.config, args.overrides + dry)
     ds = load_dataset(cfg.data.name, cfg.data.root, cfg.data.resolution, cfg.data.domains,
                       **cfg.data.loader_options())
