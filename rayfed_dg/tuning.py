@@ -177,10 +177,13 @@ def run_sweep(space_name: str, config: str | None, target: str, samples: int, sc
     config_path = config or space.get("config")
     if not config_path:
         raise ConfigError(f"{space['path']}: no 'config' and no --config given")
-    config_path = str((REPO_ROOT / config_path) if not Path(config_path).is_absolute() and
-                      not Path(config_path).exists() else Path(config_path))
+    # trials run in their own folders: every path they read must be absolute
+    config_path = str(Path(config_path).resolve() if Path(config_path).exists() else REPO_ROOT / config_path)
     fixed = list(space.get("set", [])) + list(overrides)
     cfg = load_config(config_path, fixed)
+    if cfg.data.root and not Path(cfg.data.root).is_absolute():
+        fixed.append(f"data.root={Path(cfg.data.root).resolve()}")
+        cfg = load_config(config_path, fixed)
     for key in space["params"]:  # every searched key must be a valid config key
         v = space["params"][key]
         probe = next(iter(v.values()))[0]

@@ -53,13 +53,14 @@ def test_cluster_yaml_validates_against_rays_schema():
     assert any("pip install" in c for c in cfg["setup_commands"])
 
 
-def test_two_trial_sweep_writes_table_and_resumes_without_rerunning(ray_session, tmp_path):
+def test_two_trial_sweep_writes_table_and_resumes_without_rerunning(ray_session, tmp_path, monkeypatch):
     from rayfed_dg.tuning import run_sweep
 
     space_dir = tmp_path / "spaces"
     space_dir.mkdir()
+    monkeypatch.chdir(REPO)  # relative config path, as `python tune.py` users give it
     (space_dir / "tiny.yaml").write_text(yaml.safe_dump({
-        "config": str(REPO / "configs" / "quickstart.yaml"),
+        "config": "configs/quickstart.yaml",
         "set": ["compare=null", "method.name=gperxan", "data.resolution=16", "model.width=8", "training.rounds=2"],
         "params": {"method.lam": {"grid": [0.0, 1.0]}}}))
     store = tmp_path / "store"
