@@ -84,7 +84,6 @@ class Server:
         # server the references, not the arrays; the server keeps them alive
         # because a restarted worker re-runs its constructor with them
         self.data_refs = list(data_refs)
-        images_ref, labels_ref = self.data_refs
         self.cfg = validate(cfg_tree, "<server>")
         self.split = split
         self.method = build_method(self.cfg)
@@ -107,7 +106,7 @@ class Server:
         opts.update(worker_options or {})
         remote_worker = ray.remote(Worker)
         self.workers = [
-            remote_worker.options(**opts).remote(cfg_tree, images_ref, labels_ref, num_classes)
+            remote_worker.options(**opts).remote(cfg_tree, self.data_refs, num_classes)
             for _ in range(num_workers)
         ]
         ray.get([w.ping.remote() for w in self.workers])

@@ -197,9 +197,19 @@ class ClientRunner:
 
 
 class Worker(ClientRunner):
-    """The Ray actor (wrapped with ``ray.remote`` by the server)."""
+    """The Ray actor (wrapped with ``ray.remote`` by the server).
+
+    The dataset arrives as references inside a list, resolved here (zero-copy
+    views of the object store); the server owns and keeps the references, so a
+    restarted worker can read them again."""
 
     returns_to_ray = True
+
+    def __init__(self, cfg_tree: dict, data_refs: list, num_classes: int):
+        import ray
+
+        images, labels = ray.get(list(data_refs))
+        super().__init__(cfg_tree, images, labels, num_classes)
 
     def ping(self) -> int:
         return os.getpid()
