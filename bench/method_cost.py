@@ -50,14 +50,16 @@ def main() -> None:
                                  f"engine.num_cpus_per_worker={args.threads}", f"method.name={name}", *sets])
         r = ClientRunner(cfg.to_dict(), images, labels, 7)
         sd = r.model.state_dict()
-        runners[spec] = (r, to_numpy_state(sd, sd.keys()))
+        g = to_numpy_state(sd, sd.keys())
+        payload = r.method.server_payloads(1, [0], {}, np.random.default_rng(0), g).get(0, {})
+        runners[spec] = (r, g, payload)
     torch.set_num_threads(args.threads)
     times = {m: [] for m in methods}
     for rep in range(args.repeat + 1):
         for m in methods:
-            r, g = runners[m]
+            r, g, payload = runners[m]
             t0 = time.perf_counter()
-            r.train(0, rep + 1, np.arange(n), g, {}, {})
+            r.train(0, rep + 1, np.arange(n), g, {k: g[k] for k in r.local_keys}, payload)
             if rep:  # the first repetition warms up
                 times[m].append((time.perf_counter() - t0) / args.steps)
     base = statistics.median(times[methods[0]])
