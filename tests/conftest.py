@@ -31,3 +31,21 @@ def tiny_cfg(*overrides):
             "training.lr=0.05", "engine.num_cpus_per_worker=1", "evaluation.batch_size=512",
             "output.save_best_checkpoint=false"]
     return load_config(None, base + list(overrides))
+
+
+def server_rounds(ray, cfg, ds, target="texture", workers=1, rounds=1):
+    """Run ``rounds`` rounds on a real server actor; returns (split, [state
+    after each round], broadcast state at the end)."""
+    from rayfed_dg.data import leave_one_domain_out
+    from rayfed_dg.engine import Server
+
+    split = leave_one_domain_out(ds, target, cfg.data.val_fraction, cfg.data.split_seed)
+    server = ray.remote(Server).options(num_cpus=0).remote(
+        cfg.to_dict(), split, [ray.put(ds.images), ray.put(ds.labels)], ds.num_classes, workers)
+    states = []
+    for _ in range(rounds):
+        ray.get(server.run_round.remote())
+        states.append(ray.get(server.get_state.remote()))
+    bcast = ray.get(server.broadcast_state.remote())
+    ray.get(server.shutdown.remote())
+    return split, states, bcast

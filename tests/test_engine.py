@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import tiny_cfg
+from conftest import server_rounds, tiny_cfg
 from rayfed_dg.data import leave_one_domain_out
 from rayfed_dg.engine import ClientRunner, Server, run_federation
 from rayfed_dg.methods import build_method
@@ -49,13 +49,7 @@ def test_local_bn_state_survives_broadcast_and_persists(ray_session, tiny_ds, me
     cfg = tiny_cfg(f"method.name={method}")
     local = bn_keys(cfg, tiny_ds, kinds)
     shared_bn = bn_keys(cfg, tiny_ds) - local
-    server, split = start_server(ray, cfg, tiny_ds)
-    ray.get(server.run_round.remote())
-    s1 = ray.get(server.get_state.remote())
-    ray.get(server.run_round.remote())
-    s2 = ray.get(server.get_state.remote())
-    bcast = ray.get(server.broadcast_state.remote())
-    ray.get(server.shutdown.remote())
+    split, (s1, s2), bcast = server_rounds(ray, cfg, tiny_ds, rounds=2)
     assert local.isdisjoint(bcast) and shared_bn <= set(bcast)
     runner = ClientRunner(cfg.to_dict(), tiny_ds.images, tiny_ds.labels, tiny_ds.num_classes)
     for c in range(split.num_clients):

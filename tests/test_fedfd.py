@@ -2,7 +2,7 @@
 import numpy as np
 import torch
 
-from conftest import tiny_cfg
+from conftest import server_rounds, tiny_cfg
 from rayfed_dg.data import leave_one_domain_out
 from rayfed_dg.engine import ClientRunner, Server
 from rayfed_dg.engine.worker import to_numpy_state
@@ -107,12 +107,7 @@ def test_adapter_gets_gradient_only_in_its_phase(tiny_ds):
 def test_clients_use_the_servers_averaged_running_statistics(ray_session, tiny_ds):
     ray = ray_session
     cfg = tiny_cfg("method.name=fedfda", "training.rounds=1")
-    split = leave_one_domain_out(tiny_ds, "texture", 0.2, 0)
-    server = ray.remote(Server).options(num_cpus=0).remote(
-        cfg.to_dict(), split, [ray.put(tiny_ds.images), ray.put(tiny_ds.labels)], 10, 1)
-    ray.get(server.run_round.remote())
-    s1 = ray.get(server.get_state.remote())
-    ray.get(server.shutdown.remote())
+    split, (s1,), _ = server_rounds(ray, cfg, tiny_ds)
     g = s1["global_state"]
     n = split.client_sizes().astype(np.float64)
     k = "body.1.running_mean"

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conftest import tiny_cfg
+from conftest import server_rounds, tiny_cfg
 from rayfed_dg.data import leave_one_domain_out
 from rayfed_dg.engine import ClientRunner, Server
 from rayfed_dg.methods import ClientContext, build_method
@@ -129,15 +129,7 @@ def test_loss_is_ce_plus_lambda_ce_through_global_head(tiny_ds):
 def test_perxan_bn_side_is_the_clients_own_and_global_averages_it(ray_session, tiny_ds):
     ray = ray_session
     cfg = tiny_cfg("method.name=gperxan")
-    split = leave_one_domain_out(tiny_ds, "texture", 0.2, 0)
-    server = ray.remote(Server).options(num_cpus=0).remote(
-        cfg.to_dict(), split, [ray.put(tiny_ds.images), ray.put(tiny_ds.labels)], 10, 2)
-    ray.get(server.run_round.remote())
-    s1 = ray.get(server.get_state.remote())
-    ray.get(server.run_round.remote())
-    s2 = ray.get(server.get_state.remote())
-    bcast = ray.get(server.broadcast_state.remote())
-    ray.get(server.shutdown.remote())
+    split, (s1, s2), bcast = server_rounds(ray, cfg, tiny_ds, workers=2, rounds=2)
     method = build_method(cfg)
     local = method.local_keys(method.build_model(10))
     assert local and local.isdisjoint(bcast)
