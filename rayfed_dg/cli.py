@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     except EngineError as e:
         if args.debug:
             traceback.print_exc()
-        print(f"rayfed-dg: error: {e}", file=sys.stderr)
+        # raised inside the server actor, it arrives wrapped with a remote traceback
+        print(f"rayfed-dg: error: {getattr(e, 'cause', None) or e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("rayfed-dg: interrupted", file=sys.stderr)

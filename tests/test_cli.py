@@ -40,6 +40,21 @@ def test_two_round_run_writes_the_run_directory(tmp_path):
     assert "method:\n  name: fedbn" in (run_dir / "config.yaml").read_text()
 
 
+def test_diverging_training_stops_with_one_line_error(tmp_path):
+    # a learning rate of 1e9 sends the loss to inf/nan in the first round: the run
+    # must stop (exit 1) with the engine's message, not average NaNs for 2 rounds
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "rayfed_dg", "run", str(REPO / "configs" / "quickstart.yaml"),
+           "--target", "colour", "--run-dir", str(run_dir), "--no-progress",
+           "--set", "training.rounds=2", "--set", "data.resolution=16", "--set", "model.width=8",
+           "--set", "compare=null", "--set", "training.lr=1e9"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("rayfed-dg: error: client ") and "round 1: local training diverged" in last, last
+    assert not (run_dir / "summary.json").exists()
+
+
 def test_unknown_target_is_one_line_exit_2(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "rayfed_dg", "run", str(REPO / "configs" / "quickstart.yaml"),

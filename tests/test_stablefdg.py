@@ -124,3 +124,33 @@ def test_styles_travel_through_the_engine_and_ledger(ray_session, tiny_ds):
     assert all(r["bytes"] == 4 * 8 * 4 for r in up)  # 4C float32
     assert {r["round"] for r in down} == {2} and len(down) == 3  # round 1 shares nothing
     assert all(r["bytes"] == 4 * 8 * 4 for r in down)
+
+
+def test_exploration_sigma_follows_eq5_unclamped():
+    # two oversampled copies of sample 0 whose std (0.5) is below the batch mean:
+    # Eq. 5 gives sigma_new = s + 3 (s - mean) < 0, a flipped map with the same content
+    x = torch.stack([torch.tensor([[0.0, 1.0], [0.0, 1.0]]), torch.tensor([[0.0, 4.0], [0.0, 4.0]])])[:, None]
+    out = explore(x, torch.tensor([0, 0]), 3.0)
+    sig = torch.tensor([0.5, 2.0, 0.5, 0.5])  # biased std over the 2 x 2 map
+    s_new = 0.5 + 3 * (0.5 - sig.mean())  # = -0.625
+    mu = torch.tensor([0.5, 2.0, 0.5, 0.5])
+    m_new = 0.5 + 3 * (0.5 - mu.mean())
+    xn = (x[0] - 0.5) / torch.sqrt(torch.tensor(0.25 + 1e-6))
+    assert torch.allclose(out[2], xn * s_new + m_new, atol=1e-5) and torch.allclose(out[3], out[2])
+
+
+def test_stablefdg_learns_from_scratch_with_every_style_op_firing(tiny_ds):
+    # every style operation on every batch must still leave a model that fits its data
+    from rayfed_dg.engine.worker import to_numpy_state
+
+    cfg = tiny_cfg("method.name=stablefdg", "method.attention=false", "method.explore_p=1.0",
+                   "training.local_steps=15", "training.lr=0.05")
+    r = ClientRunner(cfg.to_dict(), tiny_ds.images, tiny_ds.labels, 10)
+    idx = np.flatnonzero(tiny_ds.domains == 0)[:200]
+    sd = r.model.state_dict()
+    g = to_numpy_state(sd, sd.keys())
+    for rnd in range(1, 7):
+        out = r.train(0, rnd, idx, g, {}, {})
+        g = {**g, **out["update"]}
+    correct, loss, n = r.evaluate(g, idx, 256)
+    assert np.isfinite(out["stats"]["train_loss"]) and correct / n > 0.6, correct / n

@@ -27,7 +27,7 @@ from rayfed_dg.methods import build_method
 
 from .aggregate import OrderedReducer
 from .seeding import INIT, numpy_rng, sample_clients, seed_int
-from .worker import InjectedFault, Worker, to_numpy_state
+from .worker import DivergedError, InjectedFault, Worker, to_numpy_state
 
 EVAL_CHUNK = 2048
 
@@ -205,6 +205,8 @@ class Server:
             try:
                 res = ray.get(ref)
             except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as err:
+                if isinstance(getattr(err, "cause", None), DivergedError):
+                    raise EngineError(str(err.cause)) from None
                 if not _retryable(err):
                     raise
                 if attempt < retries:

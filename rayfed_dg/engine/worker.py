@@ -8,6 +8,7 @@ repeat, which is what Ray's actor restarts and task retries need.
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 import warnings
@@ -26,6 +27,11 @@ from .seeding import FAULT, INIT, TRAIN, numpy_rng, seed_int, torch_generator
 
 class InjectedFault(RuntimeError):
     pass
+
+
+class DivergedError(RuntimeError):
+    """A client's local loss became NaN or infinite: retrying would repeat it
+    (training is seeded), so the run stops instead of averaging garbage."""
 
 
 def resolve_device(device: str, num_gpus: float) -> torch.device:
@@ -150,6 +156,10 @@ class ClientRunner:
                             labels=self.labels[indices], fetch=lambda idx: self._tensors(idx, None))
         self.method.round_start(self.model, ctx)
         stats = self.method.local_train(self.model, lambda: self.batches(indices, gen, extra), ctx)
+        if not math.isfinite(stats.get("train_loss", 0.0)):
+            raise DivergedError(
+                f"client {client_id} round {round}: local training diverged (loss {stats['train_loss']}); "
+                f"lower training.lr or the method's loss weights")
         sd = self.model.state_dict()
         stats["seconds"] = time.perf_counter() - t0
         return {

@@ -164,7 +164,12 @@ def explore(x: torch.Tensor, pick: torch.Tensor, alpha: float) -> torch.Tensor:
     b = x.shape[0]
     mu_e, sig_e = mu_all[b:], sig_all[b:]
     new_mu = mu_e + alpha * (mu_e - mu_all.mean(0, keepdim=True))
-    new_sig = (sig_e + alpha * (sig_e - sig_all.mean(0, keepdim=True))).clamp_min(EPS)
+    # Eq. 5 as written, no clamp (the reference code does not clamp either): a
+    # negative sigma flips the normalised feature but keeps its content, whereas
+    # clamping at ~0 erased the content of every channel whose std sits below
+    # (alpha / (1 + alpha)) of the batch average, and training from scratch
+    # then stalled near chance (digits, alpha = 3).
+    new_sig = sig_e + alpha * (sig_e - sig_all.mean(0, keepdim=True))
     return torch.cat([x, adain(extra, new_mu, new_sig)])
 
 
