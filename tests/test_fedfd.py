@@ -124,3 +124,36 @@ def test_clients_use_the_servers_averaged_running_statistics(ray_session, tiny_d
     # the payload is exactly the running statistics: the bytes a FedAvg client gets for them
     stat_bytes = sum(v.nbytes for kk, v in g.items() if kk.endswith(("running_mean", "running_var")))
     assert payload["global_stats"].nbytes == stat_bytes
+
+
+def test_client_side_selection_uploads_the_best_validated_iterate(tiny_ds):
+    split = leave_one_domain_out(tiny_ds, "texture", 0.2, 0)
+    train, val = split.clients[0], split.val[split.client_domains[0]]
+    sets = ("method.name=fedfda", "method.lambda2=0.1", "training.local_steps=6")
+    _, plain = runner(tiny_ds, *sets)
+    _, sel = runner(tiny_ds, *sets, "method.select_every=2")
+    g = to_numpy_state(plain.model.state_dict(), plain.model.state_dict().keys())
+    pay = plain.method.server_payloads(1, [0], {}, None, g)[0]
+    a = plain.train(0, 1, train, g, {}, pay)
+    b = sel.train(0, 1, train, g, {}, pay, val_indices=val)
+    it, acc = b["stats"]["selected_iteration"], b["stats"]["selected_val_acc"]
+    assert it in (2, 4, 6)
+    correct, _, n = sel.evaluate({**g, **b["update"]}, val, 64)
+    assert correct / n == acc  # the uploaded model is the one that scored acc
+    correct_last, _, _ = plain.evaluate({**g, **a["update"]}, val, 64)
+    assert acc >= correct_last / n  # the last iterate was a candidate (same seeded trajectory)
+    same = all(np.array_equal(a["update"][k], b["update"][k]) for k in a["update"])
+    assert same == (it == 6)
+
+
+def test_server_gives_each_client_validation_of_its_own_domain(ray_session, tiny_ds):
+    ray = ray_session
+    cfg = tiny_cfg("method.name=fedfda", "method.select_every=5", "method.select_samples=7")
+    split = leave_one_domain_out(tiny_ds, "texture", 0.2, 0)
+    server = ray.remote(Server).options(num_cpus=0).remote(
+        cfg.to_dict(), split, [ray.put(tiny_ds.images), ray.put(tiny_ds.labels)], 10, 1)
+    for c in range(split.num_clients):
+        v = ray.get(server.client_val.remote(c))
+        assert len(v) == 7 and set(v) <= set(split.val[split.client_domains[c]])
+        assert np.array_equal(v, ray.get(server.client_val.remote(c)))  # fixed across rounds
+    ray.get(server.shutdown.remote())

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-SAMPLE, TRAIN, INIT, FAULT = 1, 2, 3, 4
+SAMPLE, TRAIN, INIT, FAULT, CLIENT_VAL = 1, 2, 3, 4, 11
 
 
 def seed_int(*parts: int) -> int:

@@ -26,7 +26,7 @@ from rayfed_dg.data.protocol import FederatedSplit
 from rayfed_dg.methods import build_method
 
 from .aggregate import OrderedReducer
-from .seeding import INIT, numpy_rng, sample_clients, seed_int
+from .seeding import CLIENT_VAL, INIT, numpy_rng, sample_clients, seed_int
 from .worker import DivergedError, InjectedFault, Worker, to_numpy_state
 
 EVAL_CHUNK = 2048
@@ -219,6 +219,17 @@ class Server:
             on_result(job, res)
         return failed
 
+    def client_val(self, cid: int) -> np.ndarray | None:
+        """A fixed, seeded subset of the validation split of the client's main
+        source domain, for methods that select their local model on the client."""
+        n = self.method.client_val_size()
+        if n <= 0:
+            return None
+        val = self.split.val[self.split.client_domains[cid]]
+        if len(val) > n:
+            val = np.sort(numpy_rng(self.cfg.training.seed, CLIENT_VAL, cid).choice(val, n, replace=False))
+        return val
+
     # --------------------------------------------------------------- round
     def run_round(self) -> dict:
         t0 = time.perf_counter()
@@ -244,7 +255,8 @@ class Server:
         def submit(worker, cid, attempt):
             return worker.train.remote(cid, r, self.split.clients[cid], self.global_ref,
                                        self.client_store.get(cid, self.init_local), payloads.get(cid, {}),
-                                       fault_p, attempt, extra=self.extra.get(cid))
+                                       fault_p, attempt, extra=self.extra.get(cid),
+                                       val_indices=self.client_val(cid))
 
         def on_result(cid, res):
             if res is None:

@@ -138,7 +138,8 @@ class ClientRunner:
     # ---------------------------------------------------------------- tasks
     def train(self, client_id: int, round: int, indices: np.ndarray, global_state: dict[str, np.ndarray],
               local_state: dict[str, np.ndarray], payload: dict[str, np.ndarray],
-              fault_p: float = 0.0, attempt: int = 0, extra: dict | None = None) -> dict:
+              fault_p: float = 0.0, attempt: int = 0, extra: dict | None = None,
+              val_indices: np.ndarray | None = None) -> dict:
         t0 = time.perf_counter()
         seed = self.cfg.training.seed
         e = self.cfg.engine
@@ -153,7 +154,8 @@ class ClientRunner:
         gen = torch_generator(seed, TRAIN, round, client_id)
         ctx = ClientContext(client_id=client_id, round=round, device=self.device, generator=gen,
                             num_samples=len(indices), payload=payload, indices=indices,
-                            labels=self.labels[indices], fetch=lambda idx: self._tensors(idx, None))
+                            labels=self.labels[indices], fetch=lambda idx: self._tensors(idx, None),
+                            val_indices=val_indices)
         self.method.round_start(self.model, ctx)
         stats = self.method.local_train(self.model, lambda: self.batches(indices, gen, extra), ctx)
         if not math.isfinite(stats.get("train_loss", 0.0)):

@@ -6,6 +6,7 @@ overrides nothing; the engine calls hooks and never names a method.
 
 Client side (inside a worker actor, once per sampled client and round):
   ``build_model``        the network, built identically on server and workers
+  ``client_val_size``    validation samples a client gets for local selection
   ``local_keys``         state that stays on the client: never broadcast down,
                          kept per client by the engine across rounds
   ``private_keys``       the part of ``local_keys`` that is not uploaded either
@@ -55,6 +56,8 @@ class ClientContext:
     indices: np.ndarray | None = None  # dataset indices of the client's training samples
     labels: np.ndarray | None = None  # their labels
     fetch: Callable[[np.ndarray], tuple[torch.Tensor, torch.Tensor]] | None = None  # (x, y) of indices
+    # validation samples of the client's own (main) source domain, when ``client_val_size`` asks for them
+    val_indices: np.ndarray | None = None
 
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -82,6 +85,11 @@ class Method:
 
     def private_keys(self, model: nn.Module) -> set[str]:
         return set()
+
+    def client_val_size(self) -> int:
+        """How many validation samples of its own source domain each client
+        gets for client-side model selection (0: none)."""
+        return 0
 
     def tensor_group(self, key: str, is_local: bool) -> str:
         """Ledger group of a state-dict key ("shared" or "local" by default)."""

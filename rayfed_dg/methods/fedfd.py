@@ -36,10 +36,16 @@ Where the paper is silent (our choices, also listed in the README):
   paper's "+1.9%"; the adapter's last layer starts at zero weights and bias
   epsilon = 0.5, so alpha starts at 0.5 everywhere;
 * the adapter step uses a fresh SGD with the main optimiser's settings;
+* client-side selection validates on the validation split of the client's
+  own (main) source domain (or a fixed seeded subset of ``select_samples``), in the inference
+  mode used at test, and uploads the best of the round's candidates (every
+  ``select_every`` iterations and the last one); the optimiser's momentum is
+  not rolled back, only the uploaded weights;
 * the global statistics of round 1 are those of the initial model.
 """
 from __future__ import annotations
 
+import sys
 from typing import Literal
 
 import numpy as np
@@ -137,6 +143,11 @@ class FedFD(Method):
         u_high: float = 1.0
         u_fixed: float | None = None  # Table 2: 0 = global only, 1 = instance only, 0.5 = fixed
         inference: Literal["auto", "global", "instance", "adapter"] = "auto"
+        # client-side selection (Sec. 4.1): validate every `select_every` iterations (paper: 20)
+        # on the validation split of the client's own domain (capped at `select_samples`
+        # images if set); upload the best model of the round
+        select_every: int | None = Field(None, ge=1)
+        select_samples: int | None = Field(None, ge=1)
 
         @model_validator(mode="after")
         def _range(self):
@@ -155,6 +166,11 @@ class FedFD(Method):
         self._eval_mode = {"global": "plain", "instance": "instance", "adapter": "adapt"}[infer]
         set_mode(model, self._eval_mode)
         return model
+
+    def client_val_size(self):
+        if not self.p.select_every:
+            return 0
+        return self.p.select_samples or sys.maxsize
 
     # ---------------------------------------------------------- what is local
     def local_keys(self, model):
@@ -232,6 +248,9 @@ class FedFD(Method):
         opt_a = self.make_optimizer(model, ctx.round, adapter) if adapter else None
         model.train()
         total, n = 0.0, 0
+        every = self.p.select_every if ctx.val_indices is not None and len(ctx.val_indices) else None
+        best = (-1.0, 0, None)  # (validation accuracy, iteration, state)
+        it = 0
         for x, y in batches():
             for p in adapter:
                 p.requires_grad_(False)
@@ -255,8 +274,35 @@ class FedFD(Method):
             set_mode(model, "plain")
             total += float(loss.detach()) * len(y)
             n += len(y)
+            it += 1
+            if every and it % every == 0:
+                best = self._keep_best(model, ctx, it, best)
         set_mode(model, self._eval_mode)
-        return {"train_loss": total / max(n, 1), "steps_samples": n}
+        stats = {"train_loss": total / max(n, 1), "steps_samples": n}
+        if every:
+            if it % every:  # the round's last iterate is always a candidate
+                best = self._keep_best(model, ctx, it, best)
+            model.load_state_dict(best[2])
+            set_mode(model, self._eval_mode)
+            stats.update(selected_iteration=best[1], selected_val_acc=best[0])
+        return stats
+
+    @torch.no_grad()
+    def _keep_best(self, model, ctx, it, best):
+        """Validate in the inference mode used at test; keep the state if it is
+        strictly better (ties keep the earlier iterate)."""
+        set_mode(model, self._eval_mode)
+        model.eval()
+        correct = 0
+        for s in range(0, len(ctx.val_indices), 256):
+            x, y = ctx.fetch(ctx.val_indices[s:s + 256])
+            correct += int((model(x).argmax(1) == y).sum())
+        model.train()
+        set_mode(model, "plain")
+        acc = correct / len(ctx.val_indices)
+        if acc > best[0]:
+            return acc, it, {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return best
 
 
 @register_method
