@@ -168,7 +168,7 @@ def explore(x: torch.Tensor, pick: torch.Tensor, alpha: float) -> torch.Tensor:
     # negative sigma flips the normalised feature but keeps its content, whereas
     # clamping at ~0 erased the content of every channel whose std sits below
     # (alpha / (1 + alpha)) of the batch average, and training from scratch
-    # then stalled near chance (digits, alpha = 3).
+    # stalled (one digits client, alpha = 3, 300 steps: loss 1.39 vs 0.31).
     new_sig = sig_e + alpha * (sig_e - sig_all.mean(0, keepdim=True))
     return torch.cat([x, adain(extra, new_mu, new_sig)])
 
