@@ -9,13 +9,18 @@ import torch
 from conftest import REPO
 
 
+def quick_run(run_dir, *sets):
+    """The quickstart for target colour, 2 rounds on 16 px images, one method."""
+    cmd = [sys.executable, "-m", "rayfed_dg", "run", str(REPO / "configs" / "quickstart.yaml"),
+           "--target", "colour", "--run-dir", str(run_dir), "--no-progress"]
+    for kv in ("training.rounds=2", "data.resolution=16", "model.width=8", "compare=null", *sets):
+        cmd += ["--set", kv]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
 def test_two_round_run_writes_the_run_directory(tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "rayfed_dg", "run", str(REPO / "configs" / "quickstart.yaml"),
-           "--target", "colour", "--run-dir", str(run_dir), "--no-progress",
-           "--set", "training.rounds=2", "--set", "data.resolution=16", "--set", "model.width=8",
-           "--set", "compare=null", "--set", "method.name=fedbn"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = quick_run(run_dir, "method.name=fedbn")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "fedbn" in proc.stdout and "colour" in proc.stdout
     for name in ("config.yaml", "metrics.parquet", "ledger.parquet", "summary.json", "best_colour.pt"):
@@ -44,11 +49,7 @@ def test_diverging_training_stops_with_one_line_error(tmp_path):
     # a learning rate of 1e9 sends the loss to inf/nan in the first round: the run
     # must stop (exit 1) with the engine's message, not average NaNs for 2 rounds
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "rayfed_dg", "run", str(REPO / "configs" / "quickstart.yaml"),
-           "--target", "colour", "--run-dir", str(run_dir), "--no-progress",
-           "--set", "training.rounds=2", "--set", "data.resolution=16", "--set", "model.width=8",
-           "--set", "compare=null", "--set", "training.lr=1e9"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = quick_run(run_dir, "training.lr=1e9")
     assert proc.returncode == 1, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("rayfed-dg: error: client ") and "round 1: local training diverged" in last, last
