@@ -38,21 +38,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
+from rayfed_dg.models import feature_sites, insert_after, replace_module
 from rayfed_dg.models.style import (FeatureHighlighter, StyleExplore, StyleShift, StyleState, channel_stats,
                                     style_information)
 
 from .base import Method, register_method
-
-
-def _insert_points(body: nn.Module) -> tuple[list[tuple[nn.Module, str]], str]:
-    """(parent, attribute) of blocks 1-3 and the pooling attribute, for the
-    ResNet body or the conv net."""
-    if hasattr(body, "layer1"):
-        return [(body, f"layer{i}") for i in (1, 2, 3)], "avgpool"
-    if isinstance(body, nn.Sequential) and len(body) == 17:
-        # conv net: 4 x [conv, bn, relu, pool] + pool; blocks end at indices 3, 7, 11
-        return [(body, "3"), (body, "7"), (body, "11")], "16"
-    raise ValueError("stablefdg supports the ResNets and the conv net")
 
 
 @register_method
@@ -81,31 +71,19 @@ class StableFDG(Method):
                            oversample_size=p.oversample_size, explore=p.style, alpha=p.alpha,
                            explore_p=p.explore_p, mix_alpha=p.mix_alpha)
         model.style_state = state
-        blocks, pool = _insert_points(model.body)
+        sites = feature_sites(model.body)
         channels = model.head.in_features
-        for i, (parent, attr) in enumerate(blocks):
-            mods = [parent.get_submodule(attr) if not attr.isdigit() else parent[int(attr)]]
-            if i == 0:
-                mods.append(StyleShift(state))
-            mods.append(StyleExplore(state))
-            new = nn.Sequential(*mods)
-            if attr.isdigit():
-                parent[int(attr)] = new
-            else:
-                setattr(parent, attr, new)
+        insert_after(model.body, sites["block1"], StyleShift(state), StyleExplore(state))
+        for b in ("block2", "block3"):
+            insert_after(model.body, sites[b], StyleExplore(state))
         if p.attention:
-            hl = FeatureHighlighter(channels, state, p.attention_dim)
-            if pool.isdigit():
-                model.body[int(pool)] = hl
-            else:
-                setattr(model.body, pool, hl)
+            replace_module(model.body, sites["pool"], FeatureHighlighter(channels, state, p.attention_dim))
             model.head = nn.Linear(2 * channels, num_classes)
         return model
 
     # --------------------------------------------------------------- styles
     def _block1(self, model) -> nn.Module:
-        b = model.body
-        return b.layer1 if hasattr(b, "layer1") else b[3]
+        return model.body.get_submodule(feature_sites(model.body)["block1"])
 
     @torch.no_grad()
     def compute_style(self, model, x_batches) -> np.ndarray:

@@ -242,3 +242,59 @@ def same_class_partners(labels: torch.Tensor, gen: torch.Generator) -> tuple[tor
             partner[idx] = torch.roll(idx, -1)
             has[idx] = True
     return partner, has
+
+
+class RandomStyleLayer(nn.Module):
+    """Base of the per-layer feature-statistics augmentations: fires with
+    probability ``p`` in training (identity at evaluation), drawing all its
+    randomness from ``gen``, the client task's seeded generator."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+        self.gen: torch.Generator | None = None
+
+    def forward(self, x):
+        # a 1 x 1 map has no spatial statistics (DSU's unbiased variance would be NaN)
+        if not self.training or x.shape[0] < 2 or x.shape[2] * x.shape[3] < 2:
+            return x
+        if float(torch.rand(1, generator=self.gen)) >= self.p:
+            return x
+        return self.augment(x)
+
+    def augment(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class MixStyleLayer(RandomStyleLayer):
+    """MixStyle (Zhou et al., ICLR 2021, Eq. 3-5): the random-shuffle variant,
+    since a client holds one domain; statistics detached, lambda ~ Beta(a, a)."""
+
+    def __init__(self, p: float = 0.5, alpha: float = 0.1):
+        super().__init__(p)
+        self.alpha = alpha
+
+    def augment(self, x):
+        return mixstyle(x, self.alpha, self.gen)
+
+
+class DSULayer(RandomStyleLayer):
+    """DSU (Li et al., ICLR 2022, Eq. 3-8): beta ~ N(mu, Sigma_mu^2), gamma ~
+    N(sigma, Sigma_sigma^2) per sample and channel, with Sigma the standard
+    deviation over the batch of the per-sample statistics; output
+    gamma (x - mu) / sigma + beta.  As the official code: unbiased variances,
+    eps 1e-6, nothing detached."""
+
+    def __init__(self, p: float = 0.5, eps: float = 1e-6):
+        super().__init__(p)
+        self.eps = eps
+
+    def augment(self, x):
+        mu = x.mean((2, 3))
+        sig = (x.var((2, 3)) + self.eps).sqrt()
+        s_mu = (mu.var(0, keepdim=True) + self.eps).sqrt()
+        s_sig = (sig.var(0, keepdim=True) + self.eps).sqrt()
+        beta = mu + torch.randn(mu.shape, generator=self.gen).to(x) * s_mu
+        gamma = sig + torch.randn(sig.shape, generator=self.gen).to(x) * s_sig
+        xn = (x - mu[:, :, None, None]) / sig[:, :, None, None]
+        return xn * gamma[:, :, None, None] + beta[:, :, None, None]

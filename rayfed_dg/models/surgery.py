@@ -40,8 +40,32 @@ def replace_norm(model: nn.Module, make: Callable[[str, nn.Module], nn.Module | 
         new = make(name, old)
         if new is None:
             continue
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, new)
+        replace_module(model, name, new)
         replaced.append(name)
     return replaced
+
+
+def feature_sites(body: nn.Module) -> dict[str, str]:
+    """Where feature-statistics methods (MixStyle, DSU, StableFDG) hook into a
+    feature extractor: qualified names in ``body`` of the stem convolution
+    (``conv1``), the end of the stem (``stem``, the ResNets' max-pool), the
+    four stages (``block1`` .. ``block4``: ResNet ``layerK``, or the conv
+    net's K-th conv-BN-ReLU-pool block) and the global pooling (``pool``)."""
+    if hasattr(body, "layer1") and hasattr(body, "maxpool"):
+        return {"conv1": "conv1", "stem": "maxpool", **{f"block{i}": f"layer{i}" for i in range(1, 5)},
+                "pool": "avgpool"}
+    if isinstance(body, nn.Sequential) and len(body) == 17:
+        # conv net: 4 x [conv, bn, relu, pool] + global pool; its stem is block 1
+        return {"conv1": "0", **{f"block{i}": str(4 * i - 1) for i in range(1, 5)}, "pool": "16"}
+    raise ValueError("feature-statistics methods support the ResNets and the conv net")
+
+
+def insert_after(root: nn.Module, name: str, *modules: nn.Module) -> None:
+    """Replace submodule ``name`` of ``root`` by Sequential(it, *modules)."""
+    replace_module(root, name, nn.Sequential(root.get_submodule(name), *modules))
+
+
+def replace_module(root: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, attr, module)

@@ -1,0 +1,43 @@
+"""DSU under FedAvg (Li, Dai, Ge, Liu, Shan, Duan, "Uncertainty Modeling for
+Out-of-Distribution Generalization", ICLR 2022), a style-augmentation
+baseline of the StableFDG paper.
+
+Eq. 3-8: with probability ``p`` a layer resamples each sample's channel
+statistics, beta ~ N(mu, Sigma_mu^2) and gamma ~ N(sigma, Sigma_sigma^2),
+where Sigma_mu and Sigma_sigma are the standard deviations over the batch of
+the per-sample means and stds, and outputs gamma (x - mu) / sigma + beta.
+The official placement is six sites: after the stem convolution (before its
+BN), after the stem's max-pool and after each of the four stages (the conv
+net has no separate stem, so five).  Identity at evaluation; FedAvg.
+"""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rayfed_dg.models.style import DSULayer
+
+from .base import Method, register_method
+from .mixstyle import SITES, add_style_layers, seed_style_layers
+
+
+@register_method
+class DSU(Method):
+    name = "dsu"
+
+    class Params(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        p: float = Field(0.5, ge=0.0, le=1.0)
+        blocks: list[str] = list(SITES)
+
+        def model_post_init(self, _):
+            bad = sorted(set(self.blocks) - set(SITES))
+            if bad:
+                raise ValueError(f"unknown sites {bad}; choose from {', '.join(SITES)}")
+
+    def build_model(self, num_classes):
+        model = super().build_model(num_classes)
+        add_style_layers(model, self.p.blocks, lambda: DSULayer(self.p.p))
+        return model
+
+    def round_start(self, model, ctx):
+        seed_style_layers(model, ctx.generator)

@@ -1,0 +1,59 @@
+"""MixStyle under FedAvg (Zhou, Yang, Qiao, Xiang, "Domain Generalization with
+MixStyle", ICLR 2021), the style-augmentation baseline of the StableFDG and
+CCST papers.
+
+Eq. 3-5: with probability ``p`` a layer replaces each sample's channel mean
+and std by lambda * own + (1 - lambda) * those of a random other sample in
+the batch, lambda ~ Beta(alpha, alpha), statistics detached.  A client holds
+one domain, so the random-shuffle variant is the only one available; the
+official placement is after the first three stages (``blocks``; the official
+Office-Home setting is blocks 1-2).  Identity at evaluation; aggregation is
+FedAvg.
+"""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rayfed_dg.models import feature_sites, insert_after
+from rayfed_dg.models.style import MixStyleLayer, RandomStyleLayer
+
+from .base import Method, register_method
+
+SITES = ("conv1", "stem", "block1", "block2", "block3", "block4")
+
+
+def add_style_layers(model, sites: list[str], make) -> None:
+    where = feature_sites(model.body)
+    for s in sites:
+        if s in where:  # the conv net has no separate stem
+            insert_after(model.body, where[s], make())
+
+
+def seed_style_layers(model, gen) -> None:
+    for m in model.modules():
+        if isinstance(m, RandomStyleLayer):
+            m.gen = gen
+
+
+@register_method
+class MixStyle(Method):
+    name = "mixstyle"
+
+    class Params(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        p: float = Field(0.5, ge=0.0, le=1.0)
+        alpha: float = Field(0.1, gt=0.0)
+        blocks: list[str] = ["block1", "block2", "block3"]
+
+        def model_post_init(self, _):
+            bad = sorted(set(self.blocks) - set(SITES))
+            if bad:
+                raise ValueError(f"unknown sites {bad}; choose from {', '.join(SITES)}")
+
+    def build_model(self, num_classes):
+        model = super().build_model(num_classes)
+        add_style_layers(model, self.p.blocks, lambda: MixStyleLayer(self.p.p, self.p.alpha))
+        return model
+
+    def round_start(self, model, ctx):
+        seed_style_layers(model, ctx.generator)
