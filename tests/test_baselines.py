@@ -71,3 +71,44 @@ def test_style_baselines_are_seeded_and_change_training(tiny_ds):
         a, b = update(m), update(m)
         assert all(np.array_equal(a[k], b[k]) for k in a)  # the same seed, the same weights
         assert not np.allclose(a["head.weight"], base["head.weight"])  # the augmentation took effect
+
+
+def test_fedsr_kl_and_loss_by_hand(tiny_ds):
+    from torch.distributions import Normal, kl_divergence
+
+    from rayfed_dg.methods.base import ClientContext
+    from rayfed_dg.methods.fedsr import gaussian_kl
+
+    mq, sq, mp, sp = torch.randn(5, 4), torch.rand(5, 4) + 0.1, torch.randn(5, 4), torch.rand(5, 4) + 0.1
+    assert torch.allclose(gaussian_kl(mq, sq, mp, sp), kl_divergence(Normal(mq, sq), Normal(mp, sp)).sum(-1),
+                          atol=1e-5)
+    cfg = tiny_cfg("method.name=fedsr", "method.z_dim=6", "method.l2r=0.3", "method.cmi=0.7")
+    method = build_method(cfg)
+    model = method.build_model(10).train()
+    ctx = ClientContext(0, 1, torch.device("cpu"), torch.Generator().manual_seed(0), 10)
+    method.round_start(model, ctx)
+    x = torch.randn(8, 3, 16, 16)
+    y = torch.arange(8) % 10
+    loss = method.loss(model, x, y, ctx)
+    mu, sig, z = model.head.last
+    h = model.head
+    assert torch.allclose(sig, torch.nn.functional.softplus(h.enc(model.features(x))[:, 6:]), atol=1e-6)
+    kl = kl_divergence(Normal(mu, sig), Normal(h.r_mu[y], torch.nn.functional.softplus(h.r_s[y]))).sum(1).mean()
+    ce = torch.nn.functional.cross_entropy(h.cls(z), y)
+    assert torch.allclose(loss, ce + 0.3 * (z ** 2).sum(1).mean() + 0.7 * kl, atol=1e-5)
+    model.eval()
+    a, b = model(x), model(x)
+    assert torch.equal(a, b) and torch.allclose(a.exp().sum(1), torch.ones(8), atol=1e-5)
+
+
+def test_fedsr_reference_distribution_never_leaves_the_client(ray_session, tiny_ds):
+    from conftest import server_rounds
+
+    cfg = tiny_cfg("method.name=fedsr", "method.z_dim=6")
+    split, (s1, s2), bcast = server_rounds(ray_session, cfg, tiny_ds, rounds=2)
+    init = build_method(cfg).build_model(10).state_dict()
+    assert "head.r_mu" not in bcast
+    # the global model keeps the initial reference distribution: no client's reached it
+    assert np.array_equal(s2["global_state"]["head.r_mu"], init["head.r_mu"].numpy())
+    mus = [s2["client_store"][c]["head.r_mu"] for c in range(split.num_clients)]
+    assert not np.array_equal(mus[0], mus[1]) and not np.array_equal(mus[0], init["head.r_mu"].numpy())
