@@ -1,5 +1,4 @@
 """Every shipped config and search space validates."""
-from pathlib import Path
 
 import pytest
 

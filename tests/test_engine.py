@@ -1,7 +1,6 @@
 """End-to-end engine behaviour on real local Ray (no mocks)."""
 import numpy as np
 import pytest
-import torch
 
 from conftest import server_rounds, tiny_cfg
 from rayfed_dg.data import leave_one_domain_out

@@ -5,8 +5,7 @@ import torch
 import torch.nn as nn
 
 from conftest import server_rounds, tiny_cfg
-from rayfed_dg.data import leave_one_domain_out
-from rayfed_dg.engine import ClientRunner, Server
+from rayfed_dg.engine import ClientRunner
 from rayfed_dg.methods import ClientContext, build_method
 from rayfed_dg.models import XAN, build_backbone, placement_names
 from rayfed_dg.models.norms import IBN

@@ -2,7 +2,6 @@
 with w_g the global weights received at the start of the round."""
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 from typing import Literal
 
-import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 EPS = 1e-6
 
