@@ -12,32 +12,24 @@ net has no separate stem, so five).  Identity at evaluation; FedAvg.
 """
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Annotated
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from rayfed_dg.models.style import DSULayer
 
-from .base import Method, register_method
-from .mixstyle import SITES, add_style_layers, seed_style_layers
+from .base import register_method
+from .mixstyle import SITES, StyleLayerMethod, check_sites
 
 
 @register_method
-class DSU(Method):
+class DSU(StyleLayerMethod):
     name = "dsu"
 
     class Params(BaseModel):
         model_config = ConfigDict(extra="forbid")
         p: float = Field(0.5, ge=0.0, le=1.0)
-        blocks: list[str] = list(SITES)
+        blocks: Annotated[list[str], AfterValidator(check_sites)] = list(SITES)
 
-        def model_post_init(self, _):
-            bad = sorted(set(self.blocks) - set(SITES))
-            if bad:
-                raise ValueError(f"unknown sites {bad}; choose from {', '.join(SITES)}")
-
-    def build_model(self, num_classes):
-        model = super().build_model(num_classes)
-        add_style_layers(model, self.p.blocks, lambda: DSULayer(self.p.p))
-        return model
-
-    def round_start(self, model, ctx):
-        seed_style_layers(model, ctx.generator)
+    def make_layer(self):
+        return DSULayer(self.p.p)

@@ -12,7 +12,9 @@ FedAvg.
 """
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Annotated
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from rayfed_dg.models import feature_sites, insert_after
 from rayfed_dg.models.style import MixStyleLayer, RandomStyleLayer
@@ -22,38 +24,43 @@ from .base import Method, register_method
 SITES = ("conv1", "stem", "block1", "block2", "block3", "block4")
 
 
-def add_style_layers(model, sites: list[str], make) -> None:
-    where = feature_sites(model.body)
-    for s in sites:
-        if s in where:  # the conv net has no separate stem
-            insert_after(model.body, where[s], make())
+def check_sites(blocks: list[str]) -> list[str]:
+    bad = sorted(set(blocks) - set(SITES))
+    if bad:
+        raise ValueError(f"unknown sites {bad}; choose from {', '.join(SITES)}")
+    return blocks
 
 
-def seed_style_layers(model, gen) -> None:
-    for m in model.modules():
-        if isinstance(m, RandomStyleLayer):
-            m.gen = gen
+class StyleLayerMethod(Method):
+    """FedAvg with a ``RandomStyleLayer`` after each site in ``params.blocks``,
+    seeded per client and round."""
+
+    def make_layer(self) -> RandomStyleLayer:
+        raise NotImplementedError
+
+    def build_model(self, num_classes):
+        model = super().build_model(num_classes)
+        where = feature_sites(model.body)
+        for s in self.p.blocks:
+            if s in where:  # the conv net has no separate stem
+                insert_after(model.body, where[s], self.make_layer())
+        return model
+
+    def round_start(self, model, ctx):
+        for m in model.modules():
+            if isinstance(m, RandomStyleLayer):
+                m.gen = ctx.generator
 
 
 @register_method
-class MixStyle(Method):
+class MixStyle(StyleLayerMethod):
     name = "mixstyle"
 
     class Params(BaseModel):
         model_config = ConfigDict(extra="forbid")
         p: float = Field(0.5, ge=0.0, le=1.0)
         alpha: float = Field(0.1, gt=0.0)
-        blocks: list[str] = ["block1", "block2", "block3"]
+        blocks: Annotated[list[str], AfterValidator(check_sites)] = ["block1", "block2", "block3"]
 
-        def model_post_init(self, _):
-            bad = sorted(set(self.blocks) - set(SITES))
-            if bad:
-                raise ValueError(f"unknown sites {bad}; choose from {', '.join(SITES)}")
-
-    def build_model(self, num_classes):
-        model = super().build_model(num_classes)
-        add_style_layers(model, self.p.blocks, lambda: MixStyleLayer(self.p.p, self.p.alpha))
-        return model
-
-    def round_start(self, model, ctx):
-        seed_style_layers(model, ctx.generator)
+    def make_layer(self):
+        return MixStyleLayer(self.p.p, self.p.alpha)
