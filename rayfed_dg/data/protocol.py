@@ -21,7 +21,7 @@ class FederatedSplit:
 
     target: str
     clients: list[np.ndarray]  # train indices per client, sorted
-    client_domains: list[str]  # the (main) domain of each client, for display
+    client_domains: list[str]  # the (main) domain of each client: display, client-side validation
     val: dict[str, np.ndarray]  # source domain -> validation indices
     test: dict[str, np.ndarray]  # target domain -> all its indices
 

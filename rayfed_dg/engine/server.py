@@ -112,6 +112,7 @@ class Server:
         ray.get([w.ping.remote() for w in self.workers])
         self.global_ref = ray.put(self.global_state)
         self.extra: dict[int, object] = {}  # client -> ObjectRef of data-stage additions
+        self._client_val: dict[int, np.ndarray | None] = {}  # client -> its fixed validation indices
 
     # -------------------------------------------------------------- setup
     def setup(self) -> dict:
@@ -222,13 +223,13 @@ class Server:
     def client_val(self, cid: int) -> np.ndarray | None:
         """A fixed, seeded subset of the validation split of the client's main
         source domain, for methods that select their local model on the client."""
-        n = self.method.client_val_size()
-        if n <= 0:
-            return None
-        val = self.split.val[self.split.client_domains[cid]]
-        if len(val) > n:
-            val = np.sort(numpy_rng(self.cfg.training.seed, CLIENT_VAL, cid).choice(val, n, replace=False))
-        return val
+        if cid not in self._client_val:
+            n = self.method.client_val_size()
+            val = self.split.val[self.split.client_domains[cid]] if n > 0 else None
+            if val is not None and len(val) > n:
+                val = np.sort(numpy_rng(self.cfg.training.seed, CLIENT_VAL, cid).choice(val, n, replace=False))
+            self._client_val[cid] = val
+        return self._client_val[cid]
 
     # --------------------------------------------------------------- round
     def run_round(self) -> dict:

@@ -12,24 +12,16 @@ net has no separate stem, so five).  Identity at evaluation; FedAvg.
 """
 from __future__ import annotations
 
-from typing import Annotated
-
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
-
 from rayfed_dg.models.style import DSULayer
 
 from .base import register_method
-from .mixstyle import SITES, StyleLayerMethod, check_sites
+from .mixstyle import StyleLayerMethod, StyleParams
 
 
 @register_method
 class DSU(StyleLayerMethod):
     name = "dsu"
-
-    class Params(BaseModel):
-        model_config = ConfigDict(extra="forbid")
-        p: float = Field(0.5, ge=0.0, le=1.0)
-        blocks: Annotated[list[str], AfterValidator(check_sites)] = list(SITES)
+    Params = StyleParams  # p and all six sites, the official defaults
 
     def make_layer(self):
         return DSULayer(self.p.p)

@@ -277,14 +277,13 @@ class FedFD(Method):
             it += 1
             if every and it % every == 0:
                 best = self._keep_best(model, ctx, it, best)
-        set_mode(model, self._eval_mode)
         stats = {"train_loss": total / max(n, 1), "steps_samples": n}
         if every:
             if it % every:  # the round's last iterate is always a candidate
                 best = self._keep_best(model, ctx, it, best)
             model.load_state_dict(best[2])
-            set_mode(model, self._eval_mode)
             stats.update(selected_iteration=best[1], selected_val_acc=best[0])
+        set_mode(model, self._eval_mode)
         return stats
 
     @torch.no_grad()

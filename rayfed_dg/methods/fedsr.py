@@ -89,7 +89,7 @@ class FedSR(Method):
         return {"head.r_mu", "head.r_s"}
 
     def private_keys(self, model):
-        return {"head.r_mu", "head.r_s"}
+        return self.local_keys(model)
 
     def round_start(self, model, ctx):
         model.head.gen = ctx.generator

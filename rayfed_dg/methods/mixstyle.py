@@ -31,6 +31,13 @@ def check_sites(blocks: list[str]) -> list[str]:
     return blocks
 
 
+class StyleParams(BaseModel):
+    """What every style-layer method sets: firing probability and sites."""
+    model_config = ConfigDict(extra="forbid")
+    p: float = Field(0.5, ge=0.0, le=1.0)
+    blocks: Annotated[list[str], AfterValidator(check_sites)] = list(SITES)
+
+
 class StyleLayerMethod(Method):
     """FedAvg with a ``RandomStyleLayer`` after each site in ``params.blocks``,
     seeded per client and round."""
@@ -56,9 +63,7 @@ class StyleLayerMethod(Method):
 class MixStyle(StyleLayerMethod):
     name = "mixstyle"
 
-    class Params(BaseModel):
-        model_config = ConfigDict(extra="forbid")
-        p: float = Field(0.5, ge=0.0, le=1.0)
+    class Params(StyleParams):
         alpha: float = Field(0.1, gt=0.0)
         blocks: Annotated[list[str], AfterValidator(check_sites)] = ["block1", "block2", "block3"]
 
