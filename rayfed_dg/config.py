@@ -121,12 +121,12 @@ class CCSTConfig(_Strict):
     enabled: bool = False
     backend: Literal["ghiasi", "adain"] = "ghiasi"
     style: Literal["overall", "single"] = "overall"
-    k: int = Field(2, ge=1)  # augmentation level K: copies per image, the original among them
+    k: int = Field(2, ge=1)  # augmentation level K: versions per image, K distinct clients' styles (<= clients)
     j: int = Field(1, ge=1)  # single-image styles per client in the bank
     adain_vgg: str | None = None  # vgg_normalised.pth (pytorch-AdaIN)
     adain_decoder: str | None = None  # decoder.pth (pytorch-AdaIN)
     max_style_images: int = Field(256, ge=1)  # ghiasi overall style: images averaged
-    work_size: int = Field(112, ge=16, le=376)  # ghiasi: pixels an image is stylized at
+    work_size: int = Field(100, ge=16, le=376)  # ghiasi: pixels an image is stylized at (100: 9 per mosaic)
     cache_dir: str | None = None  # stylized images (default: $RAYFED_DG_CACHE/ccst)
 
 

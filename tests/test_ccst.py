@@ -37,27 +37,60 @@ def test_overall_style_equals_direct_computation(adain_files):
     assert bank.shape == (4, 1024)  # J single-image styles
 
 
-def test_k_copies_with_own_style_as_original(adain_files, tmp_path):
+def test_k_versions_per_image_follow_algorithm_1(adain_files, tmp_path):
     from rayfed_dg.config import CCSTConfig
+    from rayfed_dg.engine.ccst import OWN
 
     be = AdaINBackend(*adain_files)
-    cfg = CCSTConfig(enabled=True, backend="adain", k=3, cache_dir=str(tmp_path))
     images = np.random.default_rng(0).integers(0, 256, (6, 16, 16, 3), dtype=np.uint8)
     labels = np.arange(6) % 3
     bank = np.random.default_rng(1).normal(1, 0.2, (4, 1024)).astype(np.float32)
     owners = np.array([0, 1, 2, 3])
-    out = augment_client(be, cfg, images, labels, bank, owners, seed=0, client_id=2)
-    # K = 3: the original (kept in the base set) plus K - 1 = 2 stylized copies per image
-    assert out["images"].shape == (12, 16, 16, 3)
-    assert np.bincount(out["source"]).tolist() == [2] * 6
-    assert np.array_equal(out["labels"], labels[out["source"]])
-    for i in range(6):
-        rows = out["style_row"][out["source"] == i]
-        assert len(set(owners[rows])) == 2 and 2 not in owners[rows]  # two distinct other clients
-    again = augment_client(be, cfg, images, labels, bank, owners, seed=0, client_id=2)
-    assert again["cache"] == "hit" and np.array_equal(again["images"], out["images"])
+    for k in (1, 3, 4):
+        cfg = CCSTConfig(enabled=True, backend="adain", k=k, cache_dir=str(tmp_path))
+        out = augment_client(be, cfg, images, labels, bank, owners, seed=0, client_id=2)
+        # exactly K versions of every image: the original (if client 2 was drawn) plus stylized copies
+        assert (out["keep"].astype(int) + np.bincount(out["source"], minlength=6)).tolist() == [k] * 6
+        assert len(out["images"]) == 6 * k - out["keep"].sum()
+        assert np.array_equal(out["labels"], labels[out["source"]])
+        for i in range(6):
+            rows = out["style_row"][out["source"] == i]
+            assert len(set(owners[rows])) == len(rows) and 2 not in owners[rows]  # distinct other clients
+    assert out["keep"].all()  # K = N: every client drawn, the original always among them
+    # the original is among an image's K versions with probability K / N (Algorithm 1 draws from all N)
+    for k in (1, 2, 3):
+        table = choose_styles(4000, 2, owners, k, np.random.default_rng(k))
+        assert abs((table == OWN).any(1).mean() - k / 4) < 0.03
+        assert all(len(set(r)) == k for r in table[:200])
     with pytest.raises(ValueError, match="ccst.k=5"):
         choose_styles(3, 0, owners, 5, np.random.default_rng(0))
+
+
+def test_overall_style_cache_is_shared_across_seeds_and_k(adain_files, tmp_path):
+    from rayfed_dg.config import CCSTConfig
+
+    be = AdaINBackend(*adain_files)
+    images = np.random.default_rng(0).integers(0, 256, (5, 16, 16, 3), dtype=np.uint8)
+    labels = np.arange(5) % 2
+    bank = np.random.default_rng(1).normal(1, 0.2, (3, 1024)).astype(np.float32)
+    owners = np.array([0, 1, 2])
+    cfg = CCSTConfig(enabled=True, backend="adain", k=3, cache_dir=str(tmp_path))
+    first = augment_client(be, cfg, images, labels, bank, owners, seed=0, client_id=0)
+    assert first["cache_files"] == {"hits": 0, "misses": 2} and first["images_stylized"] == 10
+    again = augment_client(be, cfg, images, labels, bank, owners, seed=0, client_id=0)
+    assert again["cache"] == "hit" and again["images_stylized"] == 0
+    assert np.array_equal(again["images"], first["images"])
+    other = augment_client(be, CCSTConfig(enabled=True, backend="adain", k=2, cache_dir=str(tmp_path)),
+                           images, labels, bank, owners, seed=5, client_id=0)
+    assert other["cache"] == "hit" and other["images_stylized"] == 0  # another seed and K: nothing restyled
+    for c, i, r in zip(other["images"], other["source"], other["style_row"]):
+        j = np.flatnonzero((first["source"] == i) & (first["style_row"] == r))[0]
+        assert np.array_equal(c, first["images"][j])
+    # the overall style itself does not depend on the run seed or the client's number
+    from rayfed_dg.engine.ccst import client_style
+
+    s0 = client_style(be, cfg, images, seed=0, client_id=0)
+    assert np.array_equal(s0, client_style(be, cfg, images, seed=9, client_id=2))
 
 
 def test_engine_stage_grows_training_sets_without_validation_images(ray_session, tiny_ds, tmp_path):
@@ -71,7 +104,11 @@ def test_engine_stage_grows_training_sets_without_validation_images(ray_session,
     server = ray.remote(Server).options(num_cpus=0).remote(cfg.to_dict(), split, refs, 10, 2)
     info = ray.get(server.setup.remote())
     ray.get(server.shutdown.remote())
-    assert info["info"]["misses"] == 3 and info["info"]["images_stylized"] == sum(len(c) for c in split.clients)
+    sizes = [len(c) for c in split.clients]
+    # overall style: each client's whole set restyled once per other client's style (K = 2 of 3 clients)
+    assert info["info"]["misses"] == 3 and info["info"]["images_stylized"] == 2 * sum(sizes)
+    assert info["info"]["originals_kept"] + info["info"]["stylized_copies"] == 2 * sum(sizes)
+    assert 0 < info["info"]["originals_kept"] < sum(sizes)
     ups = [r for r in info["ledger"] if r["group"] == "payload:ccst_style"]
     assert len(ups) == 3 and all(r["bytes"] == 400 for r in ups)  # a 100-float style per client
     # the stage only ever saw training indices: validation and target are disjoint from them

@@ -112,6 +112,7 @@ class Server:
         ray.get([w.ping.remote() for w in self.workers])
         self.global_ref = ray.put(self.global_state)
         self.extra: dict[int, object] = {}  # client -> ObjectRef of data-stage additions
+        self.train_indices: dict[int, np.ndarray] = {}  # client -> base images it trains on, when the stage drops some
         self._client_val: dict[int, np.ndarray | None] = {}  # client -> its fixed validation indices
 
     # -------------------------------------------------------------- setup
@@ -125,8 +126,8 @@ class Server:
         t0 = time.perf_counter()
         n = self.split.num_clients
         if c.k > n:
-            raise ConfigError(f"ccst.k={c.k} exceeds the {n} source clients: each image takes K styles from "
-                              "distinct clients, its own among them")
+            raise ConfigError(f"ccst.k={c.k} exceeds the {n} source clients: each image takes K distinct clients' "
+                              f"styles (Algorithm 1); set ccst.k <= {n}")
         styles: dict[int, np.ndarray] = {}
 
         def on_style(cid, res):
@@ -139,15 +140,17 @@ class Server:
         bank = np.concatenate([styles[i] for i in range(n)])
         owners = np.concatenate([np.full(len(styles[i]), i) for i in range(n)])
         t_style = time.perf_counter() - t0
-        info = {"hits": 0, "misses": 0, "images_stylized": 0}
+        info = {"hits": 0, "misses": 0, "images_stylized": 0, "originals_kept": 0, "stylized_copies": 0}
 
         def on_aug(cid, res):
             if res is None:
                 raise EngineError(f"CCST: client {cid} could not stylize its images")
             info["hits" if res["cache"] == "hit" else "misses"] += 1
-            if res["cache"] == "miss":
-                info["images_stylized"] += len(res["labels"])
+            info["images_stylized"] += res["images_stylized"]
+            info["originals_kept"] += int(res["keep"].sum())
+            info["stylized_copies"] += len(res["labels"])
             self.extra[cid] = ray.put({"images": res["images"], "labels": res["labels"]})
+            self.train_indices[cid] = self.split.clients[cid][res["keep"]]
 
         self._run_pool(list(range(n)), lambda w, cid, a: w.ccst_augment.remote(cid, self.split.clients[cid], bank,
                                                                                  owners), on_aug,
@@ -254,7 +257,7 @@ class Server:
         fault_p = cfg.engine.fault_probability
 
         def submit(worker, cid, attempt):
-            return worker.train.remote(cid, r, self.split.clients[cid], self.global_ref,
+            return worker.train.remote(cid, r, self.train_indices.get(cid, self.split.clients[cid]), self.global_ref,
                                        self.client_store.get(cid, self.init_local), payloads.get(cid, {}),
                                        fault_p, attempt, extra=self.extra.get(cid),
                                        val_indices=self.client_val(cid))

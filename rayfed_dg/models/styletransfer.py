@@ -22,8 +22,10 @@
             overall style of a set is the mean of its images' style vectors
             (over at most ``max_style_images`` images); the transfer network
             takes 384 x 384 inputs, so images are resized to ``work_size``
-            (default 112 px) and tiled 3 x 3 into a 384 x 384 mosaic, each in a
-            reflect-padded cell so neighbours do not bleed, then resized back.
+            (default 100 px) and tiled into a 384 x 384 mosaic (3 x 3 at 100 px,
+            2 x 2 from 104 px, so 100 px stylizes twice as many images per second
+            as 112), each in a reflect-padded cell so neighbours do not bleed,
+            then resized back.
 """
 from __future__ import annotations
 
@@ -152,7 +154,7 @@ class GhiasiBackend(StyleBackend):
     style_dim = 100
     SIZE = 384
 
-    def __init__(self, threads: int | None = None, max_style_images: int = 256, work_size: int = 112):
+    def __init__(self, threads: int | None = None, max_style_images: int = 256, work_size: int = 100):
         self.work_size = min(work_size, self.SIZE - 8)
         try:
             import onnxruntime as ort
