@@ -83,3 +83,36 @@ def test_report_averages_seeds(tmp_path):
         assert main(["report", str(tmp_path / "s0"), str(tmp_path / "s1")]) == 0
     row = [l for l in buf.getvalue().splitlines() if l.startswith("| fedavg")][0]
     assert "| 2 |" in row and "60.00 ± 10.00" in row and "80.00 ± 10.00" in row and "70.00 ± 10.00" in row
+
+
+def test_evaluate_reproduces_the_selected_round_and_changes_only_evaluation(tmp_path, capsys):
+    # FedFD-A Table 3 c1 re-evaluates one trained model with other inference statistics
+    from rayfed_dg.cli import main
+
+    run_dir = tmp_path / "run"
+    proc = quick_run(run_dir, "method.name=fedfda", "method.lambda2=0.1")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    s = json.loads((run_dir / "summary.json").read_text())["targets"]["colour"]
+    capsys.readouterr()
+
+    def evaluate(*sets):
+        args = ["evaluate", str(run_dir)] + [a for kv in sets for a in ("--set", kv)]
+        code = main(args)
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    code, out, _ = evaluate()
+    assert code == 0
+    row = [l for l in out.splitlines() if l.startswith("colour |")][0].split(" | ")
+    # the saved best model, evaluated again, gives exactly what the run recorded
+    assert row[1] == f"{100 * s['source_val_acc']:.2f}" and row[2] == f"{100 * s['target_acc']:.2f}"
+    accs = set()
+    for mode in ("global", "instance", "adapter"):
+        code, out, _ = evaluate(f"method.inference={mode}")
+        assert code == 0
+        accs.add([l for l in out.splitlines() if l.startswith("colour |")][0])
+    assert len(accs) >= 2  # the inference statistics change the predictions
+    code, _, err = evaluate("model.width=16")
+    assert code == 2 and err.count("\n") == 1 and "may only change" in err
+    code, _, err = evaluate("method.name=fedfd")
+    assert code == 2 and "trained with fedfda" in err

@@ -1,0 +1,76 @@
+"""Evaluate a run's saved global models again, with evaluation-time settings
+changed (e.g. FedFD-A's ``method.inference``: Table 3 c1 of its paper asks
+how one trained model does with global statistics, instance statistics or
+the adapter).  Reads ``<run_dir>/config.yaml`` and ``best_<target>.pt`` (or
+``final_``); writes nothing; runs in this process, without Ray."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rayfed_dg.config import ConfigError, ExperimentConfig, load_config
+
+# sections an evaluation may change; anything else would not describe the saved model or its data
+EVAL_SECTIONS = ("method", "evaluation", "engine")
+
+
+def load_run_config(run_dir: Path, overrides: list[str]) -> ExperimentConfig:
+    saved = run_dir / "config.yaml"
+    if not saved.is_file():
+        raise ConfigError(f"{run_dir}: no config.yaml; pass a run directory (for a compare run, one method's "
+                          "subdirectory, e.g. RUN/fedfda)")
+    old = load_config(saved)
+    if old.compare:
+        raise ConfigError(f"{run_dir} holds several methods; pass one of its subdirectories: "
+                          + ", ".join(m.label or m.name for m in old.compare))
+    cfg = load_config(saved, overrides)
+    a, b = old.to_dict(), cfg.to_dict()
+    changed = sorted(s for s in b if s not in EVAL_SECTIONS and a.get(s) != b.get(s))
+    if changed:
+        raise ConfigError(f"--set changes {', '.join(changed)}: evaluate may only change "
+                          f"{', '.join(s + '.*' for s in EVAL_SECTIONS)}; train a new run for the rest")
+    if cfg.method.name != old.method.name:
+        raise ConfigError(f"--set method.name: the saved models were trained with {old.method.name}")
+    return cfg
+
+
+def run_targets(run_dir: Path) -> list[str]:
+    summary = run_dir / "summary.json"
+    if not summary.is_file():
+        raise ConfigError(f"{run_dir}: no summary.json (the run did not finish); name the targets with --target")
+    return list(json.loads(summary.read_text())["targets"])
+
+
+def evaluate_saved(cfg: ExperimentConfig, ds, targets: list[str], run_dir: Path, weights: str = "best") -> dict:
+    """{target: {"source_val": acc, "target_test": acc, "domains": {...}}} for the saved models."""
+    from .run import split_for
+    from .worker import ClientRunner
+
+    runner = ClientRunner(cfg.to_dict(), ds.images, ds.labels, ds.num_classes)
+    torch.set_num_threads(max(1, torch.get_num_threads(), int(cfg.engine.num_cpus_per_worker)))
+    expected = set(runner.model.state_dict())
+    out = {}
+    for t in targets:
+        path = run_dir / f"{weights}_{t}.pt"
+        if not path.is_file():
+            raise ConfigError(f"{path} is missing: the run saved no {weights} model for target {t}"
+                              + (" (output.save_best_checkpoint was off?)" if weights == "best" else ""))
+        state = {k: v.numpy() for k, v in torch.load(path, weights_only=True).items()}
+        if set(state) != expected:
+            diff = sorted(set(state) ^ expected)
+            raise ConfigError(f"{path} does not fit the model these settings build ({len(diff)} tensors differ, "
+                              f"e.g. {diff[0]}); evaluate with the settings the run was trained with")
+        split = split_for(cfg, ds, t)
+        res = {"domains": {}}
+        for name, sets in (("source_val", split.val), ("target_test", split.test)):
+            accs = []
+            for dom, idx in sets.items():
+                correct, _, n = runner.evaluate(state, np.asarray(idx), cfg.evaluation.batch_size)
+                res["domains"][f"{name}:{dom}"] = correct / max(n, 1)
+                accs.append(correct / max(n, 1))
+            res[name] = float(np.mean(accs))
+        out[t] = res
+    return out
