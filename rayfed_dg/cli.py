@@ -29,7 +29,8 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="continue RUN_DIR (made with the same config) from its last complete checkpoint")
     run.add_argument("--no-progress", action="store_true", help="no live progress bars")
     run.add_argument("--dry-run", action="store_true",
-                     help="prove the config builds and trains: 1 round, 1 local step, a few images per client")
+                     help="prove the config builds and trains: 1 round, 1 local step, a few images per client "
+                          "(in a temporary directory unless --run-dir is given)")
     run.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     part = sub.add_parser("partition", help="summarise a config's partition, write its manifest and heatmap")
     part.add_argument("config")
@@ -107,6 +108,12 @@ def _run(args) -> int:
     if args.resume:
         run_dir = Path(args.resume)
         check_resume_dir(cfg, run_dir)
+    elif args.dry_run and args.run_dir is None:
+        import tempfile
+
+        # a dry run proves the config; it leaves no run directory behind unless asked to
+        tmp = tempfile.TemporaryDirectory(prefix="rayfed-dg-dry-run-")
+        run_dir = make_run_dir(cfg, tmp.name)
     else:
         run_dir = make_run_dir(cfg, args.run_dir)
     from rayfed_dg.config import save_config
