@@ -1,13 +1,14 @@
 """CCST's costs: stylization throughput, one-off setup time, bytes shared, a montage.
 
-    python bench/ccst_cost.py [--dataset embedded_digits|digits|pacs] [--res 64] [--k 3] [--montage PATH]
+    python bench/ccst_cost.py [--dataset embedded_digits|digits|pacs] [--root DIR] [--res 64] [--k 3]
+                              [--montage PATH] [--montage-only]
 
 Runs the CCST data stage (overall style, K styles per image) for one
 leave-one-domain-out split through the engine on local Ray, twice (the second
 run reads the stylized images from the cache), and prints images per second,
 setup seconds, and the style bytes shared against one round of FedAvg's model
-bytes.  Writes a montage: one row per source client, its original image then
-the image in each other client's style.
+bytes.  Writes a montage: a block of columns per source client, its original
+images on top, then the same images in each other client's overall style.
 """
 from __future__ import annotations
 
@@ -28,15 +29,12 @@ def main() -> None:
     ap.add_argument("--style", default="overall")
     ap.add_argument("--target", default=None)
     ap.add_argument("--montage", default="runs/ccst_montage.png")
+    ap.add_argument("--montage-only", action="store_true", help="skip the timed setup runs")
+    ap.add_argument("--images", type=int, default=4, help="images per client in the montage")
     args = ap.parse_args()
-
-    import ray
-    from PIL import Image
 
     from rayfed_dg.config import load_config
     from rayfed_dg.data import leave_one_domain_out, load_dataset
-    from rayfed_dg.engine.run import run_federation
-    from rayfed_dg.models.styletransfer import GhiasiBackend
 
     ds = load_dataset(args.dataset, args.root, args.res)
     target = args.target or ds.domain_names[-1]
@@ -46,6 +44,16 @@ def main() -> None:
                              f"ccst.cache_dir={cache}", "training.rounds=1", "training.local_steps=1",
                              "evaluation.every=0", f"data.resolution={args.res}", "model.width=16",
                              "engine.num_cpus_per_worker=1", "output.save_best_checkpoint=false"])
+    if not args.montage_only:
+        timed_setup(args, cfg, ds, split, target)
+    montage(args, cfg, ds, split)
+
+
+def timed_setup(args, cfg, ds, split, target) -> None:
+    import ray
+
+    from rayfed_dg.engine.run import run_federation
+
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     refs = ray.put(ds.images), ray.put(ds.labels)
     runs = []
@@ -70,13 +78,20 @@ def main() -> None:
     print(f"bytes shared once: styles up {up:,}, bank down {down:,}; one FedAvg round sends {model_down:,} down "
           f"(CCST adds {100 * (up + down) / model_down:.4f}% of one round's download, once)")
 
-    # montage: each source client's first image, then restyled with every other client's style
+
+
+def montage(args, cfg, ds, split) -> None:
+    """Each source client's first images, then restyled with every other client's overall style."""
+    from PIL import Image
+
+    from rayfed_dg.models.styletransfer import GhiasiBackend
+
     be = GhiasiBackend(threads=2, work_size=cfg.ccst.work_size)
     rng = np.random.default_rng(0)
     rows = []
     styles = [be.style_of(ds.images[c], "overall", 1, rng)[0] for c in split.clients]
     for i, c in enumerate(split.clients):
-        img = ds.images[c[:4]]
+        img = ds.images[c[:args.images]]
         row = [np.concatenate(list(img), 1)]
         for j, s in enumerate(styles):
             if j != i:
@@ -86,7 +101,7 @@ def main() -> None:
     Path(args.montage).parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray(m).resize((m.shape[1] * 2, m.shape[0] * 2), Image.NEAREST).save(args.montage)
     print(f"montage {args.montage}: columns = source clients ({', '.join(split.client_domains)}), "
-          "rows = original, then each other client's style; 4 images each")
+          f"rows = original, then each other client's style; {args.images} images each")
 
 
 if __name__ == "__main__":
