@@ -83,8 +83,23 @@ def collect_summaries(run_dirs: list[Path]) -> dict[str, list[dict]]:
         for sd in subs:
             s = json.loads((sd / "summary.json").read_text())
             label = sd.name if sd != rd else s.get("method", rd.name)
-            out.setdefault(label, []).append(s)
+            out.setdefault(label + _data_stage(sd), []).append(s)
     return out
+
+
+def _data_stage(run_dir: Path) -> str:
+    """' + CCST(...)' when the run's config enabled the CCST data stage, so
+    runs with different K or style are not averaged together."""
+    import yaml
+
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        return ""
+    c = (yaml.safe_load(path.read_text()) or {}).get("ccst") or {}
+    if not c.get("enabled"):
+        return ""
+    style = c.get("style", "overall") + (f" J={c.get('j', 1)}" if c.get("style") == "single" else "")
+    return f" + CCST({style}, K={c.get('k')})"
 
 
 def seeds_table(run_dirs: list[Path]) -> str:

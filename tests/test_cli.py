@@ -116,3 +116,21 @@ def test_evaluate_reproduces_the_selected_round_and_changes_only_evaluation(tmp_
     assert code == 2 and err.count("\n") == 1 and "may only change" in err
     code, _, err = evaluate("method.name=fedfd")
     assert code == 2 and "trained with fedfda" in err
+
+
+def test_report_keeps_ccst_variants_apart(tmp_path, capsys):
+    from rayfed_dg.cli import main
+
+    for name, ccst, acc in (("plain", "ccst: {enabled: false}", 0.5), ("k1", "ccst: {enabled: true, k: 1}", 0.6),
+                            ("k2", "ccst: {enabled: true, k: 2}", 0.7),
+                            ("single", "ccst: {enabled: true, k: 2, style: single, j: 3}", 0.8)):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.yaml").write_text(ccst + "\n")
+        (d / "summary.json").write_text(json.dumps({"targets": {"x": {"target_acc": acc}}, "average_target_acc": acc,
+                                                    "method": "fedavg"}))
+    assert main(["report"] + [str(tmp_path / n) for n in ("plain", "k1", "k2", "single")]) == 0
+    rows = {l.split(" | ")[0][2:]: l for l in capsys.readouterr().out.splitlines() if l.startswith("| fedavg")}
+    assert set(rows) == {"fedavg", "fedavg + CCST(overall, K=1)", "fedavg + CCST(overall, K=2)",
+                         "fedavg + CCST(single J=3, K=2)"}
+    assert "| 70.00 |" in rows["fedavg + CCST(overall, K=2)"]
