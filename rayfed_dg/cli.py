@@ -52,21 +52,27 @@ def _build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _load_data(cfg):
+    from rayfed_dg.data import load_dataset
+
+    ds = load_dataset(cfg.data.name, cfg.data.root, cfg.data.resolution, cfg.data.domains,
+                      **cfg.data.loader_options())
+    if cfg.data.limit_per_domain:
+        ds = ds.subsample(cfg.data.limit_per_domain, cfg.data.split_seed)
+    return ds
+
+
 def _partition(args) -> int:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     from rayfed_dg.config import load_config
-    from rayfed_dg.data import load_dataset
     from rayfed_dg.data.protocol import manifest
     from rayfed_dg.engine.run import resolve_targets, split_for
     from rayfed_dg.reporting import partition_heatmap, partition_summary
 
     cfg = load_config(args.config, args.overrides)
-    ds = load_dataset(cfg.data.name, cfg.data.root, cfg.data.resolution, cfg.data.domains,
-                      **cfg.data.loader_options())
-    if cfg.data.limit_per_domain:
-        ds = ds.subsample(cfg.data.limit_per_domain, cfg.data.split_seed)
+    ds = _load_data(cfg)
     target = resolve_targets(ds, args.target)[0] if args.target else ds.domain_names[0]
     split = split_for(cfg, ds, target)
     print(partition_summary(ds, split))
@@ -84,7 +90,6 @@ def _partition(args) -> int:
 
 def _run(args) -> int:
     from rayfed_dg.config import method_variants, load_config
-    from rayfed_dg.data import load_dataset
     from rayfed_dg.engine import (check_resume_dir, format_table, make_run_dir, make_splits, preflight,
                                   resolve_targets, run_experiment)
 
@@ -96,10 +101,7 @@ def _run(args) -> int:
                f"data.limit_per_domain={max(24, 6 * clients)}", "partition.min_size=1",
                "evaluation.batch_size=8", "output.checkpoint_every=1"]
     cfg = load_config(args.config, args.overrides + dry)
-    ds = load_dataset(cfg.data.name, cfg.data.root, cfg.data.resolution, cfg.data.domains,
-                      **cfg.data.loader_options())
-    if cfg.data.limit_per_domain:
-        ds = ds.subsample(cfg.data.limit_per_domain, cfg.data.split_seed)
+    ds = _load_data(cfg)
     targets = resolve_targets(ds, args.target)
     variants = method_variants(cfg)
     splits = make_splits(cfg, ds, targets)  # partition errors surface before anything is written
@@ -139,16 +141,12 @@ def _run(args) -> int:
 def _evaluate(args) -> int:
     import numpy as np
 
-    from rayfed_dg.data import load_dataset
     from rayfed_dg.engine import resolve_targets
     from rayfed_dg.engine.evaluate import evaluate_saved, load_run_config, run_targets
 
     run_dir = Path(args.run_dir)
     cfg = load_run_config(run_dir, args.overrides)
-    ds = load_dataset(cfg.data.name, cfg.data.root, cfg.data.resolution, cfg.data.domains,
-                      **cfg.data.loader_options())
-    if cfg.data.limit_per_domain:
-        ds = ds.subsample(cfg.data.limit_per_domain, cfg.data.split_seed)
+    ds = _load_data(cfg)
     targets = resolve_targets(ds, args.target) if args.target else run_targets(run_dir)
     res = evaluate_saved(cfg, ds, targets, run_dir, args.weights)
     what = " ".join(args.overrides) or "the run's own settings"
