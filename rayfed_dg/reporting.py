@@ -78,11 +78,12 @@ def collect_summaries(run_dirs: list[Path]) -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = {}
     for rd in run_dirs:
         rd = Path(rd)
-        subs = [rd] if (rd / "summary.json").is_file() and "targets" in json.loads((rd / "summary.json").read_text()) \
-            else sorted(p.parent for p in rd.glob("*/summary.json"))
-        for sd in subs:
-            s = json.loads((sd / "summary.json").read_text())
-            label = sd.name if sd != rd else s.get("method", rd.name)
+        top = json.loads((rd / "summary.json").read_text()) if (rd / "summary.json").is_file() else {}
+        if "targets" in top:  # a one-method run; otherwise a compare run's sub-directories
+            runs = [(rd, top.get("method", rd.name), top)]
+        else:
+            runs = [(p.parent, p.parent.name, json.loads(p.read_text())) for p in sorted(rd.glob("*/summary.json"))]
+        for sd, label, s in runs:
             out.setdefault(label + _data_stage(sd), []).append(s)
     return out
 
