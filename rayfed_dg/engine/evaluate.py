@@ -49,8 +49,9 @@ def evaluate_saved(cfg: ExperimentConfig, ds, targets: list[str], run_dir: Path,
     from .run import split_for
     from .worker import ClientRunner
 
+    threads = torch.get_num_threads()
     runner = ClientRunner(cfg.to_dict(), ds.images, ds.labels, ds.num_classes)
-    torch.set_num_threads(max(1, torch.get_num_threads(), int(cfg.engine.num_cpus_per_worker)))
+    torch.set_num_threads(threads)  # the runner pins a worker's share; this process may use them all
     expected = set(runner.model.state_dict())
     out = {}
     for t in targets:

@@ -111,8 +111,8 @@ class Server:
         ]
         ray.get([w.ping.remote() for w in self.workers])
         self.global_ref = ray.put(self.global_state)
-        self.extra: dict[int, object] = {}  # client -> ObjectRef of data-stage additions
-        self.train_indices: dict[int, np.ndarray] = {}  # client -> base images it trains on, when the stage drops some
+        # client -> its training set after the data stage: (base indices kept, ObjectRef of the added samples)
+        self.stage: dict[int, tuple[np.ndarray, object]] = {}
         self._client_val: dict[int, np.ndarray | None] = {}  # client -> its fixed validation indices
 
     # -------------------------------------------------------------- setup
@@ -149,8 +149,8 @@ class Server:
             info["images_stylized"] += res["images_stylized"]
             info["originals_kept"] += int(res["keep"].sum())
             info["stylized_copies"] += len(res["labels"])
-            self.extra[cid] = ray.put({"images": res["images"], "labels": res["labels"]})
-            self.train_indices[cid] = self.split.clients[cid][res["keep"]]
+            self.stage[cid] = (self.split.clients[cid][res["keep"]],
+                               ray.put({"images": res["images"], "labels": res["labels"]}))
 
         self._run_pool(list(range(n)), lambda w, cid, a: w.ccst_augment.remote(cid, self.split.clients[cid], bank,
                                                                                  owners), on_aug,
@@ -257,9 +257,10 @@ class Server:
         fault_p = cfg.engine.fault_probability
 
         def submit(worker, cid, attempt):
-            return worker.train.remote(cid, r, self.train_indices.get(cid, self.split.clients[cid]), self.global_ref,
+            indices, extra = self.stage.get(cid, (self.split.clients[cid], None))
+            return worker.train.remote(cid, r, indices, self.global_ref,
                                        self.client_store.get(cid, self.init_local), payloads.get(cid, {}),
-                                       fault_p, attempt, extra=self.extra.get(cid),
+                                       fault_p, attempt, extra=extra,
                                        val_indices=self.client_val(cid))
 
         def on_result(cid, res):
