@@ -122,19 +122,17 @@ def _run(args) -> int:
 
     if not (run_dir / "config.yaml").exists():
         save_config(cfg, run_dir / "config.yaml")
-    tables, summaries = [], {}
+    summaries = {}
     for label, vcfg in variants:
         sub = run_dir if len(variants) == 1 else run_dir / label
         sub.mkdir(parents=True, exist_ok=True)
         print(f"== {label}: {len(targets)} target(s), {vcfg.training.rounds} rounds -> {sub}", file=sys.stderr)
         summary = run_experiment(vcfg, ds, targets, sub, progress=not args.no_progress, splits=splits)
         summaries[label] = summary
-        tables.append(format_table(summary, label))
     if len(variants) > 1:
         (run_dir / "summary.json").write_text(json.dumps(summaries, indent=2))
     print(f"\nTarget accuracy (%) at the round selected by mean source-validation accuracy; run dir {run_dir}")
-    lines = [tables[0]] + [t.splitlines()[2] + "\n" + t.splitlines()[3] for t in tables[1:]]
-    print("\n".join(lines))
+    print(format_table(summaries))
     return 0
 
 

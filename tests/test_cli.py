@@ -134,3 +134,18 @@ def test_report_keeps_ccst_variants_apart(tmp_path, capsys):
     assert set(rows) == {"fedavg", "fedavg + CCST(overall, K=1)", "fedavg + CCST(overall, K=2)",
                          "fedavg + CCST(single J=3, K=2)"}
     assert "| 70.00 |" in rows["fedavg + CCST(overall, K=2)"]
+
+
+def test_result_table_aligns_every_variant():
+    from rayfed_dg.engine import format_table
+
+    def summary(accs, rounds):
+        return {"targets": {t: {"target_acc": a, "selected_round": r} for t, a, r in zip(("mnist", "usps"), accs, rounds)},
+                "average_target_acc": sum(accs) / 2}
+
+    lines = format_table({"fedavg": summary([0.9333, 0.125], [10, 9]),
+                          "a_longer_label": summary([0.0417, 0.0417], [1, 1])}).splitlines()
+    assert len(lines) == 6 and len({len(x) for x in lines}) == 1
+    assert {tuple(i for i, ch in enumerate(x) if ch == "|") for x in lines if "|" in x} == {
+        tuple(i for i, ch in enumerate(lines[0]) if ch == "|")}
+    assert lines[4].split("|")[1:] == ["  4.17 ", "  4.17 ", "  4.17"]

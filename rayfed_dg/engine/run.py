@@ -297,13 +297,16 @@ def run_experiment(cfg: ExperimentConfig, ds: DomainDataset, targets: list[str],
     return summary
 
 
-def format_table(summary: dict, label: str) -> str:
-    targets = list(summary["targets"])
-    head = ["method"] + targets + ["avg"]
-    vals = [f"{100 * summary['targets'][t]['target_acc']:.2f}" for t in targets]
-    avg = summary.get("average_target_acc")
-    row = [label] + vals + [f"{100 * avg:.2f}" if avg is not None else "-"]
-    sel = ["selected round"] + [str(summary["targets"][t]["selected_round"]) for t in targets] + [""]
-    widths = [max(len(str(a)), len(str(b)), len(str(c))) for a, b, c in zip(head, row, sel)]
-    fmt = lambda cells: " | ".join(str(c).rjust(w) for c, w in zip(cells, widths))  # noqa: E731
-    return "\n".join([fmt(head), "-+-".join("-" * w for w in widths), fmt(row), fmt(sel)])
+def format_table(summaries: dict[str, dict]) -> str:
+    """One aligned table: per variant label, a row of target accuracies (%)
+    and a row of the selected rounds."""
+    targets = list(next(iter(summaries.values()))["targets"])
+    rows = [["method"] + targets + ["avg"]]
+    for label, summary in summaries.items():
+        avg = summary.get("average_target_acc")
+        rows.append([label] + [f"{100 * summary['targets'][t]['target_acc']:.2f}" for t in targets]
+                    + [f"{100 * avg:.2f}" if avg is not None else "-"])
+        rows.append(["selected round"] + [str(summary["targets"][t]["selected_round"]) for t in targets] + [""])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    fmt = lambda cells: " | ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([fmt(rows[0]), "-+-".join("-" * w for w in widths)] + [fmt(r) for r in rows[1:]])

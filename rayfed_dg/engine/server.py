@@ -292,8 +292,10 @@ class Server:
         if len(reducer.dropped) == len(sampled):
             raise EngineError(f"round {r}: every sampled client failed ({failed[0][1]})")
         self.global_state = reducer.result(self.global_state)
-        self.method.after_round(r, [results[c] | {"client": c} for c in sorted(results)], self.server_state)
         self.global_ref = ray.put(self.global_state)
+        if self.method.evaluates_global_on_clients:
+            self._evaluate_on_clients(r, results, ledger)
+        self.method.after_round(r, [results[c] | {"client": c} for c in sorted(results)], self.server_state)
         self.round = r
         train_s = time.perf_counter() - t0
 
@@ -314,6 +316,30 @@ class Server:
             "seconds_client_tasks": float(sum(results[c]["stats"].get("seconds", 0.0) for c in results)),
             "seconds_total": time.perf_counter() - t0,
         }
+
+    def _evaluate_on_clients(self, r: int, results: dict, ledger: list) -> None:
+        """The new global model on each participant's validation samples (e.g.
+        FedDG-GA's generalization gaps): one task per client on the worker pool;
+        what leaves the client is its loss and accuracy, two float64."""
+        bs = self.cfg.evaluation.batch_size
+
+        def submit(worker, cid, attempt):
+            return worker.evaluate.remote(self.global_ref, self.client_val(cid), bs)
+
+        def on_result(cid, res):
+            if res is None:
+                raise EngineError(f"round {r}: evaluating the global model on client {cid} failed after retries")
+            correct, loss, cnt = res
+            results[cid]["global_eval"] = {"accuracy": correct / max(cnt, 1), "loss": loss / max(cnt, 1),
+                                           "samples": cnt}
+            ledger.append({"round": r, "client": cid, "direction": "up", "group": "eval:global_on_client",
+                           "tensors": 1, "bytes": 16})
+
+        for cid in sorted(results):
+            if self.client_val(cid) is None or len(self.client_val(cid)) == 0:
+                raise EngineError(f"{self.cfg.method.name} evaluates the global model on client data, but client "
+                                  f"{cid} has no validation samples; set data.val_fraction > 0")
+        self._run_pool(sorted(results), submit, on_result, self.cfg.engine.max_task_retries)
 
     def evaluate(self, r: int) -> list[dict]:
         bs = self.cfg.evaluation.batch_size

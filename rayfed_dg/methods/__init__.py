@@ -1,5 +1,5 @@
 """Federated (DG) methods: one file per method, each registered by name."""
 from .base import ClientContext, Method, build_method, get_method_class, method_names, register_method
-from . import dsu, fedbn, fedfd, fedprox, fedsr, gperxan, mixstyle, silobn, stablefdg  # noqa: F401  (register)
+from . import dsu, fedbn, feddg_ga, fedfd, fedprox, fedsr, gperxan, mixstyle, silobn, stablefdg  # noqa: F401  (register)
 
 __all__ = ["ClientContext", "Method", "build_method", "get_method_class", "method_names", "register_method"]

@@ -18,6 +18,10 @@ Server side (in the server actor):
   ``aggregation_weights``  per-client weights of the reduce (default |D_i|)
   ``server_payloads``      extra records to broadcast to each sampled client
   ``after_round``          update server-side method state from the round
+  ``evaluates_global_on_clients``  when True, the engine evaluates the new
+                         global model on each participant's validation
+                         samples after aggregation and hands ``after_round``
+                         the figures as ``result["global_eval"]``
 
 Hooks receive a ``ClientContext`` that carries the round, the client id, the
 seeded generator for all of the client's randomness, the device and a
@@ -69,6 +73,7 @@ class Method:
 
     name = "fedavg"
     Params: type[BaseModel] = NoParams
+    evaluates_global_on_clients = False
 
     def __init__(self, params: BaseModel, model_cfg, training_cfg):
         self.p = params
