@@ -335,10 +335,6 @@ class Server:
             ledger.append({"round": r, "client": cid, "direction": "up", "group": "eval:global_on_client",
                            "tensors": 1, "bytes": 16})
 
-        for cid in sorted(results):
-            if self.client_val(cid) is None or len(self.client_val(cid)) == 0:
-                raise EngineError(f"{self.cfg.method.name} evaluates the global model on client data, but client "
-                                  f"{cid} has no validation samples; set data.val_fraction > 0")
         self._run_pool(sorted(results), submit, on_result, self.cfg.engine.max_task_retries)
 
     def evaluate(self, r: int) -> list[dict]:
