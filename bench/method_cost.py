@@ -4,9 +4,12 @@ Every method trains the same backbone on the same batches (same batch size
 and resolution) through the engine's own client code (``ClientRunner``),
 without Ray, so only the method's compute differs.  Methods are interleaved
 over repetitions so machine noise hits all alike; the ratio is the median
-step time of a method over FedAvg's.
+step time of a method over FedAvg's.  A timed call is one client's local
+update of ``--steps`` steps over ``--epochs`` epochs of its data, in round 2
+after a warm-up round of two clients, so what a method receives from the
+server from round 2 on (StableFDG's shared style) is in the timing.
 
-    python bench/method_cost.py [--arch resnet18] [--res 64] [--batch 32] [--steps 10] [--methods ...]
+    python bench/method_cost.py [--arch resnet18] [--res 64] [--batch 32] [--steps 10] [--epochs 1] [--methods ...]
 """
 from __future__ import annotations
 
@@ -26,6 +29,8 @@ def main() -> None:
     ap.add_argument("--res", type=int, default=64)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--epochs", type=int, default=1,
+                    help="local epochs per update: the client holds batch x steps / epochs images")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--methods", nargs="*", default=None, help="name or name:key=value,key=value")
@@ -38,33 +43,50 @@ def main() -> None:
 
     methods = args.methods or [m for m in DEFAULT if m in method_names()]
     rng = np.random.default_rng(0)
-    n = args.batch * args.steps
-    images = rng.integers(0, 256, (n, args.res, args.res, 3), dtype=np.uint8)
-    labels = rng.integers(0, 7, n).astype(np.int64)
+    if args.steps % args.epochs:
+        ap.error("--steps must be a multiple of --epochs")
+    n = args.batch * args.steps // args.epochs
+    # client 0 (timed) holds the first n images, client 1 (warm-up peer) the next n
+    images = rng.integers(0, 256, (2 * n, args.res, args.res, 3), dtype=np.uint8)
+    labels = rng.integers(0, 7, 2 * n).astype(np.int64)
+    own, peer = np.arange(n), np.arange(n, 2 * n)
     runners = {}
     for spec in methods:
         name, _, kv = spec.partition(":")
         sets = [f"method.{x}" for x in kv.split(",") if x]
         cfg = load_config(None, [f"model.arch={args.arch}", f"data.resolution={args.res}",
-                                 f"training.batch_size={args.batch}", "training.local_epochs=1",
+                                 f"training.batch_size={args.batch}", f"training.local_epochs={args.epochs}",
                                  f"engine.num_cpus_per_worker={args.threads}", f"method.name={name}", *sets])
         r = ClientRunner(cfg.to_dict(), images, labels, 7)
         sd = r.model.state_dict()
         g = to_numpy_state(sd, sd.keys())
-        payload = r.method.server_payloads(1, [0], {}, np.random.default_rng(0), g).get(0, {})
-        runners[spec] = (r, g, payload)
+        local = {k: g[k] for k in r.local_keys}
+        # the warm-up round: both clients train, the server's hooks see their uploads
+        state: dict = {}
+        first = r.method.server_payloads(1, [0, 1], state, np.random.default_rng(1), g)
+        nval = r.method.client_val_size()  # validation samples, for methods that use them: the client's own
+        val = {c: idx[:nval] if nval else None for c, idx in ((0, own), (1, peer))}
+        results = [r.train(c, 1, idx, g, local, first.get(c, {}), val_indices=val[c]) | {"client": c}
+                   for c, idx in ((0, own), (1, peer))]
+        if r.method.evaluates_global_on_clients:  # e.g. FedDG-GA: the global model on each client's data
+            for res, idx in zip(results, (own, peer)):
+                correct, loss, cnt = r.evaluate(g, idx, args.batch)
+                res["global_eval"] = {"accuracy": correct / cnt, "loss": loss / cnt, "samples": cnt}
+        r.method.after_round(1, results, state)
+        payload = r.method.server_payloads(2, [0], state, np.random.default_rng(2), g).get(0, {})
+        runners[spec] = (r, g, payload, val[0])
     torch.set_num_threads(args.threads)
     times = {m: [] for m in methods}
     for rep in range(args.repeat + 1):
         for m in methods:
-            r, g, payload = runners[m]
+            r, g, payload, val0 = runners[m]
             t0 = time.perf_counter()
-            r.train(0, rep + 1, np.arange(n), g, {k: g[k] for k in r.local_keys}, payload)
+            r.train(0, 2, own, g, {k: g[k] for k in r.local_keys}, payload, val_indices=val0)
             if rep:  # the first repetition warms up
                 times[m].append((time.perf_counter() - t0) / args.steps)
     base = statistics.median(times[methods[0]])
-    print(f"backbone {args.arch}, {args.res}px, batch {args.batch}, {args.steps} steps x {args.repeat} repeats, "
-          f"{args.threads} threads")
+    print(f"backbone {args.arch}, {args.res}px, batch {args.batch}, {args.steps} steps ({args.epochs} epochs of {n} "
+          f"images) x {args.repeat} repeats, {args.threads} threads")
     for m in methods:
         t = statistics.median(times[m])
         print(f"{m:40s} {t * 1000:8.1f} ms/step   ratio vs {methods[0]}: {t / base:.3f}")
