@@ -13,7 +13,7 @@ Each round r, for every participating client i:
   a^1 = 1 / K uniform), then the new global model is evaluated on the same
   validation data: ``after_i = L(theta^r; D_i)``; the engine runs this
   evaluation on the client's worker (``evaluates_global_on_clients``) and
-  counts its one float in the ledger;
+  records its two float64 (loss, accuracy) in the ledger;
 * the generalization gap G_i = after_i - before_i (loss; with accuracy the
   sign flips), normalised around its mean,
   ``A_i = (G_i - mean(G)) / max_j |G_j - mean(G)|``, adjusts the weights for
