@@ -101,9 +101,9 @@ class FedDGGA(Method):
         if not results:
             return
         ids = [int(r["client"]) for r in results]
-        stored = server_state.setdefault("ga_weights", {})
-        w = np.array([stored.get(c, 1.0 / len(ids)) for c in ids], dtype=np.float64)
+        w = self.aggregation_weights(ids, None, server_state)
         w = w / w.sum()  # the participants' weights as this round's reduce used them
+        stored = server_state.setdefault("ga_weights", {})
         key = "loss" if self.p.metric == "loss" else "accuracy"
         after = np.array([r["global_eval"][key] for r in results], dtype=np.float64)
         before = np.array([float(r["payload"]["ga_local"][0]) for r in results], dtype=np.float64)
