@@ -67,6 +67,20 @@ class ClientContext:
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
+@torch.no_grad()
+def validate(model: nn.Module, ctx: "ClientContext", batch_size: int = 256) -> tuple[float, float]:
+    """(accuracy, mean cross-entropy) of ``model`` as it is (mode untouched)
+    on the client's validation samples ``ctx.val_indices``."""
+    correct, loss = 0, 0.0
+    for s in range(0, len(ctx.val_indices), batch_size):
+        x, y = ctx.fetch(ctx.val_indices[s:s + batch_size])
+        logits = model(x)
+        loss += float(F.cross_entropy(logits, y, reduction="sum"))
+        correct += int((logits.argmax(1) == y).sum())
+    n = len(ctx.val_indices)
+    return correct / n, loss / n
+
+
 class Method:
     """FedAvg (McMahan et al., 2017): local SGD on cross-entropy, weighted
     averaging of all weights by client sample counts (gPerXAN paper Eq. 1)."""

@@ -39,11 +39,9 @@ from __future__ import annotations
 import sys
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
-from .base import Method, register_method
+from .base import Method, register_method, validate
 
 
 def ga_step(round: int, rounds: int, step: float) -> float:
@@ -77,20 +75,12 @@ class FedDGGA(Method):
     def client_val_size(self) -> int:
         return self.p.val_samples or sys.maxsize
 
-    @torch.no_grad()
     def upload_payload(self, model, ctx):
         if ctx.val_indices is None or len(ctx.val_indices) == 0:
             raise ValueError(f"client {ctx.client_id} has no validation samples for FedDG-GA")
         model.eval()
-        loss, correct = 0.0, 0
-        for s in range(0, len(ctx.val_indices), 256):
-            x, y = ctx.fetch(ctx.val_indices[s:s + 256])
-            logits = model(x)
-            loss += float(F.cross_entropy(logits, y, reduction="sum"))
-            correct += int((logits.argmax(1) == y).sum())
-        n = len(ctx.val_indices)
-        value = loss / n if self.p.metric == "loss" else correct / n
-        return {"ga_local": np.array([value], dtype=np.float64)}
+        acc, loss = validate(model, ctx)
+        return {"ga_local": np.array([loss if self.p.metric == "loss" else acc], dtype=np.float64)}
 
     def aggregation_weights(self, client_ids, sizes, server_state):
         stored = server_state.get("ga_weights", {})

@@ -56,7 +56,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rayfed_dg.models import BN_TYPES, modules_of_type, replace_norm, state_keys_of
 
-from .base import Method, register_method
+from .base import Method, register_method, validate
 
 
 class FDBN(nn.BatchNorm2d):
@@ -294,13 +294,9 @@ class FedFD(Method):
         strictly better (ties keep the earlier iterate)."""
         set_mode(model, self._eval_mode)
         model.eval()
-        correct = 0
-        for s in range(0, len(ctx.val_indices), 256):
-            x, y = ctx.fetch(ctx.val_indices[s:s + 256])
-            correct += int((model(x).argmax(1) == y).sum())
+        acc, _ = validate(model, ctx)
         model.train()
         set_mode(model, "plain")
-        acc = correct / len(ctx.val_indices)
         if acc > best[0]:
             return acc, it, {k: v.detach().clone() for k, v in model.state_dict().items()}
         return best
