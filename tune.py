@@ -12,9 +12,7 @@ selection.parquet, selection.md and chosen_config.yaml in the sweep folder.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import traceback
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,26 +27,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--storage", default="runs/tune", help="where sweeps are kept")
     ap.add_argument("--debug", action="store_true")
     args = ap.parse_args(argv)
-    os.umask(os.umask(0) | 0o022)  # nothing written is group/world-writable
 
-    from rayfed_dg.config import ConfigError
-    from rayfed_dg.data import DataError
-    from rayfed_dg.engine import EngineError
-    from rayfed_dg.models import ModelError
     from rayfed_dg.tuning import run_sweep
+    from rayfed_dg.utils import run_cli
 
-    try:
+    def sweep() -> int:
         out = run_sweep(args.space, args.config, args.target, args.samples, args.scheduler, args.resume,
                         args.overrides, args.storage)
-    except (ConfigError, DataError, ModelError, EngineError) as e:
-        if args.debug:
-            traceback.print_exc()
-        print(f"tune.py: error: {e}", file=sys.stderr)
-        return 2
-    print(f"\nTarget accuracy at each target's round selected by source validation; sweep {out['path']}")
-    print(out["table"])
-    print(f"chosen by mean source validation: {out['chosen']}  (config: {out['path']}/chosen_config.yaml)")
-    return 0
+        print(f"\nTarget accuracy at each target's round selected by source validation; sweep {out['path']}")
+        print(out["table"])
+        print(f"chosen by mean source validation: {out['chosen']}  (config: {out['path']}/chosen_config.yaml)")
+        return 0
+
+    return run_cli("tune.py", sweep, args.debug)
 
 
 if __name__ == "__main__":

@@ -40,8 +40,8 @@ def main() -> None:
     target = args.target or ds.domain_names[-1]
     split = leave_one_domain_out(ds, target, 0.1, 0)
     cache = tempfile.mkdtemp(prefix="ccst-cache-")
-    cfg = load_config(None, ["ccst.enabled=true", f"ccst.k={args.k}", f"ccst.style={args.style}",
-                             f"ccst.cache_dir={cache}", "training.rounds=1", "training.local_steps=1",
+    cfg = load_config(None, [f"stages.ccst.k={args.k}", f"stages.ccst.style={args.style}",
+                             f"stages.ccst.cache_dir={cache}", "training.rounds=1", "training.local_steps=1",
                              "evaluation.every=0", f"data.resolution={args.res}", "model.width=16",
                              "engine.num_cpus_per_worker=1", "output.save_best_checkpoint=false"])
     if not args.montage_only:
@@ -62,7 +62,7 @@ def timed_setup(args, cfg, ds, split, target) -> None:
         res = run_federation(cfg, split, *refs, ds.num_classes, progress=False)
         runs.append((res, time.perf_counter() - t0))
     ray.shutdown()
-    info = runs[0][0].setup_info
+    info = runs[0][0].setup_info["ccst"]
     stylized = info["images_stylized"]
     stylize_s = info["seconds_total"] - info["seconds_style"]
     up = sum(r["bytes"] for r in runs[0][0].ledger if r["group"] == "payload:ccst_style")
@@ -73,8 +73,8 @@ def timed_setup(args, cfg, ds, split, target) -> None:
           f"K={args.k}, style={args.style}, backend ghiasi (2 workers x 1 CPU)")
     print(f"setup, first run : {info['seconds_total']:.1f} s (styles {info['seconds_style']:.1f} s, "
           f"stylizing {stylized} images {stylize_s:.1f} s = {stylized / max(stylize_s, 1e-9):.0f} images/s)")
-    print(f"setup, second run: {runs[1][0].setup_info['seconds_total']:.1f} s "
-          f"(cache hits {runs[1][0].setup_info['hits']}/{split.num_clients})")
+    print(f"setup, second run: {runs[1][0].setup_info['ccst']['seconds_total']:.1f} s "
+          f"(cache hits {runs[1][0].setup_info['ccst']['hits']}/{split.num_clients})")
     print(f"bytes shared once: styles up {up:,}, bank down {down:,}; one FedAvg round sends {model_down:,} down "
           f"(CCST adds {100 * (up + down) / model_down:.4f}% of one round's download, once)")
 
@@ -86,7 +86,7 @@ def montage(args, cfg, ds, split) -> None:
 
     from rayfed_dg.models.styletransfer import GhiasiBackend
 
-    be = GhiasiBackend(threads=2, work_size=cfg.ccst.work_size)
+    be = GhiasiBackend(threads=2, work_size=cfg.stage_params("ccst").work_size)
     rng = np.random.default_rng(0)
     rows = []
     styles = [be.style_of(ds.images[c], "overall", 1, rng)[0] for c in split.clients]

@@ -28,12 +28,12 @@ def make_data(n_clients: int, per_client: int, res: int, seed: int = 0):
 
 
 def plain_loop(cfg, images, labels, clients, val_idx, rounds):
-    from rayfed_dg.engine.seeding import INIT, TRAIN, sample_clients, seed_int, torch_generator
+    from rayfed_dg.seeding import Stream, sample_clients, seed_int, torch_generator
     from rayfed_dg.models import build_backbone
 
     t = cfg.training
     torch.set_num_threads(2)
-    torch.manual_seed(seed_int(t.seed, INIT))
+    torch.manual_seed(seed_int(t.seed, Stream.INIT))
     model = build_backbone("resnet18", 10)
     global_sd = {k: v.clone() for k, v in model.state_dict().items()}
     mean = torch.tensor(cfg.data.mean).view(1, 3, 1, 1)
@@ -53,7 +53,7 @@ def plain_loop(cfg, images, labels, clients, val_idx, rounds):
             model.load_state_dict(global_sd)
             model.train()
             opt = torch.optim.SGD(model.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
-            gen = torch_generator(t.seed, TRAIN, r, cid)
+            gen = torch_generator(t.seed, Stream.TRAIN, r, cid)
             idx = clients[cid][torch.randperm(len(clients[cid]), generator=gen).numpy()]
             for s in range(0, len(idx), t.batch_size):
                 x, y = tensors(idx[s:s + t.batch_size])

@@ -39,7 +39,7 @@ def main() -> None:
     from rayfed_dg.config import load_config
     from rayfed_dg.engine import ClientRunner
     from rayfed_dg.engine.worker import to_numpy_state
-    from rayfed_dg.methods import method_names
+    from rayfed_dg.methods import GlobalEval, method_names
 
     methods = args.methods or [m for m in DEFAULT if m in method_names()]
     rng = np.random.default_rng(0)
@@ -57,23 +57,29 @@ def main() -> None:
         cfg = load_config(None, [f"model.arch={args.arch}", f"data.resolution={args.res}",
                                  f"training.batch_size={args.batch}", f"training.local_epochs={args.epochs}",
                                  f"engine.num_cpus_per_worker={args.threads}", f"method.name={name}", *sets])
-        r = ClientRunner(cfg.to_dict(), images, labels, 7)
+        r = ClientRunner(cfg, images, labels, 7)
         sd = r.model.state_dict()
         g = to_numpy_state(sd, sd.keys())
         local = {k: g[k] for k in r.local_keys}
         # the warm-up round: both clients train, the server's hooks see their uploads
         state: dict = {}
-        first = r.method.server_payloads(1, [0, 1], state, np.random.default_rng(1), g)
+        first = r.method.server_payloads(1, [0, 1], state, np.random.default_rng(1), g, {})
         nval = r.method.client_val_size()  # validation samples, for methods that use them: the client's own
         val = {c: idx[:nval] if nval else None for c, idx in ((0, own), (1, peer))}
-        results = [r.train(c, 1, idx, g, local, first.get(c, {}), val_indices=val[c]) | {"client": c}
+        results = [r.run_client(c, 1, idx, g, local, first.get(c, {}), val_indices=val[c])
                    for c, idx in ((0, own), (1, peer))]
         if r.method.evaluates_global_on_clients:  # e.g. FedDG-GA: the global model on each client's data
             for res, idx in zip(results, (own, peer)):
                 correct, loss, cnt = r.evaluate(g, idx, args.batch)
-                res["global_eval"] = {"accuracy": correct / cnt, "loss": loss / cnt, "samples": cnt}
+                res.global_eval = GlobalEval(accuracy=correct / cnt, loss=loss / cnt, samples=cnt)
         r.method.after_round(1, results, state)
-        payload = r.method.server_payloads(2, [0], state, np.random.default_rng(2), g).get(0, {})
+        prepared = {}
+        if r.method.prepares_round:  # e.g. StableFDG: styles computed with round 2's model before training
+            from rayfed_dg.engine import ClientTask
+
+            prepared = {c: r.prepare(ClientTask(client=c, round=2, indices=idx, local_state=local), g)
+                        for c, idx in ((0, own), (1, peer))}
+        payload = r.method.server_payloads(2, [0, 1], state, np.random.default_rng(2), g, prepared).get(0, {})
         runners[spec] = (r, g, payload, val[0])
     torch.set_num_threads(args.threads)
     times = {m: [] for m in methods}
@@ -81,7 +87,7 @@ def main() -> None:
         for m in methods:
             r, g, payload, val0 = runners[m]
             t0 = time.perf_counter()
-            r.train(0, 2, own, g, {k: g[k] for k in r.local_keys}, payload, val_indices=val0)
+            r.run_client(0, 2, own, g, {k: g[k] for k in r.local_keys}, payload, val_indices=val0)
             if rep:  # the first repetition warms up
                 times[m].append((time.perf_counter() - t0) / args.steps)
     base = statistics.median(times[methods[0]])

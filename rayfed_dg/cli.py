@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import traceback
 from pathlib import Path
+
+from rayfed_dg.utils import render_table, run_cli, write_table, write_text
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -52,34 +52,21 @@ def _build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _load_data(cfg):
-    from rayfed_dg.data import load_dataset
-
-    ds = load_dataset(cfg.data.name, cfg.data.root, cfg.data.resolution, cfg.data.domains,
-                      **cfg.data.loader_options())
-    if cfg.data.limit_per_domain:
-        ds = ds.subsample(cfg.data.limit_per_domain, cfg.data.split_seed)
-    return ds
-
-
 def _partition(args) -> int:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     from rayfed_dg.config import load_config
     from rayfed_dg.data.protocol import manifest
-    from rayfed_dg.engine.run import resolve_targets, split_for
+    from rayfed_dg.engine.plan import load_data, resolve_targets, split_for
     from rayfed_dg.reporting import partition_heatmap, partition_summary
 
     cfg = load_config(args.config, args.overrides)
-    ds = _load_data(cfg)
+    ds = load_data(cfg)
     target = resolve_targets(ds, args.target)[0] if args.target else ds.domain_names[0]
     split = split_for(cfg, ds, target)
     print(partition_summary(ds, split))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{Path(args.config).stem}-{target}"
-    pq.write_table(pa.table(manifest(ds, split)), out / f"{stem}.parquet")
+    write_table(manifest(ds, split), out / f"{stem}.parquet")
     p = cfg.partition
     title = f"{cfg.data.name} {p.strategy}" + (f" alpha={p.alpha}" if p.alpha else "") + \
         f", {split.num_clients} clients, target {target}"
@@ -89,9 +76,17 @@ def _partition(args) -> int:
 
 
 def _run(args) -> int:
-    from rayfed_dg.config import method_variants, load_config
-    from rayfed_dg.engine import (check_resume_dir, format_table, make_run_dir, make_splits, preflight,
-                                  resolve_targets, run_experiment)
+    from rayfed_dg.config import load_config, method_variants
+    from rayfed_dg.engine import (
+        check_resume_dir,
+        format_table,
+        load_data,
+        make_run_dir,
+        make_splits,
+        preflight,
+        resolve_targets,
+        run_experiment,
+    )
 
     dry = []
     if args.dry_run:
@@ -101,7 +96,7 @@ def _run(args) -> int:
                f"data.limit_per_domain={max(24, 6 * clients)}", "partition.min_size=1",
                "evaluation.batch_size=8", "output.checkpoint_every=1"]
     cfg = load_config(args.config, args.overrides + dry)
-    ds = _load_data(cfg)
+    ds = load_data(cfg)
     targets = resolve_targets(ds, args.target)
     variants = method_variants(cfg)
     splits = make_splits(cfg, ds, targets)  # partition errors surface before anything is written
@@ -130,7 +125,7 @@ def _run(args) -> int:
         summary = run_experiment(vcfg, ds, targets, sub, progress=not args.no_progress, splits=splits)
         summaries[label] = summary
     if len(variants) > 1:
-        (run_dir / "summary.json").write_text(json.dumps(summaries, indent=2))
+        write_text(json.dumps(summaries, indent=2), run_dir / "summary.json")
     print(f"\nTarget accuracy (%) at the round selected by mean source-validation accuracy; run dir {run_dir}")
     print(format_table(summaries))
     return 0
@@ -139,63 +134,37 @@ def _run(args) -> int:
 def _evaluate(args) -> int:
     import numpy as np
 
-    from rayfed_dg.engine import resolve_targets
+    from rayfed_dg.engine import load_data, resolve_targets
     from rayfed_dg.engine.evaluate import evaluate_saved, load_run_config, run_targets
 
     run_dir = Path(args.run_dir)
     cfg = load_run_config(run_dir, args.overrides)
-    ds = _load_data(cfg)
+    ds = load_data(cfg)
     targets = resolve_targets(ds, args.target) if args.target else run_targets(run_dir)
     res = evaluate_saved(cfg, ds, targets, run_dir, args.weights)
     what = " ".join(args.overrides) or "the run's own settings"
     print(f"{run_dir} ({cfg.method.name}), {args.weights} models, {what}")
-    print("target | source val | target test")
-    for t, r in res.items():
-        print(f"{t} | {100 * r['source_val']:.2f} | {100 * r['target_test']:.2f}")
-    print(f"avg | {100 * np.mean([r['source_val'] for r in res.values()]):.2f} | "
-          f"{100 * np.mean([r['target_test'] for r in res.values()]):.2f}")
+    rows = [[t, f"{100 * r['source_val']:.2f}", f"{100 * r['target_test']:.2f}"] for t, r in res.items()]
+    rows.append(["avg", f"{100 * np.mean([r['source_val'] for r in res.values()]):.2f}",
+                 f"{100 * np.mean([r['target_test'] for r in res.values()]):.2f}"])
+    print(render_table(["target", "source val", "target test"], rows))
     return 0
 
 
-def _one_line_warning(message, category, filename, lineno, file=None, line=None):
-    print(f"rayfed-dg: warning: {message}", file=sys.stderr)
+def _dispatch(args) -> int:
+    if args.command == "report":
+        from rayfed_dg.reporting import seeds_table
+
+        print(seeds_table([Path(p) for p in args.run_dirs]))
+        return 0
+    if args.command == "evaluate":
+        return _evaluate(args)
+    return _run(args) if args.command == "run" else _partition(args)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
-    os.umask(os.umask(0) | 0o022)  # nothing we (or Ray's processes) write is group/world-writable
-    if not args.debug:
-        import warnings
-
-        warnings.showwarning = _one_line_warning
-    from rayfed_dg.config import ConfigError
-    from rayfed_dg.data import DataError
-    from rayfed_dg.engine import EngineError
-    from rayfed_dg.models import ModelError
-
-    try:
-        if args.command == "report":
-            from rayfed_dg.reporting import seeds_table
-
-            print(seeds_table([Path(p) for p in args.run_dirs]))
-            return 0
-        if args.command == "evaluate":
-            return _evaluate(args)
-        return _run(args) if args.command == "run" else _partition(args)
-    except (ConfigError, DataError, ModelError) as e:
-        if args.debug:
-            traceback.print_exc()
-        print(f"rayfed-dg: error: {e}", file=sys.stderr)
-        return 2
-    except EngineError as e:
-        if args.debug:
-            traceback.print_exc()
-        # raised inside the server actor, it arrives wrapped with a remote traceback
-        print(f"rayfed-dg: error: {getattr(e, 'cause', None) or e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("rayfed-dg: interrupted", file=sys.stderr)
-        return 130
+    return run_cli("rayfed-dg", lambda: _dispatch(args), args.debug)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,12 @@ line naming the key and the file it came from.
 The shape of the tree follows the objects it configures (FLSim's lesson):
 ``data``, ``partition``, ``model``, ``method``, ``training``, ``engine``,
 ``evaluation``, ``output``.  Method hyper-parameters live under ``method`` next
-to its ``name`` and are validated by the method's own parameter model, so this
-module never names a method.
+to its ``name``, data stages under ``stages`` keyed by stage name
+(``stages: {ccst: {k: 2}}``); each is validated by the method's or stage's
+own parameter model, once, and kept typed on the config
+(``cfg.method.params``, ``cfg.stage_params(name)``), so this module never
+names a method or a stage.  A method or stage may veto a whole config
+(``check``), e.g. a stage that needs more clients than the partition has.
 """
 from __future__ import annotations
 
@@ -19,11 +23,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
+from .errors import ConfigError
 
-class ConfigError(ValueError):
-    """A bad config: the message is one line naming the key and the file."""
+__all__ = ["ConfigError", "ExperimentConfig", "load_config", "method_variants", "save_config", "validate"]
 
 
 class _Strict(BaseModel):
@@ -65,15 +69,32 @@ class ModelConfig(_Strict):
     width: int = Field(64, ge=4, le=1024)  # convnet channels
 
 
-class MethodConfig(BaseModel):
-    """``name`` plus the method's own parameters (validated by the method)."""
+class _Named(BaseModel):
+    """A plug-in's parameters as written (``raw_params``) and, once the
+    config is validated, as the plug-in's typed ``Params`` (``params``)."""
 
     model_config = ConfigDict(extra="allow")
+    _typed: BaseModel | None = PrivateAttr(None)
+
+    def raw_params(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+    @property
+    def params(self) -> Any:
+        if self._typed is None:
+            raise RuntimeError("config not validated: use config.validate / load_config")
+        return self._typed
+
+
+class MethodConfig(_Named):
+    """``name`` plus the method's own parameters (validated by the method)."""
+
     name: str = "fedavg"
     label: str | None = None  # row name in comparison tables
 
-    def params(self) -> dict[str, Any]:
-        return dict(self.model_extra or {})
+
+class StageConfig(_Named):
+    """A data stage's parameters (validated by the stage)."""
 
 
 class TrainingConfig(_Strict):
@@ -116,20 +137,6 @@ class OutputConfig(_Strict):
     checkpoint_every: int = Field(5, ge=0)  # rounds between resumable checkpoints; 0: none
 
 
-class CCSTConfig(_Strict):
-    """Cross-client style transfer (CCST, WACV 2023) as a data stage before round 1."""
-    enabled: bool = False
-    backend: Literal["ghiasi", "adain"] = "ghiasi"
-    style: Literal["overall", "single"] = "overall"
-    k: int = Field(2, ge=1)  # augmentation level K: versions per image, K distinct clients' styles (<= clients)
-    j: int = Field(1, ge=1)  # single-image styles per client in the bank
-    adain_vgg: str | None = None  # vgg_normalised.pth (pytorch-AdaIN)
-    adain_decoder: str | None = None  # decoder.pth (pytorch-AdaIN)
-    max_style_images: int = Field(256, ge=1)  # ghiasi overall style: images averaged
-    work_size: int = Field(100, ge=16, le=376)  # ghiasi: pixels an image is stylized at (100: 9 per mosaic)
-    cache_dir: str | None = None  # stylized images (default: $RAYFED_DG_CACHE/ccst)
-
-
 class ExperimentConfig(_Strict):
     data: DataConfig = DataConfig()
     partition: PartitionConfig = PartitionConfig()
@@ -139,18 +146,27 @@ class ExperimentConfig(_Strict):
     engine: EngineConfig = EngineConfig()
     evaluation: EvaluationConfig = EvaluationConfig()
     output: OutputConfig = OutputConfig()
-    ccst: CCSTConfig = CCSTConfig()
+    # data stages run before round 1, in this order, keyed by stage name
+    stages: dict[str, StageConfig | None] = {}
     # optional: run several methods with everything else equal, one table row each
     compare: list[MethodConfig] | None = None
 
     @model_validator(mode="after")
-    def _cross_checks(self) -> "ExperimentConfig":
+    def _cross_checks(self) -> ExperimentConfig:
         if self.engine.num_gpus_per_worker > 0 and self.engine.device == "cpu":
             raise ValueError("engine.num_gpus_per_worker > 0 needs engine.device cuda or auto")
         return self
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
+
+    def active_stages(self) -> list[tuple[str, Any]]:
+        """(name, typed params) of the configured data stages, in order."""
+        return [(name, sc.params) for name, sc in self.stages.items() if sc is not None]
+
+    def stage_params(self, name: str) -> Any:
+        sc = self.stages.get(name)
+        return None if sc is None else sc.params
 
 
 # --------------------------------------------------------------------------- loading
@@ -223,25 +239,47 @@ def _one_line(err: ValidationError, source: str) -> str:
     return f"{source}: {key}: {msg}{got}{tail}"
 
 
+def _typed(section: _Named, params_model: type[BaseModel], where: str, source: str) -> None:
+    try:
+        section._typed = params_model.model_validate(section.raw_params())
+    except ValidationError as err:
+        line = _one_line(err, source)
+        raise ConfigError(line.replace(f"{source}: ", f"{source}: {where}.", 1)) from None
+
+
 def validate(tree: dict, source: str = "<config>") -> ExperimentConfig:
+    """The one validation of a config tree: sections, then each method's and
+    stage's own parameters (kept typed on the config), then their vetoes."""
+    from rayfed_dg.methods import get_method_class
+    from rayfed_dg.stages import get_stage_class
+
     try:
         cfg = ExperimentConfig.model_validate(tree)
     except ValidationError as err:
         raise ConfigError(_one_line(err, source)) from None
-    # method parameters are validated by the method itself
-    from rayfed_dg.methods import get_method_class
-
     sections = [("method", cfg.method)] + [(f"compare.{i}", m) for i, m in enumerate(cfg.compare or [])]
     for where, m in sections:
         try:
             cls = get_method_class(m.name)
         except KeyError as e:
             raise ConfigError(f"{source}: {where}.name: {e.args[0]}") from None
+        _typed(m, cls.Params, where, source)
+    stage_classes = []
+    for name, sc in cfg.stages.items():
+        if sc is None:
+            continue
         try:
-            cls.Params.model_validate(m.params())
-        except ValidationError as err:
-            line = _one_line(err, source)
-            raise ConfigError(line.replace(f"{source}: ", f"{source}: {where}.", 1)) from None
+            scls = get_stage_class(name)
+        except KeyError as e:
+            raise ConfigError(f"{source}: stages.{name}: {e.args[0]}") from None
+        _typed(sc, scls.Params, f"stages.{name}", source)
+        stage_classes.append(scls)
+    try:
+        get_method_class(cfg.method.name).check(cfg)
+        for scls in stage_classes:
+            scls.check(cfg)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
     return cfg
 
 
@@ -258,7 +296,7 @@ def method_variants(cfg: ExperimentConfig) -> list[tuple[str, ExperimentConfig]]
         seen[label] = seen.get(label, 0) + 1
         if seen[label] > 1:
             label = f"{label}-{seen[label]}"
-        out.append((label, ExperimentConfig.model_validate(tree)))
+        out.append((label, validate(tree, f"compare ({label})")))
     return out
 
 
@@ -277,4 +315,6 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
 
 
 def save_config(cfg: ExperimentConfig, path: Path) -> None:
-    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    from .utils import write_text
+
+    write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False), path)

@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 
 from rayfed_dg.data import DomainDataset, FederatedSplit
+from rayfed_dg.utils import render_table
 
 
 def client_class_counts(ds: DomainDataset, split: FederatedSplit) -> np.ndarray:
@@ -89,18 +90,26 @@ def collect_summaries(run_dirs: list[Path]) -> dict[str, list[dict]]:
 
 
 def _data_stage(run_dir: Path) -> str:
-    """' + CCST(...)' when the run's config enabled the CCST data stage, so
-    runs with different K or style are not averaged together."""
+    """' + stage(k=v, ...)' for each data stage the run's config enabled
+    (settings that differ from the stage's defaults), so runs with different
+    stage settings (e.g. CCST's K or style) are not averaged together."""
     import yaml
+
+    from rayfed_dg.stages import get_stage_class
 
     path = run_dir / "config.yaml"
     if not path.is_file():
         return ""
-    c = (yaml.safe_load(path.read_text()) or {}).get("ccst") or {}
-    if not c.get("enabled"):
-        return ""
-    style = c.get("style", "overall") + (f" J={c.get('j', 1)}" if c.get("style") == "single" else "")
-    return f" + CCST({style}, K={c.get('k')})"
+    out = ""
+    for name, params in ((yaml.safe_load(path.read_text()) or {}).get("stages") or {}).items():
+        if params is None:
+            continue
+        p_cls = get_stage_class(name).Params
+        given, default = p_cls.model_validate(params).model_dump(), p_cls().model_dump()
+        changed = [f"{k}={v}" for k, v in sorted(given.items()) if v != default[k] and not k.endswith(
+            ("_vgg", "_decoder", "cache_dir"))]
+        out += f" + {name}" + (f"({', '.join(changed)})" if changed else "")
+    return out
 
 
 def seeds_table(run_dirs: list[Path]) -> str:
@@ -110,7 +119,7 @@ def seeds_table(run_dirs: list[Path]) -> str:
     if not runs:
         return "(no summaries found)"
     targets = list(next(iter(runs.values()))[0]["targets"])
-    lines = ["| method | runs | " + " | ".join(targets) + " | avg |", "|---|---|" + "---|" * (len(targets) + 1)]
+    rows = []
     for label, ss in runs.items():
         cells = []
         for t in targets + ["__avg"]:
@@ -118,5 +127,5 @@ def seeds_table(run_dirs: list[Path]) -> str:
                     for s in ss if t == "__avg" or t in s["targets"]]
             cells.append(f"{np.mean(vals):.2f} ± {np.std(vals):.2f}" if len(vals) > 1 else
                          (f"{vals[0]:.2f}" if vals else "-"))
-        lines.append(f"| {label} | {len(ss)} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append([label, len(ss)] + cells)
+    return render_table(["method", "runs"] + targets + ["avg"], rows, "md")

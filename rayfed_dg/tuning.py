@@ -27,7 +27,6 @@ validation wins, and its target accuracies are what one reports.
 """
 from __future__ import annotations
 
-import difflib
 import json
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,7 @@ import numpy as np
 import yaml
 
 from rayfed_dg.config import ConfigError, load_config
+from rayfed_dg.utils import did_you_mean, render_table, write_table, write_text
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SPACE_DIR = REPO_ROOT / "tuning"
@@ -49,9 +49,8 @@ def load_space(name: str, space_dir: Path = SPACE_DIR) -> dict:
     path = space_dir / f"{name}.yaml"
     if not path.is_file():
         known = space_names(space_dir)
-        hint = difflib.get_close_matches(name, known, n=1)
-        extra = f" (did you mean {hint[0]}?)" if hint else ""
-        raise ConfigError(f"unknown search space {name!r}{extra}; spaces in {space_dir}: {', '.join(known)}")
+        raise ConfigError(f"unknown search space {name!r}{did_you_mean(name, known)}; "
+                          f"spaces in {space_dir}: {', '.join(known)}")
     space = yaml.safe_load(path.read_text()) or {}
     if not isinstance(space.get("params"), dict) or not space["params"]:
         raise ConfigError(f"{path}: needs a 'params' mapping of config keys to distributions")
@@ -81,27 +80,23 @@ def trainable(trial_config: dict, *, config_path: str, fixed: list[str]) -> None
     from ray import tune
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from rayfed_dg.data import load_dataset
-    from rayfed_dg.engine.run import run_federation, split_for
+    from rayfed_dg.engine import load_data, run_federation, split_for
 
     cfg = load_config(config_path, fixed + overrides_of(trial_config) + ["output.save_best_checkpoint=false",
                                                                          "output.checkpoint_every=0"])
-    ds = load_dataset(cfg.data.name, cfg.data.root, cfg.data.resolution, cfg.data.domains,
-                      **cfg.data.loader_options())
-    if cfg.data.limit_per_domain:
-        ds = ds.subsample(cfg.data.limit_per_domain, cfg.data.split_seed)
+    ds = load_data(cfg)
     split = split_for(cfg, ds, trial_config["target"])
     pg = ray.util.get_current_placement_group()
     opts = {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg)} if pg is not None else None
     workers = len(pg.bundle_specs) - 1 if pg is not None else None
 
     def report(out, res):
-        rows = [m for m in out["metrics"]]
+        rows = out.metrics
         if not rows:
             return
         src = float(np.mean([m["accuracy"] for m in rows if m["split"] == "source_val"]))
         tgt = float(np.mean([m["accuracy"] for m in rows if m["split"] == "target_test"]))
-        tune.report({"round": out["round"], "src_val": src, "target_acc": tgt,
+        tune.report({"round": out.round, "src_val": src, "target_acc": tgt,
                      "selected_round": res.selected_round, "selected_src_val": res.selected_val,
                      "selected_target_acc": res.selected_target_acc})
 
@@ -150,7 +145,7 @@ def select_value(records: list[dict], params: list[str]) -> tuple[dict, list[dic
 
 def markdown_table(rows: list[dict], targets: list[str], params: list[str]) -> str:
     head = params + [f"{t} (%)" for t in targets] + ["avg (%)", "mean src val (%)", "chosen"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    body = []
     for r in rows:
         accs = [r.get(t) for t in targets]
         avg = np.mean([a for a in accs if a is not None]) if any(a is not None for a in accs) else None
@@ -158,20 +153,16 @@ def markdown_table(rows: list[dict], targets: list[str], params: list[str]) -> s
                                                for t, a in zip(targets, accs)]
         cells += [f"{100 * avg:.2f}" if avg is not None else "-", f"{100 * r['mean_src_val']:.2f}",
                   "**yes**" if r["chosen"] else ""]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        body.append(cells)
+    return render_table(head, body, "md")
 
 
 def run_sweep(space_name: str, config: str | None, target: str, samples: int, scheduler: str, resume: bool,
               overrides: list[str], storage: str, space_dir: Path = SPACE_DIR, verbose: int = 1) -> dict[str, Any]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
     import ray
     from ray import tune
 
-    from rayfed_dg.data import load_dataset
-    from rayfed_dg.engine.run import init_ray, make_splits, resolve_targets
-    from rayfed_dg.engine.server import plan_workers
+    from rayfed_dg.engine import clients_per_round, init_ray, load_data, make_splits, plan_workers, resolve_targets
 
     space = load_space(space_name, space_dir)
     config_path = config or space.get("config")
@@ -188,14 +179,11 @@ def run_sweep(space_name: str, config: str | None, target: str, samples: int, sc
         v = space["params"][key]
         probe = next(iter(v.values()))[0]
         load_config(config_path, fixed + [f"{key}={json.dumps(probe)}"])
-    ds = load_dataset(cfg.data.name, cfg.data.root, cfg.data.resolution, cfg.data.domains,
-                      **cfg.data.loader_options())
-    if cfg.data.limit_per_domain:
-        ds = ds.subsample(cfg.data.limit_per_domain, cfg.data.split_seed)
+    ds = load_data(cfg)
     targets = resolve_targets(ds, target)
     splits = make_splits(cfg, ds, targets)
     init_ray(cfg)
-    k = max((cfg.training.clients_per_round or s.num_clients) for s in splits)
+    k = max(clients_per_round(cfg, s) for s in splits)
     workers = plan_workers(cfg.engine, k, ray.cluster_resources())
 
     param_space = {key: to_tune(d) for key, d in space["params"].items()}
@@ -233,10 +221,10 @@ def run_sweep(space_name: str, config: str | None, target: str, samples: int, sc
     if not records:
         raise RuntimeError("no trial reported a selected round")
     chosen, rows = select_value(records, params)
-    pq.write_table(pa.Table.from_pylist(records), exp_path / "trials.parquet")
-    pq.write_table(pa.Table.from_pylist(rows), exp_path / "selection.parquet")
+    write_table(records, exp_path / "trials.parquet")
+    write_table(rows, exp_path / "selection.parquet")
     md = markdown_table(rows, targets, params)
-    (exp_path / "selection.md").write_text(md + "\n")
+    write_text(md + "\n", exp_path / "selection.md")
     chosen_cfg = load_config(config_path, fixed + overrides_of(chosen))
-    (exp_path / "chosen_config.yaml").write_text(yaml.safe_dump(chosen_cfg.to_dict(), sort_keys=False))
+    write_text(yaml.safe_dump(chosen_cfg.to_dict(), sort_keys=False), exp_path / "chosen_config.yaml")
     return {"path": str(exp_path), "chosen": chosen, "table": md, "records": records}

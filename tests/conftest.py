@@ -1,9 +1,32 @@
+"""Shared fixtures and the test tiers.
+
+``python -m pytest -q -m "not slow"`` is the fast tier (every value test and
+the in-process engine tests on one shared local Ray); ``python -m pytest -q``
+runs everything, as CI does.  Markers: ``slow`` (CLI subprocesses with their
+own Ray, sweeps, real-data decoding), ``ray`` (uses the session's local
+Ray), ``data`` (reads ../shared/data; skipped when absent), ``cluster``
+(multi-node Ray on this machine).
+"""
+import os
 from pathlib import Path
 
 import pytest
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config):
+    # one decode cache for the whole session (real datasets are decoded once, not per test);
+    # tests of the cache itself point RAYFED_DG_CACHE at their own folder
+    if "RAYFED_DG_CACHE" not in os.environ:
+        os.environ["RAYFED_DG_CACHE"] = str(Path(config.rootpath) / ".pytest_cache" / "rayfed_dg")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "ray_session" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.ray)
 
 
 @pytest.fixture(scope="session")
@@ -40,7 +63,7 @@ def server_rounds(ray, cfg, ds, target="texture", workers=1, rounds=1):
 
     split = leave_one_domain_out(ds, target, cfg.data.val_fraction, cfg.data.split_seed)
     server = ray.remote(Server).options(num_cpus=0).remote(
-        cfg.to_dict(), split, [ray.put(ds.images), ray.put(ds.labels)], ds.num_classes, workers)
+        cfg, split, [ray.put(ds.images), ray.put(ds.labels)], ds.num_classes, workers)
     states = []
     for _ in range(rounds):
         ray.get(server.run_round.remote())

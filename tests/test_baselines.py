@@ -61,10 +61,10 @@ def test_placements_name_the_official_sites():
 def test_style_baselines_are_seeded_and_change_training(tiny_ds):
     def update(method):
         cfg = tiny_cfg(f"method.name={method}", "training.local_steps=4")
-        r = ClientRunner(cfg.to_dict(), tiny_ds.images, tiny_ds.labels, 10)
+        r = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, 10)
         sd = r.model.state_dict()
         g = to_numpy_state(sd, sd.keys())
-        return r.train(0, 1, np.arange(128), g, {}, {})["update"]
+        return r.run_client(0, 1, np.arange(128), g, {}, {}).update
 
     base = update("fedavg")
     for m in ("mixstyle", "dsu"):

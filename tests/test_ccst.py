@@ -7,7 +7,7 @@ import torch
 
 from conftest import tiny_cfg
 from rayfed_dg.data import leave_one_domain_out
-from rayfed_dg.engine.ccst import augment_client, choose_styles
+from rayfed_dg.stages.ccst import CCSTParams, augment_client, choose_styles
 from rayfed_dg.models import ModelError
 from rayfed_dg.models.styletransfer import AdaINBackend, adain_decoder, vgg_normalised
 
@@ -35,11 +35,15 @@ def test_overall_style_equals_direct_computation(adain_files):
     assert got.shape == (1024,)
     bank = be.style_of(images, "single", 4, np.random.default_rng(1))
     assert bank.shape == (4, 1024)  # J single-image styles
+    from rayfed_dg.stages.ccst import client_style
+
+    many = rng.integers(0, 256, (70, 16, 16, 3), dtype=np.uint8)
+    # the paper's single-image bank: one style per batch of 32 images, J = ceil(70 / 32) = 3
+    assert client_style(be, CCSTParams(backend="adain", style="single"), many, 0, 0).shape == (3, 1024)
 
 
 def test_k_versions_per_image_follow_algorithm_1(adain_files, tmp_path):
-    from rayfed_dg.config import CCSTConfig
-    from rayfed_dg.engine.ccst import OWN
+    from rayfed_dg.stages.ccst import OWN
 
     be = AdaINBackend(*adain_files)
     images = np.random.default_rng(0).integers(0, 256, (6, 16, 16, 3), dtype=np.uint8)
@@ -47,7 +51,7 @@ def test_k_versions_per_image_follow_algorithm_1(adain_files, tmp_path):
     bank = np.random.default_rng(1).normal(1, 0.2, (4, 1024)).astype(np.float32)
     owners = np.array([0, 1, 2, 3])
     for k in (1, 3, 4):
-        cfg = CCSTConfig(enabled=True, backend="adain", k=k, cache_dir=str(tmp_path))
+        cfg = CCSTParams(backend="adain", k=k, cache_dir=str(tmp_path))
         out = augment_client(be, cfg, images, labels, bank, owners, seed=0, client_id=2)
         # exactly K versions of every image: the original (if client 2 was drawn) plus stylized copies
         assert (out["keep"].astype(int) + np.bincount(out["source"], minlength=6)).tolist() == [k] * 6
@@ -62,32 +66,30 @@ def test_k_versions_per_image_follow_algorithm_1(adain_files, tmp_path):
         table = choose_styles(4000, 2, owners, k, np.random.default_rng(k))
         assert abs((table == OWN).any(1).mean() - k / 4) < 0.03
         assert all(len(set(r)) == k for r in table[:200])
-    with pytest.raises(ValueError, match="ccst.k=5"):
+    with pytest.raises(ValueError, match="k=5"):
         choose_styles(3, 0, owners, 5, np.random.default_rng(0))
 
 
 def test_overall_style_cache_is_shared_across_seeds_and_k(adain_files, tmp_path):
-    from rayfed_dg.config import CCSTConfig
-
     be = AdaINBackend(*adain_files)
     images = np.random.default_rng(0).integers(0, 256, (5, 16, 16, 3), dtype=np.uint8)
     labels = np.arange(5) % 2
     bank = np.random.default_rng(1).normal(1, 0.2, (3, 1024)).astype(np.float32)
     owners = np.array([0, 1, 2])
-    cfg = CCSTConfig(enabled=True, backend="adain", k=3, cache_dir=str(tmp_path))
+    cfg = CCSTParams(backend="adain", k=3, cache_dir=str(tmp_path))
     first = augment_client(be, cfg, images, labels, bank, owners, seed=0, client_id=0)
     assert first["cache_files"] == {"hits": 0, "misses": 2} and first["images_stylized"] == 10
     again = augment_client(be, cfg, images, labels, bank, owners, seed=0, client_id=0)
     assert again["cache"] == "hit" and again["images_stylized"] == 0
     assert np.array_equal(again["images"], first["images"])
-    other = augment_client(be, CCSTConfig(enabled=True, backend="adain", k=2, cache_dir=str(tmp_path)),
+    other = augment_client(be, CCSTParams(backend="adain", k=2, cache_dir=str(tmp_path)),
                            images, labels, bank, owners, seed=5, client_id=0)
     assert other["cache"] == "hit" and other["images_stylized"] == 0  # another seed and K: nothing restyled
     for c, i, r in zip(other["images"], other["source"], other["style_row"]):
         j = np.flatnonzero((first["source"] == i) & (first["style_row"] == r))[0]
         assert np.array_equal(c, first["images"][j])
     # the overall style itself does not depend on the run seed or the client's number
-    from rayfed_dg.engine.ccst import client_style
+    from rayfed_dg.stages.ccst import client_style
 
     s0 = client_style(be, cfg, images, seed=0, client_id=0)
     assert np.array_equal(s0, client_style(be, cfg, images, seed=9, client_id=2))
@@ -97,26 +99,33 @@ def test_engine_stage_grows_training_sets_without_validation_images(ray_session,
     import ray
     from rayfed_dg.engine import Server, run_federation
 
-    cfg = tiny_cfg("ccst.enabled=true", "ccst.k=2", f"ccst.cache_dir={tmp_path}", "training.rounds=1",
-                   "ccst.work_size=32")
+    cfg = tiny_cfg("stages.ccst.k=2", f"stages.ccst.cache_dir={tmp_path}", "training.rounds=1",
+                   "stages.ccst.work_size=32")
     split = leave_one_domain_out(tiny_ds, "colour", 0.2, 0)
     refs = [ray.put(tiny_ds.images), ray.put(tiny_ds.labels)]
-    server = ray.remote(Server).options(num_cpus=0).remote(cfg.to_dict(), split, refs, 10, 2)
+    server = ray.remote(Server).options(num_cpus=0).remote(cfg, split, refs, 10, 2)
     info = ray.get(server.setup.remote())
+    received = [ray.get(server.training_set.remote(c)) for c in range(split.num_clients)]
     ray.get(server.shutdown.remote())
     sizes = [len(c) for c in split.clients]
     # overall style: each client's whole set restyled once per other client's style (K = 2 of 3 clients)
-    assert info["info"]["misses"] == 3 and info["info"]["images_stylized"] == 2 * sum(sizes)
-    assert info["info"]["originals_kept"] + info["info"]["stylized_copies"] == 2 * sum(sizes)
-    assert 0 < info["info"]["originals_kept"] < sum(sizes)
+    st = info["info"]["ccst"]
+    assert st["misses"] == 3 and st["images_stylized"] == 2 * sum(sizes)
+    assert st["originals_kept"] + st["stylized_copies"] == 2 * sum(sizes)
+    assert 0 < st["originals_kept"] < sum(sizes)
     ups = [r for r in info["ledger"] if r["group"] == "payload:ccst_style"]
     assert len(ups) == 3 and all(r["bytes"] == 400 for r in ups)  # a 100-float style per client
-    # the stage only ever saw training indices: validation and target are disjoint from them
-    train = np.concatenate(split.clients)
-    val = np.concatenate(list(split.val.values()))
-    assert not set(train) & set(val) and not set(train) & set(split.test["colour"])
+    # what each client trains on after the stage: originals of its own training images only, and
+    # stylized copies whose labels are its training labels K times over minus the originals kept
+    held_out = set(np.concatenate(list(split.val.values()))) | set(split.test["colour"])
+    for c, (keep, extra_ref) in enumerate(received):
+        extra = ray.get(extra_ref)
+        assert set(keep) <= set(split.clients[c]) and not set(keep) & held_out
+        got = np.bincount(tiny_ds.labels[keep], minlength=10) + np.bincount(extra["labels"], minlength=10)
+        assert got.tolist() == (2 * np.bincount(tiny_ds.labels[split.clients[c]], minlength=10)).tolist()
+        assert len(extra["images"]) == 2 * len(split.clients[c]) - len(keep)
     res = run_federation(cfg, split, *refs, 10, progress=False)
-    assert res.setup_info["hits"] == 3 and res.setup_info["misses"] == 0  # cached: not stylized again
+    assert res.setup_info["ccst"]["hits"] == 3 and res.setup_info["ccst"]["misses"] == 0  # cached: not stylized again
     up_round1 = [r for r in res.ledger if r["round"] == 1 and r["direction"] == "up"]
     assert len(up_round1) == 3
 

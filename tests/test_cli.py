@@ -103,7 +103,7 @@ def test_evaluate_reproduces_the_selected_round_and_changes_only_evaluation(tmp_
 
     code, out, _ = evaluate()
     assert code == 0
-    row = [l for l in out.splitlines() if l.startswith("colour |")][0].split(" | ")
+    row = [c.strip() for c in [l for l in out.splitlines() if l.startswith("colour |")][0].split(" | ")]
     # the saved best model, evaluated again, gives exactly what the run recorded
     assert row[1] == f"{100 * s['source_val_acc']:.2f}" and row[2] == f"{100 * s['target_acc']:.2f}"
     accs = set()
@@ -121,9 +121,9 @@ def test_evaluate_reproduces_the_selected_round_and_changes_only_evaluation(tmp_
 def test_report_keeps_ccst_variants_apart(tmp_path, capsys):
     from rayfed_dg.cli import main
 
-    for name, ccst, acc in (("plain", "ccst: {enabled: false}", 0.5), ("k1", "ccst: {enabled: true, k: 1}", 0.6),
-                            ("k2", "ccst: {enabled: true, k: 2}", 0.7),
-                            ("single", "ccst: {enabled: true, k: 2, style: single, j: 3}", 0.8)):
+    for name, ccst, acc in (("plain", "stages: {ccst: null}", 0.5), ("k1", "stages: {ccst: {k: 1}}", 0.6),
+                            ("k2", "stages: {ccst: {k: 2, style: overall}}", 0.7),
+                            ("single", "stages: {ccst: {k: 2, style: single, j: 3}}", 0.8)):
         d = tmp_path / name
         d.mkdir()
         (d / "config.yaml").write_text(ccst + "\n")
@@ -131,9 +131,9 @@ def test_report_keeps_ccst_variants_apart(tmp_path, capsys):
                                                     "method": "fedavg"}))
     assert main(["report"] + [str(tmp_path / n) for n in ("plain", "k1", "k2", "single")]) == 0
     rows = {l.split(" | ")[0][2:]: l for l in capsys.readouterr().out.splitlines() if l.startswith("| fedavg")}
-    assert set(rows) == {"fedavg", "fedavg + CCST(overall, K=1)", "fedavg + CCST(overall, K=2)",
-                         "fedavg + CCST(single J=3, K=2)"}
-    assert "| 70.00 |" in rows["fedavg + CCST(overall, K=2)"]
+    # a stage's label names the settings that differ from its defaults (K = 2, overall style)
+    assert set(rows) == {"fedavg", "fedavg + ccst(k=1)", "fedavg + ccst", "fedavg + ccst(j=3, style=single)"}
+    assert "| 70.00 |" in rows["fedavg + ccst"]
 
 
 def test_result_table_aligns_every_variant():

@@ -17,7 +17,7 @@ def test_defaults_and_layering(tmp_path):
     p = write(tmp_path, "base: base.yaml\ntraining:\n  rounds: 3\nmethod:\n  name: fedprox\n  mu: 0.1\n")
     cfg = load_config(p, ["training.seed=5"])
     assert cfg.training.lr == 0.5 and cfg.training.rounds == 3 and cfg.training.seed == 5
-    assert cfg.method.name == "fedprox" and cfg.method.params() == {"mu": 0.1}
+    assert cfg.method.name == "fedprox" and cfg.method.raw_params() == {"mu": 0.1} and cfg.method.params.mu == 0.1
     assert cfg.data.name == "embedded_digits"  # untouched default
 
 
@@ -53,7 +53,7 @@ def test_compare_variants():
     cfg = load_config(None, ["compare=[{name: fedavg}, {name: fedprox, mu: 0.2, label: prox}]"])
     v = method_variants(cfg)
     assert [label for label, _ in v] == ["fedavg", "prox"]
-    assert v[1][1].method.params() == {"mu": 0.2} and v[1][1].compare is None
+    assert v[1][1].method.raw_params() == {"mu": 0.2} and v[1][1].compare is None
 
 
 def test_cli_bad_config_exits_2_with_one_line(tmp_path):

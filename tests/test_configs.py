@@ -10,9 +10,17 @@ CONFIGS = sorted((REPO / "configs").rglob("*.yaml"))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[str(p.relative_to(REPO)) for p in CONFIGS])
-def test_config_validates(path):
+def test_config_validates_and_every_variant_builds(path):
+    from rayfed_dg.methods import build_method, get_method_class
+
     cfg = load_config(path)
-    assert method_variants(cfg)
+    variants = method_variants(cfg)
+    assert len(variants) == (len(cfg.compare) if cfg.compare else 1)
+    for label, v in variants:
+        # the typed parameters are the method's own model, and the model builds with them on this backbone
+        assert isinstance(v.method.params, get_method_class(v.method.name).Params), label
+        if not v.model.pretrained:  # paper configs need ImageNet weights: their dry run is in test_paper_configs
+            assert sum(p.numel() for p in build_method(v).build_model(7).parameters()) > 0
 
 
 @pytest.mark.parametrize("name", space_names())
@@ -23,4 +31,7 @@ def test_space_loads_and_its_keys_are_config_keys(name):
     cfg_path = REPO / space["config"]
     for key, dist in space["params"].items():
         probe = next(iter(dist.values()))[0]
-        load_config(cfg_path, list(space.get("set", [])) + [f"{key}={json.dumps(probe)}"])
+        tree = load_config(cfg_path, list(space.get("set", [])) + [f"{key}={json.dumps(probe)}"]).to_dict()
+        for part in key.split("."):  # the searched key reaches the config with the searched value
+            tree = tree[part]
+        assert tree == probe, (key, tree, probe)

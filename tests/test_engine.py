@@ -12,7 +12,7 @@ from rayfed_dg.models import BN_TYPES, state_keys_of
 def start_server(ray, cfg, ds, target="texture", workers=1):
     split = leave_one_domain_out(ds, target, cfg.data.val_fraction, cfg.data.split_seed)
     server = ray.remote(Server).options(num_cpus=0).remote(
-        cfg.to_dict(), split, [ray.put(ds.images), ray.put(ds.labels)], ds.num_classes, workers)
+        cfg, split, [ray.put(ds.images), ray.put(ds.labels)], ds.num_classes, workers)
     return server, split
 
 
@@ -30,8 +30,8 @@ def test_fedavg_global_equals_weighted_mean_of_client_models(ray_session, tiny_d
     g1 = ray.get(server.get_state.remote())["global_state"]
     ray.get(server.shutdown.remote())
     # recompute each client's local training in this process, then average by hand
-    runner = ClientRunner(cfg.to_dict(), tiny_ds.images, tiny_ds.labels, tiny_ds.num_classes)
-    ups = [runner.train(c, 1, split.clients[c], g0, {}, {})["update"] for c in range(split.num_clients)]
+    runner = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, tiny_ds.num_classes)
+    ups = [runner.run_client(c, 1, split.clients[c], g0, {}, {}).update for c in range(split.num_clients)]
     n = split.client_sizes().astype(np.float64)
     key = "head.weight"
     expect = sum(n[i] * ups[i][key].astype(np.float64) for i in range(3)) / n.sum()
@@ -50,11 +50,11 @@ def test_local_bn_state_survives_broadcast_and_persists(ray_session, tiny_ds, me
     shared_bn = bn_keys(cfg, tiny_ds) - local
     split, (s1, s2), bcast = server_rounds(ray, cfg, tiny_ds, rounds=2)
     assert local.isdisjoint(bcast) and shared_bn <= set(bcast)
-    runner = ClientRunner(cfg.to_dict(), tiny_ds.images, tiny_ds.labels, tiny_ds.num_classes)
+    runner = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, tiny_ds.num_classes)
     for c in range(split.num_clients):
         assert set(s1["client_store"][c]) == local
         # round 2 starts from this client's own round-1 BN state, not the global average
-        redo = runner.train(c, 2, split.clients[c], s1["global_state"], s1["client_store"][c], {})["update"]
+        redo = runner.run_client(c, 2, split.clients[c], s1["global_state"], s1["client_store"][c], {}).update
         for k in local:
             np.testing.assert_array_equal(s2["client_store"][c][k], redo[k])
             assert not np.array_equal(s1["client_store"][c][k], s1["global_state"][k]) or k.endswith("tracked")
@@ -117,12 +117,12 @@ def test_local_steps_and_epochs_bound_the_local_loop(tiny_ds):
 
     for sets, expect in ((["training.local_steps=3"], 3 * 32), (["training.local_epochs=2"], 2 * 200)):
         cfg = tiny_cfg(*sets)
-        r = ClientRunner(cfg.to_dict(), tiny_ds.images, tiny_ds.labels, 10)
+        r = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, 10)
         g = to_numpy_state(r.model.state_dict(), r.model.state_dict().keys())
-        out = r.train(0, 1, np.arange(200), g, {}, {})
-        assert out["stats"]["steps_samples"] == expect
+        out = r.run_client(0, 1, np.arange(200), g, {}, {})
+        assert out.stats["steps_samples"] == expect
         # with data-stage additions (CCST copies) the same bound holds
         extra = {"images": tiny_ds.images[200:300], "labels": tiny_ds.labels[200:300]}
-        out = r.train(0, 1, np.arange(200), g, {}, {}, extra=extra)
-        assert out["stats"]["steps_samples"] == (3 * 32 if "local_steps" in sets[0] else 2 * 300)
-        assert out["num_samples"] == 300
+        out = r.run_client(0, 1, np.arange(200), g, {}, {}, extra=extra)
+        assert out.stats["steps_samples"] == (3 * 32 if "local_steps" in sets[0] else 2 * 300)
+        assert out.num_samples == 300

@@ -26,7 +26,7 @@ def test_weights_follow_the_gaps_and_drive_the_next_reduce(ray_session, tiny_ds)
     cfg = tiny_cfg("method.name=feddg_ga", "training.rounds=4")
     split = leave_one_domain_out(tiny_ds, "texture", cfg.data.val_fraction, cfg.data.split_seed)
     server = ray.remote(Server).options(num_cpus=0).remote(
-        cfg.to_dict(), split, [ray.put(tiny_ds.images), ray.put(tiny_ds.labels)], tiny_ds.num_classes, 2)
+        cfg, split, [ray.put(tiny_ds.images), ray.put(tiny_ds.labels)], tiny_ds.num_classes, 2)
     g0 = ray.get(server.get_state.remote())["global_state"]
     out1 = ray.get(server.run_round.remote())
     s1 = ray.get(server.get_state.remote())
@@ -34,29 +34,29 @@ def test_weights_follow_the_gaps_and_drive_the_next_reduce(ray_session, tiny_ds)
     s2 = ray.get(server.get_state.remote())
     ray.get(server.shutdown.remote())
 
-    runner = ClientRunner(cfg.to_dict(), tiny_ds.images, tiny_ds.labels, tiny_ds.num_classes)
+    runner = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, tiny_ds.num_classes)
     clients = list(range(split.num_clients))
     val = {c: split.val[split.client_domains[c]] for c in clients}
-    ups = {c: runner.train(c, 1, split.clients[c], g0, {}, {}, val_indices=val[c]) for c in clients}
+    ups = {c: runner.run_client(c, 1, split.clients[c], g0, {}, {}, val_indices=val[c]) for c in clients}
     before, after = [], []
     for c in clients:
-        _, loss, n = runner.evaluate(ups[c]["update"], val[c], 512)
+        _, loss, n = runner.evaluate(ups[c].update, val[c], 512)
         before.append(loss / n)
-        assert abs(float(ups[c]["payload"]["ga_local"][0]) - loss / n) < 1e-6
+        assert abs(float(ups[c].payload["ga_local"][0]) - loss / n) < 1e-6
         _, loss, n = runner.evaluate(s1["global_state"], val[c], 512)
         after.append(loss / n)
     # round 1 reduces uniformly (a^1 = 1/K), not by data size
     key = "head.weight"
-    expect = sum(ups[c]["update"][key].astype(np.float64) for c in clients) / len(clients)
+    expect = sum(ups[c].update[key].astype(np.float64) for c in clients) / len(clients)
     np.testing.assert_allclose(s1["global_state"][key], expect.astype(np.float32), rtol=1e-5, atol=1e-6)
     w1 = ga_update(np.full(3, 1 / 3), np.array(after) - np.array(before), ga_step(1, 4, 0.2))
     got = np.array([s1["server_state"]["ga_weights"][c] for c in clients])
     np.testing.assert_allclose(got, w1, rtol=1e-6)
     assert abs(got.sum() - 1) < 1e-9 and np.ptp(got) > 0.05  # the adjustment moved them
     # round 2 reduces with the adjusted weights
-    ups2 = {c: runner.train(c, 2, split.clients[c], s1["global_state"], {}, {}, val_indices=val[c]) for c in clients}
-    expect = sum(w1[c] * ups2[c]["update"][key].astype(np.float64) for c in clients)
+    ups2 = {c: runner.run_client(c, 2, split.clients[c], s1["global_state"], {}, {}, val_indices=val[c]) for c in clients}
+    expect = sum(w1[c] * ups2[c].update[key].astype(np.float64) for c in clients)
     np.testing.assert_allclose(s2["global_state"][key], expect.astype(np.float32), rtol=1e-5, atol=1e-6)
     # what the evaluation sent up: one ledger row of two float64 per participant
-    rows = [x for x in out1["ledger"] if x["group"] == "eval:global_on_client"]
+    rows = [x for x in out1.ledger if x["group"] == "eval:global_on_client"]
     assert sorted(x["client"] for x in rows) == clients and all(x["bytes"] == 16 for x in rows)

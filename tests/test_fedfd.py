@@ -36,7 +36,7 @@ def test_mixed_statistics_match_eq2_by_hand():
 
 def runner(ds, *sets):
     cfg = tiny_cfg(*sets)
-    r = ClientRunner(cfg.to_dict(), ds.images, ds.labels, 10)
+    r = ClientRunner(cfg, ds.images, ds.labels, 10)
     return cfg, r
 
 
@@ -82,7 +82,7 @@ def test_adapter_gets_gradient_only_in_its_phase(tiny_ds):
     cfg, r = runner(tiny_ds, "method.name=fedfda")
     model, method = r.model, r.method
     g = to_numpy_state(model.state_dict(), model.state_dict().keys())
-    payload = method.server_payloads(1, [0], {}, None, g)[0]
+    payload = method.server_payloads(1, [0], {}, None, g, {})[0]
     ctx = ClientContext(0, 1, torch.device("cpu"), torch.Generator().manual_seed(0), 32, payload=payload)
     method.round_start(model, ctx)
     adapter = {n: p.detach().clone() for n, p in model.named_parameters() if ".adapter." in n}
@@ -114,7 +114,7 @@ def test_clients_use_the_servers_averaged_running_statistics(ray_session, tiny_d
     avg = sum(n[c] * s1["client_store"][c][k].astype(np.float64) for c in range(3)) / n.sum()
     np.testing.assert_allclose(g[k], avg.astype(np.float32), rtol=1e-5, atol=1e-7)  # SiloBN base: averaged
     method = build_method(cfg)
-    payload = method.server_payloads(2, [0], {}, None, g)[0]
+    payload = method.server_payloads(2, [0], {}, None, g, {})[0]
     _, r = runner(tiny_ds, "method.name=fedfda")
     ctx = ClientContext(0, 2, torch.device("cpu"), torch.Generator(), 10, payload=payload)
     r.method.round_start(r.model, ctx)
@@ -133,16 +133,16 @@ def test_client_side_selection_uploads_the_best_validated_iterate(tiny_ds):
     _, plain = runner(tiny_ds, *sets)
     _, sel = runner(tiny_ds, *sets, "method.select_every=2")
     g = to_numpy_state(plain.model.state_dict(), plain.model.state_dict().keys())
-    pay = plain.method.server_payloads(1, [0], {}, None, g)[0]
-    a = plain.train(0, 1, train, g, {}, pay)
-    b = sel.train(0, 1, train, g, {}, pay, val_indices=val)
-    it, acc = b["stats"]["selected_iteration"], b["stats"]["selected_val_acc"]
+    pay = plain.method.server_payloads(1, [0], {}, None, g, {})[0]
+    a = plain.run_client(0, 1, train, g, {}, pay)
+    b = sel.run_client(0, 1, train, g, {}, pay, val_indices=val)
+    it, acc = b.stats["selected_iteration"], b.stats["selected_val_acc"]
     assert it in (2, 4, 6)
-    correct, _, n = sel.evaluate({**g, **b["update"]}, val, 64)
+    correct, _, n = sel.evaluate({**g, **b.update}, val, 64)
     assert correct / n == acc  # the uploaded model is the one that scored acc
-    correct_last, _, _ = plain.evaluate({**g, **a["update"]}, val, 64)
+    correct_last, _, _ = plain.evaluate({**g, **a.update}, val, 64)
     assert acc >= correct_last / n  # the last iterate was a candidate (same seeded trajectory)
-    same = all(np.array_equal(a["update"][k], b["update"][k]) for k in a["update"])
+    same = all(np.array_equal(a.update[k], b.update[k]) for k in a.update)
     assert same == (it == 6)
 
 
@@ -151,7 +151,7 @@ def test_server_gives_each_client_validation_of_its_own_domain(ray_session, tiny
     cfg = tiny_cfg("method.name=fedfda", "method.select_every=5", "method.select_samples=7")
     split = leave_one_domain_out(tiny_ds, "texture", 0.2, 0)
     server = ray.remote(Server).options(num_cpus=0).remote(
-        cfg.to_dict(), split, [ray.put(tiny_ds.images), ray.put(tiny_ds.labels)], 10, 1)
+        cfg, split, [ray.put(tiny_ds.images), ray.put(tiny_ds.labels)], 10, 1)
     for c in range(split.num_clients):
         v = ray.get(server.client_val.remote(c))
         assert len(v) == 7 and set(v) <= set(split.val[split.client_domains[c]])

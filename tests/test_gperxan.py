@@ -87,7 +87,7 @@ def test_gperxan_model_surgery_and_local_keys():
 
 def test_guiding_head_is_frozen_and_gets_no_gradient(tiny_ds):
     cfg = tiny_cfg("method.name=gperxan", "method.lam=1.0")
-    runner = ClientRunner(cfg.to_dict(), tiny_ds.images, tiny_ds.labels, 10)
+    runner = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, 10)
     model, method = runner.model, runner.method
     ctx = ClientContext(0, 1, torch.device("cpu"), torch.Generator().manual_seed(0), 64)
     method.round_start(model, ctx)
@@ -110,7 +110,7 @@ def test_guiding_head_is_frozen_and_gets_no_gradient(tiny_ds):
 
 def test_loss_is_ce_plus_lambda_ce_through_global_head(tiny_ds):
     cfg = tiny_cfg("method.name=gperxan", "method.lam=0.25")
-    runner = ClientRunner(cfg.to_dict(), tiny_ds.images, tiny_ds.labels, 10)
+    runner = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, 10)
     model, method = runner.model, runner.method
     ctx = ClientContext(0, 1, torch.device("cpu"), torch.Generator(), 8)
     method.round_start(model, ctx)
@@ -133,11 +133,11 @@ def test_perxan_bn_side_is_the_clients_own_and_global_averages_it(ray_session, t
     local = method.local_keys(method.build_model(10))
     assert local and local.isdisjoint(bcast)
     assert any(".inorm." in k for k in bcast) and any(k.endswith("logit_in") for k in bcast)
-    runner = ClientRunner(cfg.to_dict(), tiny_ds.images, tiny_ds.labels, 10)
+    runner = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, 10)
     n = split.client_sizes().astype(np.float64)
     for c in range(3):
         # after round 2: the client's round-1 BN side plus its own round-2 training
-        redo = runner.train(c, 2, split.clients[c], s1["global_state"], s1["client_store"][c], {})["update"]
+        redo = runner.run_client(c, 2, split.clients[c], s1["global_state"], s1["client_store"][c], {}).update
         for k in local:
             np.testing.assert_array_equal(s2["client_store"][c][k], redo[k])
     for k in [k for k in local if not k.endswith("num_batches_tracked")]:

@@ -14,11 +14,20 @@ def test_bn_found_by_type_including_downsample():
     assert len(keys) == 20 * 5
 
 
-def test_split_model_features_and_head():
-    m = build_backbone("convnet", 10, width=16).eval()
+def test_split_model_features_are_the_pooled_last_map_and_the_head_is_linear():
+    import torchvision
+
+    ref = torchvision.models.resnet18(weights=None, num_classes=10).eval()
+    m = build_backbone("resnet18", 10).eval()
+    m.load_state_dict({("head." + k[3:] if k.startswith("fc.") else "body." + k): v
+                       for k, v in ref.state_dict().items()})
     x = torch.randn(2, 3, 32, 32)
-    assert m.features(x).shape == (2, 16)
-    assert torch.allclose(m(x), m.head(m.features(x)))
+    # torchvision's own forward, written out: g(x) = GAP(layer4(...)), logits = W g(x) + b
+    t = ref.maxpool(ref.relu(ref.bn1(ref.conv1(x))))
+    pooled = ref.layer4(ref.layer3(ref.layer2(ref.layer1(t)))).mean((2, 3))
+    assert torch.allclose(m.features(x), pooled, atol=1e-5)
+    assert torch.allclose(m(x), pooled @ ref.fc.weight.T + ref.fc.bias, atol=1e-5)
+    assert m.feature_dim == 512
 
 
 def test_missing_pretrained_weights_fail_clearly(tmp_path, monkeypatch):

@@ -108,15 +108,18 @@ def test_fault_injection_gives_the_fault_free_result(ray_session, tiny_ds, mode)
     key = lambda rows: [(m["round"], m["split"], m["domain"], m["accuracy"], m["loss"]) for m in rows]  # noqa
     assert key(clean.metrics) == key(faulty.metrics)
     assert faulty.dropped == [] and clean.tasks_retried == 0
-    assert faulty.tasks_retried >= 2  # several tasks really died and were retried
+    # every injected failure of the 9 client tasks (seeded per attempt) shows up as a retry in the records;
+    # a killed worker also takes down the task queued behind it, so kill mode can retry more
+    from rayfed_dg.seeding import Stream, numpy_rng
 
-
-def test_fault_injection_really_fails_tasks():
-    from rayfed_dg.engine.seeding import FAULT, numpy_rng
-
-    # with the seeds of the test above, several of the 9 client tasks fail at least once
-    fails = sum(numpy_rng(0, FAULT, r, c, 0).random() < 0.35 for r in (1, 2, 3) for c in (0, 1, 2))
-    assert fails >= 2
+    injected = 0
+    for r in (1, 2, 3):
+        for c in (0, 1, 2):
+            a = 0
+            while numpy_rng(0, Stream.FAULT, r, c, a).random() < 0.35:
+                injected, a = injected + 1, a + 1
+    assert injected >= 2
+    assert faulty.tasks_retried == injected if mode == "exception" else faulty.tasks_retried >= injected
 
 
 def test_client_failing_every_retry_is_dropped_and_weights_renormalised(ray_session, tiny_ds):
@@ -131,14 +134,14 @@ def test_client_failing_every_retry_is_dropped_and_weights_renormalised(ray_sess
     import rayfed_dg.engine.server as srv
 
     server = ray.remote(srv.Server).options(num_cpus=0).remote(
-        cfg.to_dict(), split, [ray.put(tiny_ds.images), ray.put(tiny_ds.labels)], 10, 1)
+        cfg, split, [ray.put(tiny_ds.images), ray.put(tiny_ds.labels)], 10, 1)
     g0 = ray.get(server.get_state.remote())["global_state"]
     ray.get(server.run_round.remote())
     g1 = ray.get(server.get_state.remote())["global_state"]
     ray.get(server.shutdown.remote())
-    runner = ClientRunner(cfg.to_dict(), tiny_ds.images, tiny_ds.labels, 10)
+    runner = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, 10)
     n = split.client_sizes().astype(np.float64)
-    ups = {c: runner.train(c, 1, split.clients[c], g0, {}, {})["update"] for c in (0, 2)}
+    ups = {c: runner.run_client(c, 1, split.clients[c], g0, {}, {}).update for c in (0, 2)}
     expect = (n[0] * ups[0]["head.bias"].astype(np.float64) + n[2] * ups[2]["head.bias"]) / (n[0] + n[2])
     np.testing.assert_allclose(g1["head.bias"], expect.astype(np.float32), rtol=1e-6, atol=1e-7)
 

@@ -99,15 +99,15 @@ def test_attention_sums_to_one_and_test_forward_is_self_attention():
 
 def test_stablefdg_client_uploads_4c_style_and_trains(tiny_ds):
     cfg = tiny_cfg("method.name=stablefdg", "model.width=8")
-    r = ClientRunner(cfg.to_dict(), tiny_ds.images, tiny_ds.labels, 10)
+    r = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, 10)
     from rayfed_dg.engine.worker import to_numpy_state
 
     g = to_numpy_state(r.model.state_dict(), r.model.state_dict().keys())
-    out = r.train(0, 1, np.arange(100), g, {}, {})
-    assert out["payload"]["style"].shape == (4 * 8,)
+    out = r.run_client(0, 1, np.arange(100), g, {}, {})
+    assert out.payload["style"].shape == (4 * 8,)
     assert r.model.head.in_features == 16  # [GAP, attention] doubles the classifier input
-    again = r.train(0, 1, np.arange(100), g, {}, {})
-    assert all(np.array_equal(out["update"][k], again["update"][k]) for k in out["update"])  # seeded
+    again = r.run_client(0, 1, np.arange(100), g, {}, {})
+    assert all(np.array_equal(out.update[k], again.update[k]) for k in out.update)  # seeded
 
 
 def test_styles_travel_through_the_engine_and_ledger(ray_session, tiny_ds):
@@ -145,12 +145,12 @@ def test_stablefdg_learns_from_scratch_with_every_style_op_firing(tiny_ds):
 
     cfg = tiny_cfg("method.name=stablefdg", "method.attention=false", "method.explore_p=1.0",
                    "training.local_steps=15", "training.lr=0.05")
-    r = ClientRunner(cfg.to_dict(), tiny_ds.images, tiny_ds.labels, 10)
+    r = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, 10)
     idx = np.flatnonzero(tiny_ds.domains == 0)[:200]
     sd = r.model.state_dict()
     g = to_numpy_state(sd, sd.keys())
     for rnd in range(1, 7):
-        out = r.train(0, rnd, idx, g, {}, {})
-        g = {**g, **out["update"]}
+        out = r.run_client(0, rnd, idx, g, {}, {})
+        g = {**g, **out.update}
     correct, loss, n = r.evaluate(g, idx, 256)
-    assert np.isfinite(out["stats"]["train_loss"]) and correct / n > 0.6, correct / n
+    assert np.isfinite(out.train_loss) and correct / n > 0.6, correct / n

@@ -1,15 +1,16 @@
 """In-memory multi-domain image datasets and the dataset registry."""
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 
 
-class DataError(ValueError):
-    """A dataset that cannot be read or split: one line saying what and where."""
+from rayfed_dg.errors import DataError
+from rayfed_dg.utils import Registry, did_you_mean
+
+__all__ = ["DataError", "DomainDataset", "dataset_names", "load_dataset", "register_dataset", "subsample_indices"]
 
 
 @dataclass
@@ -40,9 +41,8 @@ class DomainDataset:
 
     def domain_index(self, name: str) -> int:
         if name not in self.domain_names:
-            hint = difflib.get_close_matches(name, self.domain_names, n=1)
-            extra = f" (did you mean {hint[0]}?)" if hint else ""
-            raise DataError(f"unknown domain {name!r}{extra}; this dataset has {', '.join(self.domain_names)}")
+            raise DataError(f"unknown domain {name!r}{did_you_mean(name, self.domain_names)}; "
+                            f"this dataset has {', '.join(self.domain_names)}")
         return self.domain_names.index(name)
 
     def subsample(self, per_domain: int, seed: int = 0) -> "DomainDataset":
@@ -71,29 +71,24 @@ def subsample_indices(labels: np.ndarray, domains: np.ndarray, per_domain: int, 
     return np.sort(np.concatenate(keep))
 
 
-_REGISTRY: dict[str, Callable[..., DomainDataset]] = {}
+_REGISTRY: Registry[Callable[..., DomainDataset]] = Registry("dataset", DataError)
 
 
 def register_dataset(name: str):
     def deco(fn: Callable[..., DomainDataset]):
-        _REGISTRY[name] = fn
-        return fn
+        return _REGISTRY.add(name, fn)
 
     return deco
 
 
 def dataset_names() -> list[str]:
-    return sorted(_REGISTRY)
+    return _REGISTRY.names()
 
 
 def load_dataset(name: str, root: str | None, resolution: int, domains: list[str] | None = None,
                  **options) -> DomainDataset:
     """``options``: loader settings such as ``on_corrupt`` and ``top_classes``."""
-    if name not in _REGISTRY:
-        hint = difflib.get_close_matches(name, _REGISTRY, n=1)
-        extra = f" (did you mean {hint[0]}?)" if hint else ""
-        raise DataError(f"unknown dataset {name!r}{extra}; known: {', '.join(dataset_names())}")
-    ds = _REGISTRY[name](root=root, resolution=resolution, **options)
+    ds = _REGISTRY.get(name)(root=root, resolution=resolution, **options)
     if domains:
         keep_idx = [ds.domain_index(d) for d in domains]
         mask = np.isin(ds.domains, keep_idx)

@@ -37,6 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
+from rayfed_dg.utils import atomic_write_with, write_text
+
 from .base import DataError, DomainDataset, register_dataset, subsample_indices
 
 IMAGE_EXT = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
@@ -149,14 +151,8 @@ def decode_cached(files: list[Path], resolution: int, on_corrupt: str = "fail",
     out = out[keep]
     info = {"skipped_corrupt": len(bad), "skipped_files": bad[:20]}
     cdir.mkdir(parents=True, exist_ok=True)
-    tmp = img_path.with_name(img_path.name + ".tmp.npy")
-    np.save(tmp, out)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, img_path)
-    meta_tmp = meta_path.with_name(meta_path.name + ".tmp")
-    meta_tmp.write_text(json.dumps({"keep": keep.tolist(), "info": info}))
-    os.chmod(meta_tmp, 0o644)
-    os.replace(meta_tmp, meta_path)
+    atomic_write_with(img_path, lambda buf: np.save(buf, out))
+    write_text(json.dumps({"keep": keep.tolist(), "info": info}), meta_path)  # last: it marks the entry complete
     return out, keep, {"cache": "miss", "path": str(img_path), **info}
 
 

@@ -1,10 +1,24 @@
-"""The federated engine: server actor, worker actors, reduce, selection, records."""
+"""The federated engine: server actor, worker actors, pool, reduce, selection, records."""
+from rayfed_dg.errors import EngineError, ResourceError
+
 from .aggregate import OrderedReducer
-from .run import (check_resume_dir, format_table, init_ray, make_run_dir, make_splits, preflight, resolve_targets,
-                  run_experiment, run_federation)
+from .plan import (
+                   clients_per_round,
+                   init_ray,
+                   load_data,
+                   make_splits,
+                   plan_workers,
+                   preflight,
+                   resolve_targets,
+                   split_for,
+)
+from .records import ClientStore, ClientTask, Ledger, RoundResult
+from .run import TargetResult, check_resume_dir, format_table, make_run_dir, run_experiment, run_federation
 from .selection import select_round
-from .server import EngineError, Server, plan_workers
+from .server import Server
 from .worker import ClientRunner, Worker
 
-__all__ = ["ClientRunner", "EngineError", "check_resume_dir", "make_splits", "preflight", "OrderedReducer", "Server", "Worker", "format_table", "init_ray",
-           "make_run_dir", "plan_workers", "resolve_targets", "run_experiment", "run_federation", "select_round"]
+__all__ = ["ClientRunner", "ClientStore", "ClientTask", "EngineError", "Ledger", "OrderedReducer", "ResourceError",
+           "RoundResult", "Server", "TargetResult", "Worker", "check_resume_dir", "clients_per_round",
+           "format_table", "init_ray", "load_data", "make_run_dir", "make_splits", "plan_workers", "preflight",
+           "resolve_targets", "run_experiment", "run_federation", "select_round", "split_for"]

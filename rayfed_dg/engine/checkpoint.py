@@ -12,13 +12,14 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from rayfed_dg.utils import atomic_write
 
 KEEP = 2
 
@@ -49,25 +50,15 @@ def to_numpy_tree(x: Any) -> Any:
     return x
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
-
-
 def save_checkpoint(directory: Path, round: int, state: dict) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
     torch.save(to_torch_tree(state), buf)
     data = buf.getvalue()
     path = directory / f"round_{round:05d}.pt"
-    write_atomic(path, data)
+    atomic_write(path, data)
     digest = {"round": round, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-    write_atomic(path.with_suffix(".json"), json.dumps(digest).encode())
+    atomic_write(path.with_suffix(".json"), json.dumps(digest).encode())
     for old in sorted(directory.glob("round_*.pt"))[:-KEEP]:
         old.unlink(missing_ok=True)
         old.with_suffix(".json").unlink(missing_ok=True)

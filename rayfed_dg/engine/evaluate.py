@@ -46,11 +46,11 @@ def run_targets(run_dir: Path) -> list[str]:
 
 def evaluate_saved(cfg: ExperimentConfig, ds, targets: list[str], run_dir: Path, weights: str = "best") -> dict:
     """{target: {"source_val": acc, "target_test": acc, "domains": {...}}} for the saved models."""
-    from .run import split_for
+    from .plan import split_for
     from .worker import ClientRunner
 
     threads = torch.get_num_threads()
-    runner = ClientRunner(cfg.to_dict(), ds.images, ds.labels, ds.num_classes)
+    runner = ClientRunner(cfg, ds.images, ds.labels, ds.num_classes)
     torch.set_num_threads(threads)  # the runner pins a worker's share; this process may use them all
     expected = set(runner.model.state_dict())
     out = {}

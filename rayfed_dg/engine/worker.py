@@ -12,17 +12,19 @@ import math
 import os
 import time
 import warnings
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from rayfed_dg.config import validate
-from rayfed_dg.methods import ClientContext, build_method
+from rayfed_dg.config import ExperimentConfig
+from rayfed_dg.methods import ClientContext, ClientUpdate, build_method
+from rayfed_dg.seeding import Stream, numpy_rng, seed_int, torch_generator
+from rayfed_dg.stages import StageClient, build_stages
 
-from .seeding import FAULT, INIT, TRAIN, numpy_rng, seed_int, torch_generator
+from .records import ClientTask
 
 
 class InjectedFault(RuntimeError):
@@ -55,10 +57,11 @@ class ClientRunner:
     # update can be views of the model's tensors (saves a model-sized copy)
     returns_to_ray = False
 
-    def __init__(self, cfg_tree: dict, images: np.ndarray, labels: np.ndarray, num_classes: int):
-        self.cfg = validate(cfg_tree, "<worker>")
+    def __init__(self, cfg: ExperimentConfig, images: np.ndarray, labels: np.ndarray, num_classes: int):
+        self.cfg = cfg  # validated once, in the driver
         e = self.cfg.engine
-        torch.set_num_threads(max(1, int(e.num_cpus_per_worker)))
+        self.threads = max(1, int(e.num_cpus_per_worker))
+        torch.set_num_threads(self.threads)
         self.device = resolve_device(e.device, e.num_gpus_per_worker)
         if self.device.type == "cuda" and e.num_gpus_per_worker > 0:
             # fractional num_gpus caps nothing in Ray: bound memory ourselves
@@ -69,12 +72,13 @@ class ClientRunner:
         self.mean = torch.tensor(d.mean, dtype=torch.float32).view(1, 3, 1, 1).to(self.device)
         self.std = torch.tensor(d.std, dtype=torch.float32).view(1, 3, 1, 1).to(self.device)
         self.method = build_method(self.cfg)
-        torch.manual_seed(seed_int(self.cfg.training.seed, INIT))
+        torch.manual_seed(seed_int(self.cfg.training.seed, Stream.INIT))
         self.model: nn.Module = self.method.build_model(num_classes).to(self.device)
         self._state = self.model.state_dict()  # tensors share storage with the model
         self.local_keys = self.method.local_keys(self.model)
         self.private_keys = self.method.private_keys(self.model)
         self.upload_keys = [k for k in self._state if k not in self.private_keys]
+        self.stages = build_stages(self.cfg)
 
     # -------------------------------------------------------------- helpers
     def _load(self, arrays: dict[str, np.ndarray]) -> None:
@@ -136,45 +140,66 @@ class ClientRunner:
                 return
 
     # ---------------------------------------------------------------- tasks
-    def train(self, client_id: int, round: int, indices: np.ndarray, global_state: dict[str, np.ndarray],
-              local_state: dict[str, np.ndarray], payload: dict[str, np.ndarray],
-              fault_p: float = 0.0, attempt: int = 0, extra: dict | None = None,
-              val_indices: np.ndarray | None = None) -> dict:
-        t0 = time.perf_counter()
+    def _client(self, task: ClientTask, global_state: dict[str, np.ndarray], stream: Stream) -> ClientContext:
+        """Load the round's global model and the client's local state; seed
+        everything the client does in this phase from (seed, stream, round, client)."""
         seed = self.cfg.training.seed
+        self._load({k: v for k, v in global_state.items() if k not in self.local_keys})
+        self._load(task.local_state)
+        torch.manual_seed(seed_int(seed, stream, task.round, task.client))
+        gen = torch_generator(seed, stream, task.round, task.client)
+        return ClientContext(client_id=task.client, round=task.round, device=self.device, generator=gen,
+                             num_samples=len(task.indices), payload=task.payload, indices=task.indices,
+                             labels=self.labels[task.indices], fetch=lambda idx: self._tensors(idx, None),
+                             val_indices=task.val_indices)
+
+    def prepare(self, task: ClientTask, global_state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The method's per-round client phase, before any client trains."""
+        ctx = self._client(task, global_state, Stream.PREPARE)
+        return {k: np.asarray(v) for k, v in self.method.round_prepare(self.model, ctx).items()}
+
+    def train(self, task: ClientTask, global_state: dict[str, np.ndarray]) -> ClientUpdate:
+        t0 = time.perf_counter()
         e = self.cfg.engine
-        if client_id in e.fault_clients or (
-                fault_p > 0 and numpy_rng(seed, FAULT, round, client_id, attempt).random() < fault_p):
+        cid, rnd = task.client, task.round
+        if cid in e.fault_clients or (task.fault_p > 0 and numpy_rng(
+                self.cfg.training.seed, Stream.FAULT, rnd, cid, task.attempt).random() < task.fault_p):
             if e.fault_mode == "kill":
                 os._exit(1)  # a dead worker process, as after an OOM kill
-            raise InjectedFault(f"injected fault in client {client_id} round {round} attempt {attempt}")
-        self._load({k: v for k, v in global_state.items() if k not in self.local_keys})
-        self._load(local_state)
-        torch.manual_seed(seed_int(seed, TRAIN, round, client_id))
-        gen = torch_generator(seed, TRAIN, round, client_id)
-        ctx = ClientContext(client_id=client_id, round=round, device=self.device, generator=gen,
-                            num_samples=len(indices), payload=payload, indices=indices,
-                            labels=self.labels[indices], fetch=lambda idx: self._tensors(idx, None),
-                            val_indices=val_indices)
+            raise InjectedFault(f"injected fault in client {cid} round {rnd} attempt {task.attempt}")
+        ctx = self._client(task, global_state, Stream.TRAIN)
+        extra = task.extra
+        if extra is not None and not isinstance(extra, dict):
+            import ray
+
+            extra = ray.get(extra)
         self.method.round_start(self.model, ctx)
-        stats = self.method.local_train(self.model, lambda: self.batches(indices, gen, extra), ctx)
-        if not math.isfinite(stats.get("train_loss", 0.0)):
-            raise DivergedError(
-                f"client {client_id} round {round}: local training diverged (loss {stats['train_loss']}); "
-                f"lower training.lr or the method's loss weights")
+        stats = dict(self.method.local_train(self.model, lambda: self.batches(task.indices, ctx.generator, extra),
+                                             ctx))
+        loss = float(stats.pop("train_loss", float("nan")))
+        if not math.isfinite(loss):
+            raise DivergedError(f"client {cid} round {rnd}: local training diverged (loss {loss}); "
+                                "lower training.lr or the method's loss weights")
         sd = self.model.state_dict()
-        stats["seconds"] = time.perf_counter() - t0
-        return {
-            "client": client_id,
-            "num_samples": len(indices) + (0 if extra is None else len(extra["labels"])),
-            "update": to_numpy_state(sd, self.upload_keys, copy=not self.returns_to_ray),
-            "private": to_numpy_state(sd, sorted(self.private_keys)),
-            "payload": self.method.upload_payload(self.model, ctx),
-            "stats": stats,
-        }
+        return ClientUpdate(
+            client=cid,
+            num_samples=len(task.indices) + (0 if extra is None else len(extra["labels"])),
+            update=to_numpy_state(sd, self.upload_keys, copy=not self.returns_to_ray),
+            private=to_numpy_state(sd, sorted(self.private_keys)),
+            payload=self.method.upload_payload(self.model, ctx),
+            train_loss=loss, seconds=time.perf_counter() - t0, stats=stats)
+
+    def run_client(self, client: int, round: int, indices: np.ndarray, global_state: dict[str, np.ndarray],
+                   local_state: dict | None = None, payload: dict | None = None, *, extra: dict | None = None,
+                   val_indices: np.ndarray | None = None) -> ClientUpdate:
+        """One client's training task in this process, without Ray (tests, benches)."""
+        return self.train(ClientTask(client=client, round=round, indices=np.asarray(indices),
+                                     local_state=local_state or {}, payload=payload or {}, extra=extra,
+                                     val_indices=val_indices), global_state)
 
     @torch.no_grad()
-    def evaluate(self, global_state: dict[str, np.ndarray], indices: np.ndarray, batch_size: int) -> tuple[int, float, int]:
+    def evaluate(self, global_state: dict[str, np.ndarray], indices: np.ndarray,
+                 batch_size: int) -> tuple[int, float, int]:
         self._load(global_state)
         self.model.eval()
         correct, loss_sum = 0, 0.0
@@ -185,27 +210,11 @@ class ClientRunner:
             correct += int((logits.argmax(1) == y).sum())
         return correct, loss_sum, len(indices)
 
-
-    # ------------------------------------------------------- CCST data stage
-    def _style_backend(self):
-        if getattr(self, "_backend", None) is None:
-            from rayfed_dg.models.styletransfer import make_backend
-
-            self._backend = make_backend(self.cfg.ccst, str(self.device),
-                                         threads=max(1, int(self.cfg.engine.num_cpus_per_worker)))
-        return self._backend
-
-    def ccst_style(self, client_id: int, indices: np.ndarray) -> np.ndarray:
-        from .ccst import client_style
-
-        return client_style(self._style_backend(), self.cfg.ccst, self.images[indices], self.cfg.training.seed,
-                            client_id)
-
-    def ccst_augment(self, client_id: int, indices: np.ndarray, bank: np.ndarray, owners: np.ndarray) -> dict:
-        from .ccst import augment_client
-
-        return augment_client(self._style_backend(), self.cfg.ccst, self.images[indices], self.labels[indices],
-                              bank, owners, self.cfg.training.seed, client_id)
+    def run_stage(self, stage: int, phase: str, client_id: int, indices: np.ndarray, args: dict):
+        """A data stage's client half: ``client_<phase>`` of the ``stage``-th configured stage."""
+        view = StageClient(images=self.images, labels=self.labels, device=self.device, threads=self.threads,
+                           seed=self.cfg.training.seed)
+        return getattr(self.stages[stage], f"client_{phase}")(view, client_id, indices, **args)
 
 
 class Worker(ClientRunner):
@@ -217,11 +226,11 @@ class Worker(ClientRunner):
 
     returns_to_ray = True
 
-    def __init__(self, cfg_tree: dict, data_refs: list, num_classes: int):
+    def __init__(self, cfg: ExperimentConfig, data_refs: list, num_classes: int):
         import ray
 
         images, labels = ray.get(list(data_refs))
-        super().__init__(cfg_tree, images, labels, num_classes)
+        super().__init__(cfg, images, labels, num_classes)
 
     def ping(self) -> int:
         return os.getpid()

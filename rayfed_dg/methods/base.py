@@ -4,12 +4,18 @@ A federated (DG) method is one class in one file, registered by name with
 ``@register_method``.  Every hook defaults to FedAvg behaviour, so FedAvg
 overrides nothing; the engine calls hooks and never names a method.
 
+Config (in the driver, once, when the config is validated):
+  ``Params``             the method's typed hyper-parameters
+  ``check``              veto a config the method cannot run (``ConfigError``)
 Client side (inside a worker actor, once per sampled client and round):
   ``build_model``        the network, built identically on server and workers
   ``client_val_size``    validation samples a client gets for local selection
   ``local_keys``         state that stays on the client: never broadcast down,
                          kept per client by the engine across rounds
   ``private_keys``       the part of ``local_keys`` that is not uploaded either
+  ``round_prepare``      optional per-round client phase *before* training,
+                         with the round's global model: small named arrays
+                         the server may redistribute (``prepares_round``)
   ``round_start``        snapshot what the loss needs (e.g. the global weights)
   ``loss``               the local objective for one batch
   ``local_train``        escape hatch owning the whole local loop
@@ -17,7 +23,9 @@ Client side (inside a worker actor, once per sampled client and round):
 Server side (in the server actor):
   ``aggregation_weights``  per-client weights of the reduce (default |D_i|)
   ``server_payloads``      extra records to broadcast to each sampled client
-  ``after_round``          update server-side method state from the round
+                           (given the round's ``round_prepare`` results)
+  ``after_round``          update server-side method state from the round's
+                           ``ClientUpdate`` records
   ``evaluates_global_on_clients``  when True, the engine evaluates the new
                          global model on each participant's validation
                          samples after aggregation and hands ``after_round``
@@ -29,7 +37,6 @@ seeded generator for all of the client's randomness, the device and a
 """
 from __future__ import annotations
 
-import difflib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -40,7 +47,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict
 
+from rayfed_dg.errors import ConfigError
 from rayfed_dg.models import build_backbone
+from rayfed_dg.utils import Registry
 
 
 class NoParams(BaseModel):
@@ -67,8 +76,30 @@ class ClientContext:
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
+@dataclass
+class GlobalEval:
+    """The new global model on one client's validation samples."""
+    accuracy: float
+    loss: float
+    samples: int
+
+
+@dataclass
+class ClientUpdate:
+    """What one client returned from one round's training task."""
+    client: int
+    num_samples: int
+    update: dict[str, np.ndarray]  # the uploaded state (every key but the private ones)
+    private: dict[str, np.ndarray]  # state that never leaves the client
+    payload: dict[str, np.ndarray]  # the method's extra upload (``upload_payload``)
+    train_loss: float
+    seconds: float
+    stats: dict[str, float] = field(default_factory=dict)  # anything else the loop reports
+    global_eval: GlobalEval | None = None  # set when ``evaluates_global_on_clients``
+
+
 @torch.no_grad()
-def validate(model: nn.Module, ctx: "ClientContext", batch_size: int = 256) -> tuple[float, float]:
+def evaluate_on_val(model: nn.Module, ctx: "ClientContext", batch_size: int = 256) -> tuple[float, float]:
     """(accuracy, mean cross-entropy) of ``model`` as it is (mode untouched)
     on the client's validation samples ``ctx.val_indices``."""
     correct, loss = 0, 0.0
@@ -88,11 +119,16 @@ class Method:
     name = "fedavg"
     Params: type[BaseModel] = NoParams
     evaluates_global_on_clients = False
+    prepares_round = False  # True: the engine runs ``round_prepare`` on each sampled client first
 
-    def __init__(self, params: BaseModel, model_cfg, training_cfg):
+    def __init__(self, params: Any, model_cfg, training_cfg):
         self.p = params
         self.model_cfg = model_cfg
         self.training = training_cfg
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        """Raise ``ConfigError`` for a config this method cannot run."""
 
     # ------------------------------------------------------------------ model
     def build_model(self, num_classes: int) -> nn.Module:
@@ -115,6 +151,12 @@ class Method:
         return "local" if is_local else "shared"
 
     # ------------------------------------------------------------ client side
+    def round_prepare(self, model: nn.Module, ctx: ClientContext) -> dict[str, np.ndarray]:
+        """With ``prepares_round``: computed on each sampled client with the
+        round's global model (and its local state) before any client trains;
+        the results reach ``server_payloads`` of the same round."""
+        return {}
+
     def round_start(self, model: nn.Module, ctx: ClientContext) -> None:
         pass
 
@@ -159,39 +201,39 @@ class Method:
         return sizes.astype(np.float64)
 
     def server_payloads(self, round: int, client_ids: list[int], server_state: dict,
-                        rng: np.random.Generator, global_state: dict[str, np.ndarray]
-                        ) -> dict[int, dict[str, np.ndarray]]:
+                        rng: np.random.Generator, global_state: dict[str, np.ndarray],
+                        prepared: dict[int, dict[str, np.ndarray]]) -> dict[int, dict[str, np.ndarray]]:
         """Records to send each sampled client besides the broadcast weights
-        (each sized in the ledger)."""
+        (each sized in the ledger); ``prepared`` holds this round's
+        ``round_prepare`` results by client (empty unless ``prepares_round``)."""
         return {}
 
-    def after_round(self, round: int, results: list[dict], server_state: dict) -> None:
+    def after_round(self, round: int, results: list[ClientUpdate], server_state: dict) -> None:
         pass
 
 
-_REGISTRY: dict[str, type[Method]] = {}
+_REGISTRY: Registry[type[Method]] = Registry("method")
 
 
 def register_method(cls: type[Method]) -> type[Method]:
-    _REGISTRY[cls.name] = cls
-    return cls
+    return _REGISTRY.add(cls.name, cls)
 
 
 register_method(Method)
 
 
 def method_names() -> list[str]:
-    return sorted(_REGISTRY)
+    return _REGISTRY.names()
 
 
 def get_method_class(name: str) -> type[Method]:
-    if name not in _REGISTRY:
-        hint = difflib.get_close_matches(name, _REGISTRY, n=1)
-        extra = f" (did you mean {hint[0]}?)" if hint else ""
-        raise KeyError(f"unknown method {name!r}{extra}; known: {', '.join(method_names())}")
-    return _REGISTRY[name]
+    return _REGISTRY.get(name)
 
 
 def build_method(cfg) -> Method:
-    cls = get_method_class(cfg.method.name)
-    return cls(cls.Params.model_validate(cfg.method.params()), cfg.model, cfg.training)
+    """The configured method with its typed parameters (validated once, with the config)."""
+    return get_method_class(cfg.method.name)(cfg.method.params, cfg.model, cfg.training)
+
+
+__all__ = ["Batch", "ClientContext", "ClientUpdate", "ConfigError", "GlobalEval", "Method", "NoParams",
+           "build_method", "evaluate_on_val", "get_method_class", "method_names", "register_method"]

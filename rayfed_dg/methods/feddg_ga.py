@@ -41,7 +41,7 @@ import sys
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from .base import Method, register_method, validate
+from .base import Method, register_method, evaluate_on_val
 
 
 def ga_step(round: int, rounds: int, step: float) -> float:
@@ -79,7 +79,7 @@ class FedDGGA(Method):
         if ctx.val_indices is None or len(ctx.val_indices) == 0:
             raise ValueError(f"client {ctx.client_id} has no validation samples for FedDG-GA")
         model.eval()
-        acc, loss = validate(model, ctx)
+        acc, loss = evaluate_on_val(model, ctx)
         return {"ga_local": np.array([loss if self.p.metric == "loss" else acc], dtype=np.float64)}
 
     def aggregation_weights(self, client_ids, sizes, server_state):
@@ -90,13 +90,13 @@ class FedDGGA(Method):
     def after_round(self, round, results, server_state):
         if not results:
             return
-        ids = [int(r["client"]) for r in results]
+        ids = [r.client for r in results]
         w = self.aggregation_weights(ids, None, server_state)
         w = w / w.sum()  # the participants' weights as this round's reduce used them
         stored = server_state.setdefault("ga_weights", {})
         key = "loss" if self.p.metric == "loss" else "accuracy"
-        after = np.array([r["global_eval"][key] for r in results], dtype=np.float64)
-        before = np.array([float(r["payload"]["ga_local"][0]) for r in results], dtype=np.float64)
+        after = np.array([getattr(r.global_eval, key) for r in results], dtype=np.float64)
+        before = np.array([float(r.payload["ga_local"][0]) for r in results], dtype=np.float64)
         sign = 1.0 if self.p.metric == "loss" else -1.0  # a larger loss gap, or accuracy drop, gains weight
         new = ga_update(w, sign * (after - before), ga_step(round, self.training.rounds, self.p.step_size))
         for c, v in zip(ids, new):

@@ -56,7 +56,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rayfed_dg.models import BN_TYPES, modules_of_type, replace_norm, state_keys_of
 
-from .base import Method, register_method, validate
+from .base import Method, register_method, evaluate_on_val
 
 
 class FDBN(nn.BatchNorm2d):
@@ -190,7 +190,7 @@ class FedFD(Method):
             return "adapter"
         return super().tensor_group(key, is_local)
 
-    def server_payloads(self, round, client_ids, server_state, rng, global_state):
+    def server_payloads(self, round, client_ids, server_state, rng, global_state, prepared):
         if not self._stats_local():
             return {}
         keys = sorted(k for k in global_state if k.endswith(".running_mean") or k.endswith(".running_var"))
@@ -294,7 +294,7 @@ class FedFD(Method):
         strictly better (ties keep the earlier iterate)."""
         set_mode(model, self._eval_mode)
         model.eval()
-        acc, _ = validate(model, ctx)
+        acc, _ = evaluate_on_val(model, ctx)
         model.train()
         set_mode(model, "plain")
         if acc > best[0]:

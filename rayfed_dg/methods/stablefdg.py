@@ -120,10 +120,10 @@ class StableFDG(Method):
     def after_round(self, round, results, server_state):
         styles = server_state.setdefault("styles", {})
         for r in results:
-            if "style" in r["payload"]:
-                styles[int(r["client"])] = np.asarray(r["payload"]["style"])
+            if "style" in r.payload:
+                styles[r.client] = np.asarray(r.payload["style"])
 
-    def server_payloads(self, round, client_ids, server_state, rng, global_state):
+    def server_payloads(self, round, client_ids, server_state, rng, global_state, prepared):
         pool = server_state.get("styles", {})
         if not pool:
             return {}

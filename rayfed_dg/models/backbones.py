@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from rayfed_dg.errors import ModelError
 
-class ModelError(ValueError):
-    """A model that cannot be built as configured (e.g. weights missing)."""
+__all__ = ["ModelError", "SplitModel", "build_backbone", "convnet", "densenet", "resnet"]
 
 
 class SplitModel(nn.Module):

@@ -1,0 +1,116 @@
+"""What a run is made of, resolved once for the CLI, tune.py and the benches:
+the dataset, the targets, each target's split, the clients per round, the
+worker pool, and the checks that must pass before anything is written."""
+from __future__ import annotations
+
+import math
+
+from rayfed_dg.config import ExperimentConfig
+from rayfed_dg.data import DomainDataset, FederatedSplit, leave_one_domain_out, load_dataset
+from rayfed_dg.errors import ConfigError, DataError, ModelError, ResourceError
+
+
+def load_data(cfg: ExperimentConfig) -> DomainDataset:
+    d = cfg.data
+    ds = load_dataset(d.name, d.root, d.resolution, d.domains, **d.loader_options())
+    return ds.subsample(d.limit_per_domain, d.split_seed) if d.limit_per_domain else ds
+
+
+def resolve_targets(ds: DomainDataset, target: str | None) -> list[str]:
+    if target in (None, "all"):
+        return list(ds.domain_names)
+    names = [t.strip() for t in target.split(",")]
+    for t in names:
+        ds.domain_index(t)  # raises DataError with a did-you-mean
+    return names
+
+
+def clients_per_round(cfg: ExperimentConfig, split: FederatedSplit) -> int:
+    """``training.clients_per_round``, where None means every client."""
+    k = cfg.training.clients_per_round
+    if k is not None and k > split.num_clients:
+        raise ConfigError(f"training.clients_per_round={k} exceeds the {split.num_clients} clients "
+                          f"of partition {cfg.partition.strategy}; lower it or add clients")
+    return split.num_clients if k is None else k
+
+
+def split_for(cfg: ExperimentConfig, ds: DomainDataset, target: str) -> FederatedSplit:
+    p, d = cfg.partition, cfg.data
+    return leave_one_domain_out(ds, target, d.val_fraction, d.split_seed, p.strategy, p.num_clients, p.alpha,
+                                p.min_size, p.clients, p.heterogeneity)
+
+
+def make_splits(cfg: ExperimentConfig, ds: DomainDataset, targets: list[str]) -> list[FederatedSplit]:
+    """All partitions of a run, checked (clients per round, data stages)
+    before anything is written."""
+    from rayfed_dg.stages import build_stages
+
+    splits = [split_for(cfg, ds, t) for t in targets]
+    stages = build_stages(cfg)
+    for s in splits:
+        clients_per_round(cfg, s)
+        for stage in stages:
+            stage.check_clients(s.num_clients)
+    return splits
+
+
+def plan_workers(engine_cfg, clients_per_round: int, resources: dict) -> int:
+    """How many workers to start; fail up front when the request cannot fit,
+    because Ray waits silently forever for resources that never come."""
+    cpu, gpu = float(resources.get("CPU", 0)), float(resources.get("GPU", 0))
+    c, g = engine_cfg.num_cpus_per_worker, engine_cfg.num_gpus_per_worker
+    fit = math.floor(cpu / c + 1e-9)
+    if g > 0:
+        fit = min(fit, math.floor(gpu / g + 1e-9))
+    if engine_cfg.num_workers is not None:
+        w = engine_cfg.num_workers
+        if w > fit:
+            raise ResourceError(
+                f"engine.num_workers={w} with {c} CPU and {g} GPU each needs {w * c:g} CPU / {w * g:g} GPU, "
+                f"but the Ray cluster has {cpu:g} CPU / {gpu:g} GPU; lower num_workers or the per-worker resources"
+            )
+        return w
+    if fit < 1:
+        raise ResourceError(
+            f"one worker needs {c:g} CPU and {g:g} GPU but the Ray cluster has {cpu:g} CPU / {gpu:g} GPU; "
+            "lower engine.num_cpus_per_worker / num_gpus_per_worker"
+        )
+    return max(1, min(fit, clients_per_round))
+
+
+def init_ray(cfg: ExperimentConfig) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    e = cfg.engine
+    # the dashboard is off by default; when on, it listens on loopback only
+    kwargs = dict(include_dashboard=e.include_dashboard, configure_logging=True, logging_level="WARNING",
+                  log_to_driver=True, dashboard_host="127.0.0.1")
+    if e.ray_address:
+        ray.init(address=e.ray_address, **kwargs)
+    else:
+        ray.init(**kwargs)
+
+
+def preflight(cfg: ExperimentConfig, splits: list[FederatedSplit], num_classes: int) -> None:
+    """Fail before anything is written: the model builds (weights found, the
+    method accepts the backbone), the stages can run, and the worker pool
+    fits the Ray cluster."""
+    import ray
+
+    from rayfed_dg.methods import build_method
+    from rayfed_dg.stages import build_stages
+
+    try:
+        build_method(cfg).build_model(num_classes)
+    except (ValueError, KeyError) as e:
+        if isinstance(e, (ConfigError, ModelError, DataError)):
+            raise
+        # a method that cannot build on this backbone is a config problem, not a crash
+        raise ConfigError(f"method {cfg.method.name} cannot build model.arch={cfg.model.arch}: {e}") from None
+    for stage in build_stages(cfg):
+        stage.preflight()
+    init_ray(cfg)
+    for s in splits:
+        plan_workers(cfg.engine, clients_per_round(cfg, s), ray.cluster_resources())

@@ -1,0 +1,89 @@
+"""The worker pool: dispatch jobs to worker actors, retry, drop.
+
+Jobs run on whichever worker is free, at most two in flight per worker (the
+next one starts while the server is still folding in the previous result).
+A job that fails with a retryable error (a dead worker, an injected fault,
+out of memory) is re-submitted up to ``retries`` times, after Ray restarted
+a dead worker; one that keeps failing is reported as dropped.  A client
+whose training diverged stops the run (a retry would diverge again: training
+is seeded); any other exception in client code is a bug and is raised with
+its traceback.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import ray
+import torch
+
+from rayfed_dg.errors import EngineError
+
+from .worker import DivergedError, InjectedFault
+
+IN_FLIGHT_PER_WORKER = 2
+
+
+def retryable(err: Exception) -> bool:
+    if isinstance(err, ray.exceptions.RayActorError):
+        return True
+    cause = getattr(err, "cause", None)
+    return isinstance(cause, (InjectedFault, torch.OutOfMemoryError, MemoryError))
+
+
+class WorkerPool:
+    def __init__(self, workers: list, retries: int):
+        self.workers = list(workers)
+        self.retries = retries
+        self.retried = 0  # failed attempts that were retried, over the pool's life
+
+    def map(self, jobs: list[Hashable], submit: Callable[[Any, Hashable, int], Any],
+            on_result: Callable[[Hashable, Any], None]) -> list[tuple[Hashable, str]]:
+        """Run every job: ``submit(worker, job, attempt)`` returns an ObjectRef;
+        ``on_result(job, result)`` is called as results arrive (in completion
+        order), with ``None`` for a job dropped after its retries.  Returns the
+        dropped jobs with a one-line reason."""
+        queue = [(job, 0) for job in jobs]
+        free = [w for _ in range(IN_FLIGHT_PER_WORKER) for w in range(len(self.workers))]
+        inflight: dict = {}
+        dropped: list[tuple[Hashable, str]] = []
+        while queue or inflight:
+            while queue and free:
+                job, attempt = queue.pop(0)
+                w = free.pop(0)
+                inflight[submit(self.workers[w], job, attempt)] = (w, job, attempt)
+            (ref,), _ = ray.wait(list(inflight), num_returns=1)
+            w, job, attempt = inflight.pop(ref)
+            free.append(w)
+            try:
+                res = ray.get(ref)
+            except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as err:
+                if isinstance(getattr(err, "cause", None), DivergedError):
+                    raise EngineError(str(err.cause)) from None
+                if not retryable(err):
+                    raise
+                if attempt < self.retries:
+                    self.retried += 1
+                    queue.insert(0, (job, attempt + 1))
+                else:
+                    dropped.append((job, repr(err).splitlines()[0][:200]))
+                    on_result(job, None)
+                continue
+            on_result(job, res)
+        return dropped
+
+    def map_all(self, jobs: list[Hashable], submit: Callable[[Any, Hashable, int], Any], what: str) -> dict:
+        """``map`` where every job must succeed: {job: result}, or EngineError."""
+        out: dict = {}
+
+        def on_result(job, res):
+            if res is None:
+                raise EngineError(f"{what} failed for {job} after {self.retries} retries")
+            out[job] = res
+
+        self.map(jobs, submit, on_result)
+        return out
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            ray.kill(w)

@@ -1,0 +1,108 @@
+"""The data-stage interface and registry.
+
+A data stage changes the clients' training sets once, before round 1 (CCST's
+cross-client style transfer; an amplitude bank would be another).  Like a
+method it is one class in one file, registered by name, with typed
+parameters; the engine runs "the configured stages" (``stages:`` in the
+config, in order) and never names one.
+
+A stage has two halves:
+
+* server half, ``run(server)``, in the server actor: it drives the stage
+  through the ``StageServer`` the engine hands it (``map`` runs a client
+  phase on every client through the worker pool, with retries;
+  ``set_training_set`` replaces a client's training set; ``ledger`` records
+  what crossed the wire, as round 0) and returns a dict of costs for
+  ``summary.json``;
+* client half, methods named ``client_<phase>(client, client_id, indices,
+  **args)``, in a worker: ``client`` is a ``StageClient`` (the dataset's
+  images and labels, the device, the worker's threads, the run's seed).
+
+A stage is deterministic and safe to repeat (it is simply run again on
+resume), so its randomness comes from ``seeding.Stream.STAGE``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from rayfed_dg.errors import ConfigError
+from rayfed_dg.utils import Registry
+
+
+class NoParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+@dataclass
+class StageClient:
+    """What a stage's client half sees inside a worker."""
+    images: np.ndarray  # the whole dataset, uint8 (N, H, W, 3), read-only
+    labels: np.ndarray
+    device: torch.device
+    threads: int
+    seed: int
+
+
+class StageServer(Protocol):
+    """What a stage's server half can do (implemented by the engine)."""
+    num_clients: int
+    seed: int
+
+    def training_set(self, client_id: int) -> np.ndarray: ...
+
+    def map(self, phase: str, args: dict[int, dict[str, Any]]) -> dict[int, Any]: ...
+
+    def set_training_set(self, client_id: int, keep: np.ndarray, images: np.ndarray, labels: np.ndarray) -> None: ...
+
+    def ledger(self, client_id: int, direction: str, group: str, nbytes: int, tensors: int = 1) -> None: ...
+
+
+class Stage:
+    name = "base"
+    Params: type[BaseModel] = NoParams
+
+    def __init__(self, params: Any):
+        self.p = params
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        """Raise ``ConfigError`` for a config this stage cannot run."""
+
+    def check_clients(self, num_clients: int) -> None:
+        """Raise ``ConfigError`` when the partition does not suit the stage."""
+
+    def preflight(self) -> None:
+        """In the driver, before anything is written: fail early (e.g. a
+        weights file or an optional package that is missing)."""
+
+    def run(self, server: StageServer) -> dict:
+        raise NotImplementedError
+
+
+_REGISTRY: Registry[type[Stage]] = Registry("data stage")
+
+
+def register_stage(cls: type[Stage]) -> type[Stage]:
+    return _REGISTRY.add(cls.name, cls)
+
+
+def stage_names() -> list[str]:
+    return _REGISTRY.names()
+
+
+def get_stage_class(name: str) -> type[Stage]:
+    return _REGISTRY.get(name)
+
+
+def build_stages(cfg) -> list[Stage]:
+    """The configured stages, in order, with their typed parameters."""
+    return [get_stage_class(name)(params) for name, params in cfg.active_stages()]
+
+
+__all__ = ["ConfigError", "NoParams", "Stage", "StageClient", "StageServer", "build_stages", "get_stage_class",
+           "register_stage", "stage_names"]

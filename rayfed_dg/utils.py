@@ -1,0 +1,153 @@
+"""Small shared utilities: atomic files, registries, tables, CLI errors.
+
+Bottom of the import graph: nothing here imports another ``rayfed_dg``
+module but ``errors``.
+"""
+from __future__ import annotations
+
+import contextlib
+import difflib
+import io
+import os
+import sys
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+from .errors import USER_ERRORS, EngineError, ResourceError
+
+T = TypeVar("T")
+
+
+# --------------------------------------------------------------------- files
+
+def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Write ``path`` so that a reader sees the old file or the whole new one:
+    a temporary file in the same folder, synced to disk, then renamed."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+
+
+def atomic_write_with(path: Path, write: Callable[[io.BytesIO], Any]) -> None:
+    """``write(buffer)`` fills an in-memory buffer that is then written atomically."""
+    buf = io.BytesIO()
+    write(buf)
+    atomic_write(path, buf.getvalue())
+
+
+def write_text(text: str, path: Path) -> None:
+    atomic_write(path, text.encode())
+
+
+def write_table(rows: list[dict] | dict[str, Any], path: Path) -> None:
+    """Parquet from a list of row dicts or a dict of columns, written atomically."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table(rows) if isinstance(rows, dict) else pa.Table.from_pylist(rows)
+    atomic_write_with(path, lambda buf: pq.write_table(table, buf))
+
+
+# ---------------------------------------------------------------- registries
+
+def did_you_mean(name: str, known: Sequence[str]) -> str:
+    hint = difflib.get_close_matches(name, list(known), n=1)
+    return f" (did you mean {hint[0]}?)" if hint else ""
+
+
+class Registry(Generic[T]):
+    """Name -> object, for methods, stages and datasets.  Registering a name
+    twice is an error (a silent overwrite would run the wrong code); an unknown
+    name raises ``error`` with a did-you-mean and the known names."""
+
+    def __init__(self, kind: str, error: type[Exception] = KeyError):
+        self.kind, self.error = kind, error
+        self._items: dict[str, T] = {}
+
+    def add(self, name: str, obj: T) -> T:
+        if name in self._items and self._items[name] is not obj:
+            raise ValueError(f"{self.kind} {name!r} is registered twice")
+        self._items[name] = obj
+        return obj
+
+    def get(self, name: str) -> T:
+        if name not in self._items:
+            raise self.error(f"unknown {self.kind} {name!r}{did_you_mean(name, self._items)}; "
+                             f"known: {', '.join(self.names())}")
+        return self._items[name]
+
+    def names(self) -> list[str]:
+        return sorted(self._items)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._items
+
+
+# -------------------------------------------------------------------- tables
+
+def render_table(header: Sequence[str], rows: Sequence[Sequence[Any]], style: str = "text") -> str:
+    """One table renderer: ``text`` (aligned, for terminals), ``md``
+    (Markdown), ``csv`` or ``latex`` (a tabular body)."""
+    cells = [[str(c) for c in header]] + [["" if c is None else str(c) for c in r] for r in rows]
+    if style == "md":
+        return "\n".join(["| " + " | ".join(cells[0]) + " |", "|" + "---|" * len(header)]
+                         + ["| " + " | ".join(r) + " |" for r in cells[1:]])
+    if style == "csv":
+        import csv
+
+        buf = io.StringIO()
+        csv.writer(buf, lineterminator="\n").writerows(cells)
+        return buf.getvalue().rstrip("\n")
+    if style == "latex":
+        esc = [[c.replace("_", r"\_").replace("%", r"\%").replace("±", r"$\pm$") for c in r] for r in cells]
+        body = [" & ".join(r) + r" \\" for r in esc]
+        return "\n".join([r"\begin{tabular}{l" + "r" * (len(header) - 1) + "}", r"\toprule", body[0], r"\midrule",
+                          *body[1:], r"\bottomrule", r"\end{tabular}"])
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    line = lambda r: " | ".join(c.rjust(w) for c, w in zip(r, widths))  # noqa: E731
+    return "\n".join([line(cells[0]), "-+-".join("-" * w for w in widths)] + [line(r) for r in cells[1:]])
+
+
+# ----------------------------------------------------------------------- CLI
+
+def _one_line_warning(message, category, filename, lineno, file=None, line=None):
+    print(f"rayfed-dg: warning: {message}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+def run_cli(prog: str, fn: Callable[[], int], debug: bool = False) -> int:
+    """Run a command's body: bad input ends with one line on stderr and exit
+    code 2, an engine failure with exit code 1, no traceback unless
+    ``debug``; nothing that is written is group/world-writable."""
+    os.umask(os.umask(0) | 0o022)
+    if not debug:
+        import warnings
+
+        warnings.showwarning = _one_line_warning
+    try:
+        return fn()
+    except (*USER_ERRORS, ResourceError) as e:
+        if debug:
+            traceback.print_exc()
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except EngineError as e:
+        if debug:
+            traceback.print_exc()
+        # raised inside an actor, it arrives wrapped with a remote traceback
+        print(f"{prog}: error: {getattr(e, 'cause', None) or e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
