@@ -287,7 +287,8 @@ def method_variants(cfg: ExperimentConfig) -> list[tuple[str, ExperimentConfig]]
     """(label, config) for each method to run: ``compare`` if given, else ``method``."""
     if not cfg.compare:
         return [(cfg.method.name, cfg)]
-    out, seen = [], {}
+    out: list[tuple[str, ExperimentConfig]] = []
+    seen: dict[str, int] = {}
     for m in cfg.compare:
         tree = cfg.to_dict()
         tree["compare"] = None

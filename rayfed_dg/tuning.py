@@ -66,8 +66,11 @@ def to_tune(dist: dict):
     from ray import tune
 
     kind, v = next(iter(dist.items()))
-    return {"grid": tune.grid_search, "choice": tune.choice}.get(kind, None)(list(v)) if kind in ("grid", "choice") \
-        else (tune.uniform(*v) if kind == "uniform" else tune.loguniform(*v))
+    if kind == "grid":
+        return tune.grid_search(list(v))
+    if kind == "choice":
+        return tune.choice(list(v))
+    return tune.uniform(*v) if kind == "uniform" else tune.loguniform(*v)
 
 
 def overrides_of(trial_config: dict) -> list[str]:
@@ -211,11 +214,12 @@ def run_sweep(space_name: str, config: str | None, target: str, samples: int, sc
     results = tuner.fit()
     params = list(space["params"])
     records = []
-    for res in results:
-        m = res.metrics or {}
+    for i in range(len(results)):
+        res = results[i]
+        m, conf = res.metrics or {}, res.config or {}
         if m.get("selected_round") is None:
             continue
-        records.append({**{p: res.config[p] for p in params}, "target": res.config["target"],
+        records.append({**{p: conf[p] for p in params}, "target": conf["target"],
                         "selected_round": m["selected_round"], "selected_src_val": m["selected_src_val"],
                         "selected_target_acc": m["selected_target_acc"], "rounds_run": m.get("round")})
     if not records:

@@ -79,7 +79,7 @@ class Registry(Generic[T]):
 
     def get(self, name: str) -> T:
         if name not in self._items:
-            raise self.error(f"unknown {self.kind} {name!r}{did_you_mean(name, self._items)}; "
+            raise self.error(f"unknown {self.kind} {name!r}{did_you_mean(name, self.names())}; "
                              f"known: {', '.join(self.names())}")
         return self._items[name]
 

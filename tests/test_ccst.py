@@ -95,6 +95,7 @@ def test_overall_style_cache_is_shared_across_seeds_and_k(adain_files, tmp_path)
     assert np.array_equal(s0, client_style(be, cfg, images, seed=9, client_id=2))
 
 
+@pytest.mark.slow
 def test_engine_stage_grows_training_sets_without_validation_images(ray_session, tiny_ds, tmp_path):
     import ray
     from rayfed_dg.engine import Server, run_federation

@@ -4,8 +4,8 @@ import subprocess
 import sys
 
 import pyarrow.parquet as pq
+import pytest
 import torch
-
 from conftest import REPO
 
 
@@ -18,6 +18,7 @@ def quick_run(run_dir, *sets):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_two_round_run_writes_the_run_directory(tmp_path):
     run_dir = tmp_path / "run"
     proc = quick_run(run_dir, "method.name=fedbn")
@@ -45,6 +46,7 @@ def test_two_round_run_writes_the_run_directory(tmp_path):
     assert "method:\n  name: fedbn" in (run_dir / "config.yaml").read_text()
 
 
+@pytest.mark.slow
 def test_diverging_training_stops_with_one_line_error(tmp_path):
     # a learning rate of 1e9 sends the loss to inf/nan in the first round: the run
     # must stop (exit 1) with the engine's message, not average NaNs for 2 rounds
@@ -56,6 +58,7 @@ def test_diverging_training_stops_with_one_line_error(tmp_path):
     assert not (run_dir / "summary.json").exists()
 
 
+@pytest.mark.slow
 def test_unknown_target_is_one_line_exit_2(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "rayfed_dg", "run", str(REPO / "configs" / "quickstart.yaml"),
@@ -85,6 +88,7 @@ def test_report_averages_seeds(tmp_path):
     assert "| 2 |" in row and "60.00 ± 10.00" in row and "80.00 ± 10.00" in row and "70.00 ± 10.00" in row
 
 
+@pytest.mark.slow
 def test_evaluate_reproduces_the_selected_round_and_changes_only_evaluation(tmp_path, capsys):
     # FedFD-A Table 3 c1 re-evaluates one trained model with other inference statistics
     from rayfed_dg.cli import main

@@ -1,8 +1,8 @@
 """Every shipped config and search space validates."""
 
 import pytest
-
 from conftest import REPO
+
 from rayfed_dg.config import load_config, method_variants
 from rayfed_dg.tuning import load_space, space_names
 

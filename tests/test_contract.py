@@ -5,8 +5,8 @@ state per client across rounds, and gives identical numbers with 1 and 2
 workers."""
 import numpy as np
 import pytest
-
 from conftest import tiny_cfg
+
 from rayfed_dg.methods import method_names
 
 # methods whose defaults need more than the contract's tiny setup

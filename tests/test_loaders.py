@@ -3,9 +3,9 @@ import csv
 
 import numpy as np
 import pytest
+from conftest import SHARED_DATA
 from PIL import Image
 
-from conftest import SHARED_DATA
 from rayfed_dg.data import DataError, load_dataset
 
 
@@ -120,6 +120,8 @@ def test_decode_cache_hit_on_second_load_and_invalidated_by_change(tmp_path):
     assert c.meta["cache"] == "miss" and len(c.images) == 5
 
 
+@pytest.mark.slow
+@pytest.mark.data
 @pytest.mark.skipif(not (SHARED_DATA / "PACS").is_dir(), reason="../shared/data/PACS is not present")
 def test_real_pacs_counts():
     ds = load_dataset("pacs", str(SHARED_DATA / "PACS"), 32)
@@ -127,6 +129,8 @@ def test_real_pacs_counts():
     assert ds.num_classes == 7 and len(ds.images) == 9991
 
 
+@pytest.mark.slow
+@pytest.mark.data
 @pytest.mark.skipif(not (SHARED_DATA / "digits").is_dir(), reason="../shared/data/digits is not present")
 def test_real_digits_counts():
     ds = load_dataset("digits", str(SHARED_DATA / "digits"), 32)

@@ -2,8 +2,8 @@
 random ones, which this machine cannot download), and fail clearly without
 their weights."""
 import pytest
-
 from conftest import REPO, SHARED_DATA
+
 from rayfed_dg.cli import main
 
 PAPER = REPO / "configs" / "paper"
@@ -13,10 +13,11 @@ needs_pacs = pytest.mark.skipif(not (SHARED_DATA / "PACS").is_dir(), reason="../
 
 
 @needs_pacs
+@pytest.mark.slow
+@pytest.mark.data
 @pytest.mark.parametrize("name", ["gperxan_pacs", "fedfda_pacs", "stablefdg_pacs"])
 def test_dry_run_builds_and_trains(ray_session, tmp_path, monkeypatch, capsys, name):
     monkeypatch.chdir(REPO)  # configs name ../shared/data relative to the repository
-    monkeypatch.setenv("RAYFED_DG_CACHE", str(tmp_path / "cache"))
     code = main(["run", str(PAPER / f"{name}.yaml"), "--dry-run", "--target", "photo", "--no-progress",
                  "--set", "model.pretrained=null", *CPU, "--run-dir", str(tmp_path / "run")])
     out = capsys.readouterr()
@@ -28,7 +29,6 @@ def test_dry_run_builds_and_trains(ray_session, tmp_path, monkeypatch, capsys, n
 def test_paper_configs_fail_clearly_without_weights(ray_session, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
-    monkeypatch.setenv("RAYFED_DG_CACHE", str(tmp_path / "cache"))
     code = main(["run", str(PAPER / "gperxan_pacs.yaml"), "--dry-run", *CPU, "--run-dir", str(tmp_path / "a")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "IMAGENET1K_V1 weights are not in the torch hub cache" in err[0]

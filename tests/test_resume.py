@@ -10,8 +10,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
-
 from conftest import REPO, tiny_cfg
+
 from rayfed_dg.data import leave_one_domain_out
 from rayfed_dg.engine import ClientRunner, run_federation
 from rayfed_dg.engine.checkpoint import CheckpointWarning, load_latest, save_checkpoint
@@ -24,6 +24,7 @@ def cli(*extra, **kw):
     return [sys.executable, "-m", "rayfed_dg", "run", str(REPO / "configs" / "quickstart.yaml"), *ARGS, *extra]
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_is_bit_identical(tmp_path):
     killed, clean = tmp_path / "killed", tmp_path / "clean"
     proc = subprocess.Popen(cli("--run-dir", str(killed)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -60,6 +61,7 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path):
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+@pytest.mark.slow
 def test_resume_with_a_different_config_is_refused(tmp_path):
     run = tmp_path / "run"
     r = subprocess.run(cli("--run-dir", str(run), "--set", "training.rounds=1"), capture_output=True, text=True,
@@ -99,6 +101,7 @@ def _run(ray, ds, *overrides, target="colour"):
                                       progress=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["exception", "kill"])
 def test_fault_injection_gives_the_fault_free_result(ray_session, tiny_ds, mode):
     _, _, clean = _run(ray_session, tiny_ds, "training.rounds=3", "method.name=fedbn")
@@ -122,6 +125,7 @@ def test_fault_injection_gives_the_fault_free_result(ray_session, tiny_ds, mode)
     assert faulty.tasks_retried == injected if mode == "exception" else faulty.tasks_retried >= injected
 
 
+@pytest.mark.slow
 def test_client_failing_every_retry_is_dropped_and_weights_renormalised(ray_session, tiny_ds):
     ray = ray_session
     cfg, split, res = _run(ray, tiny_ds, "training.rounds=1", "engine.fault_clients=[1]",
@@ -146,6 +150,7 @@ def test_client_failing_every_retry_is_dropped_and_weights_renormalised(ray_sess
     np.testing.assert_allclose(g1["head.bias"], expect.astype(np.float32), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_nothing_written_is_world_writable(tmp_path):
     old = os.umask(0)  # the most permissive umask a user could have
     try:

@@ -4,9 +4,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 import yaml
-
 from conftest import REPO
+
 from rayfed_dg.tuning import select_value
 
 
@@ -52,6 +53,7 @@ def test_cluster_yaml_validates_against_rays_schema():
     assert any("pip install" in c for c in cfg["setup_commands"])
 
 
+@pytest.mark.slow
 def test_two_trial_sweep_writes_table_and_resumes_without_rerunning(ray_session, tmp_path, monkeypatch):
     from rayfed_dg.tuning import run_sweep
 

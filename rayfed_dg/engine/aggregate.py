@@ -18,7 +18,7 @@ class OrderedReducer:
         self.order = list(order)
         self.weights = dict(weights)
         self._pos = 0
-        self._pending: dict[int, dict[str, np.ndarray]] = {}
+        self._pending: dict[int, dict[str, np.ndarray] | None] = {}
         self._acc: dict[str, np.ndarray] = {}
         self._wsum: dict[str, float] = {}
         self.dropped: list[int] = []

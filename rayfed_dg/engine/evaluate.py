@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -65,7 +66,7 @@ def evaluate_saved(cfg: ExperimentConfig, ds, targets: list[str], run_dir: Path,
             raise ConfigError(f"{path} does not fit the model these settings build ({len(diff)} tensors differ, "
                               f"e.g. {diff[0]}); evaluate with the settings the run was trained with")
         split = split_for(cfg, ds, t)
-        res = {"domains": {}}
+        res: dict[str, Any] = {"domains": {}}
         for name, sets in (("source_val", split.val), ("target_test", split.test)):
             accs = []
             for dom, idx in sets.items():

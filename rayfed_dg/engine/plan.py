@@ -4,6 +4,7 @@ worker pool, and the checks that must pass before anything is written."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from rayfed_dg.config import ExperimentConfig
 from rayfed_dg.data import DomainDataset, FederatedSplit, leave_one_domain_out, load_dataset
@@ -85,7 +86,7 @@ def init_ray(cfg: ExperimentConfig) -> None:
         return
     e = cfg.engine
     # the dashboard is off by default; when on, it listens on loopback only
-    kwargs = dict(include_dashboard=e.include_dashboard, configure_logging=True, logging_level="WARNING",
+    kwargs: dict[str, Any] = dict(include_dashboard=e.include_dashboard, configure_logging=True, logging_level="WARNING",
                   log_to_driver=True, dashboard_host="127.0.0.1")
     if e.ray_address:
         ray.init(address=e.ray_address, **kwargs)

@@ -11,8 +11,8 @@ its traceback.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
-from typing import Any
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, TypeVar
 
 import ray
 import torch
@@ -22,6 +22,7 @@ from rayfed_dg.errors import EngineError
 from .worker import DivergedError, InjectedFault
 
 IN_FLIGHT_PER_WORKER = 2
+J = TypeVar("J", bound=Hashable)  # a job: a client id, or an evaluation chunk's key
 
 
 def retryable(err: Exception) -> bool:
@@ -32,21 +33,21 @@ def retryable(err: Exception) -> bool:
 
 
 class WorkerPool:
-    def __init__(self, workers: list, retries: int):
+    def __init__(self, workers: list[Any], retries: int):
         self.workers = list(workers)
         self.retries = retries
         self.retried = 0  # failed attempts that were retried, over the pool's life
 
-    def map(self, jobs: list[Hashable], submit: Callable[[Any, Hashable, int], Any],
-            on_result: Callable[[Hashable, Any], None]) -> list[tuple[Hashable, str]]:
+    def map(self, jobs: Sequence[J], submit: Callable[[Any, J, int], Any],
+            on_result: Callable[[J, Any], None]) -> list[tuple[J, str]]:
         """Run every job: ``submit(worker, job, attempt)`` returns an ObjectRef;
         ``on_result(job, result)`` is called as results arrive (in completion
         order), with ``None`` for a job dropped after its retries.  Returns the
         dropped jobs with a one-line reason."""
         queue = [(job, 0) for job in jobs]
         free = [w for _ in range(IN_FLIGHT_PER_WORKER) for w in range(len(self.workers))]
-        inflight: dict = {}
-        dropped: list[tuple[Hashable, str]] = []
+        inflight: dict[Any, tuple[int, J, int]] = {}
+        dropped: list[tuple[J, str]] = []
         while queue or inflight:
             while queue and free:
                 job, attempt = queue.pop(0)
@@ -58,8 +59,9 @@ class WorkerPool:
             try:
                 res = ray.get(ref)
             except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as err:
-                if isinstance(getattr(err, "cause", None), DivergedError):
-                    raise EngineError(str(err.cause)) from None
+                cause = getattr(err, "cause", None)
+                if isinstance(cause, DivergedError):
+                    raise EngineError(str(cause)) from None
                 if not retryable(err):
                     raise
                 if attempt < self.retries:
@@ -72,11 +74,11 @@ class WorkerPool:
             on_result(job, res)
         return dropped
 
-    def map_all(self, jobs: list[Hashable], submit: Callable[[Any, Hashable, int], Any], what: str) -> dict:
+    def map_all(self, jobs: Sequence[J], submit: Callable[[Any, J, int], Any], what: str) -> dict[J, Any]:
         """``map`` where every job must succeed: {job: result}, or EngineError."""
-        out: dict = {}
+        out: dict[J, Any] = {}
 
-        def on_result(job, res):
+        def on_result(job: J, res: Any) -> None:
             if res is None:
                 raise EngineError(f"{what} failed for {job} after {self.retries} retries")
             out[job] = res

@@ -64,8 +64,8 @@ class Ledger:
             g = groups.setdefault(group_of(key), [0, 0])
             g[0] += 1
             g[1] += arr.nbytes
-        for g, (cnt, b) in sorted(groups.items()):
-            self.add(client, direction, g, b, cnt)
+        for group, (cnt, b) in sorted(groups.items()):
+            self.add(client, direction, group, b, cnt)
 
     def add_payload(self, client: int, direction: str, payload: dict[str, np.ndarray], prefix: str = "payload") -> None:
         for name, arr in sorted(payload.items()):

@@ -18,6 +18,7 @@ One ``run_round`` call is one federated round:
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 import ray
@@ -63,7 +64,8 @@ class Server:
                     max_restarts=e.max_restarts, max_task_retries=0)
         opts.update(worker_options or {})
         remote_worker = ray.remote(Worker)
-        workers = [remote_worker.options(**opts).remote(cfg, self.data_refs, num_classes) for _ in range(num_workers)]
+        workers: list[Any] = [remote_worker.options(**opts).remote(cfg, self.data_refs, num_classes)
+                              for _ in range(num_workers)]
         ray.get([w.ping.remote() for w in workers])
         self.pool = WorkerPool(workers, e.max_task_retries)
         self.global_ref = ray.put(self.global_state)

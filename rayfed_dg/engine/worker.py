@@ -121,7 +121,7 @@ class ClientRunner:
                 chunk = order[s:s + bs]
                 if len(chunk) < 2 and n >= 2:  # BatchNorm needs two samples
                     continue
-                if n_extra == 0:
+                if extra is None:
                     yield self._tensors(indices[chunk], gen)
                 else:
                     base = chunk < nb

@@ -102,6 +102,7 @@ class ClientUpdate:
 def evaluate_on_val(model: nn.Module, ctx: "ClientContext", batch_size: int = 256) -> tuple[float, float]:
     """(accuracy, mean cross-entropy) of ``model`` as it is (mode untouched)
     on the client's validation samples ``ctx.val_indices``."""
+    assert ctx.val_indices is not None and ctx.fetch is not None, "the method asked for no validation samples"
     correct, loss = 0, 0.0
     for s in range(0, len(ctx.val_indices), batch_size):
         x, y = ctx.fetch(ctx.val_indices[s:s + batch_size])

@@ -36,7 +36,7 @@ import hashlib
 import math
 import time
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -158,7 +158,7 @@ class CCST(Stage):
 
     def __init__(self, params: CCSTParams):
         super().__init__(params)
-        self._backend = None
+        self._backend: Any = None
 
     def check_clients(self, num_clients: int) -> None:
         if self.p.k > num_clients:
@@ -196,7 +196,8 @@ class CCST(Stage):
         bank = np.concatenate([styles[i] for i in range(n)])
         owners = np.concatenate([np.full(len(styles[i]), i) for i in range(n)])
         t_style = time.perf_counter() - t0
-        info = {"hits": 0, "misses": 0, "images_stylized": 0, "originals_kept": 0, "stylized_copies": 0}
+        info: dict[str, Any] = {"hits": 0, "misses": 0, "images_stylized": 0, "originals_kept": 0,
+                                "stylized_copies": 0}
         augmented = server.map("augment", {c: {"bank": bank, "owners": owners} for c in range(n)})
         for cid in range(n):
             res = augmented[cid]
