@@ -22,24 +22,26 @@ T = TypeVar("T")
 
 # --------------------------------------------------------------------- files
 
-def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
+def atomic_write_with(path: Path, write: Callable[[BinaryIO], Any], mode: int = 0o644) -> None:
     """Write ``path`` so that a reader sees the old file or the whole new one:
-    a temporary file in the same folder, synced to disk, then renamed."""
+    ``write(f)`` fills a temporary file in the same folder (streamed, so a
+    large array is never held twice in memory), which is synced to disk and
+    renamed over ``path``."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
-def atomic_write_with(path: Path, write: Callable[[io.BytesIO], Any]) -> None:
-    """``write(buffer)`` fills an in-memory buffer that is then written atomically."""
-    buf = io.BytesIO()
-    write(buf)
-    atomic_write(path, buf.getvalue())
+def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
+    atomic_write_with(path, lambda f: f.write(data), mode)
 
 
 def write_text(text: str, path: Path) -> None:

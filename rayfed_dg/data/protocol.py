@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rayfed_dg.utils import Registry
+
 from .base import DataError, DomainDataset
 
 
@@ -201,14 +203,11 @@ def partition_heterogeneity(source_train, labels, num_clients: int, seed: int, h
     return [np.sort(np.concatenate(p)) for p in parts], [names[i % len(names)] for i in range(num_clients)]
 
 
-PARTITIONS = {
-    "per_domain": partition_per_domain,
-    "single_domain": partition_single_domain,
-    "dirichlet": partition_dirichlet_domains,
-    "label_dirichlet": partition_label_dirichlet,
-    "explicit": partition_explicit,
-    "heterogeneity": partition_heterogeneity,
-}
+PARTITIONS: Registry = Registry("partition.strategy", DataError)
+for _name, _fn in (("per_domain", partition_per_domain), ("single_domain", partition_single_domain),
+                   ("dirichlet", partition_dirichlet_domains), ("label_dirichlet", partition_label_dirichlet),
+                   ("explicit", partition_explicit), ("heterogeneity", partition_heterogeneity)):
+    PARTITIONS.add(_name, _fn)
 
 
 def leave_one_domain_out(
@@ -224,8 +223,7 @@ def leave_one_domain_out(
     heterogeneity: float | None = None,
 ) -> FederatedSplit:
     t = ds.domain_index(target)
-    if strategy not in PARTITIONS:
-        raise DataError(f"unknown partition.strategy {strategy!r}; known: {', '.join(PARTITIONS)}")
+    partition = PARTITIONS.get(strategy)
     source_train, val = {}, {}
     for j, d in enumerate(ds.domain_names):
         if j == t:
@@ -237,7 +235,7 @@ def leave_one_domain_out(
         raise DataError(f"partition.strategy {strategy} needs partition.num_clients")
     if strategy in ("dirichlet", "label_dirichlet") and alpha is None:
         raise DataError(f"partition.strategy {strategy} needs partition.alpha > 0")
-    clients, doms = PARTITIONS[strategy](
+    clients, doms = partition(
         source_train, ds.labels, num_clients=num_clients, alpha=alpha, seed=split_seed, min_size=min_size,
         clients_spec=clients_spec, heterogeneity=heterogeneity,
     )

@@ -1,0 +1,54 @@
+"""Shared utilities: registries, atomic files, tables, the seeding table."""
+import pytest
+
+from rayfed_dg.seeding import Stream, numpy_rng
+from rayfed_dg.utils import Registry, atomic_write, atomic_write_with, render_table
+
+
+def test_registry_rejects_a_duplicate_name_and_suggests_the_closest():
+    r = Registry("thing")
+    r.add("alpha", 1)
+    r.add("alpha", 1)  # the same object again (a module imported twice) is harmless
+    with pytest.raises(ValueError, match="registered twice"):
+        r.add("alpha", 2)
+    with pytest.raises(KeyError, match=r"unknown thing 'alpah' \(did you mean alpha\?\); known: alpha"):
+        r.get("alpah")
+    from rayfed_dg.methods import Method, register_method
+
+    class Impostor(Method):
+        name = "fedavg"
+
+    with pytest.raises(ValueError, match="method 'fedavg' is registered twice"):
+        register_method(Impostor)
+
+
+def test_every_stream_is_its_own():
+    # an IntEnum silently turns a repeated value into an alias: two purposes would share a stream
+    assert len(Stream.__members__) == len(set(int(s) for s in Stream))
+    # CCST's stage stream (formerly 11, CLIENT_VAL's id) no longer reproduces a client's validation draw
+    assert numpy_rng(0, Stream.STAGE, 1, 0).random() != numpy_rng(0, Stream.CLIENT_VAL, 1).random()
+
+
+def test_atomic_write_keeps_the_old_file_when_the_writer_fails(tmp_path):
+    p = tmp_path / "f.bin"
+    atomic_write(p, b"old")
+
+    def broken(f):
+        f.write(b"half of the new")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        atomic_write_with(p, broken)
+    assert p.read_bytes() == b"old" and [x.name for x in tmp_path.iterdir()] == ["f.bin"]
+    assert oct(p.stat().st_mode & 0o777) == "0o644"
+
+
+def test_render_table_styles():
+    rows = [["fedavg", "50.66"], ["fedbn", "9.84"]]
+    assert render_table(["method", "acc"], rows).splitlines() == [
+        "method |   acc", "-------+------", "fedavg | 50.66", " fedbn |  9.84"]
+    assert render_table(["method", "acc"], rows, "md").splitlines()[:3] == [
+        "| method | acc |", "|---|---|", "| fedavg | 50.66 |"]
+    assert render_table(["a_b", "x"], [["1 ± 2", "3%"]], "latex").splitlines()[2:5] == [
+        r"a\_b & x \\", r"\midrule", r"1 $\pm$ 2 & 3\% \\"]
+    assert render_table(["a", "b"], [["x,y", 1]], "csv") == 'a,b\n"x,y",1'
