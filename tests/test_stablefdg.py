@@ -97,16 +97,20 @@ def test_attention_sums_to_one_and_test_forward_is_self_attention():
     assert not torch.allclose(out_train, e1)  # training mixed in the partner's query
 
 
-def test_stablefdg_client_uploads_4c_style_and_trains(tiny_ds):
-    cfg = tiny_cfg("method.name=stablefdg", "model.width=8")
-    r = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, 10)
+def test_stablefdg_client_prepares_a_4c_style_and_trains(tiny_ds):
+    from rayfed_dg.engine import ClientTask
     from rayfed_dg.engine.worker import to_numpy_state
 
+    cfg = tiny_cfg("method.name=stablefdg", "model.width=8")
+    r = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, 10)
     g = to_numpy_state(r.model.state_dict(), r.model.state_dict().keys())
-    out = r.run_client(0, 1, np.arange(100), g, {}, {})
-    assert out.payload["style"].shape == (4 * 8,)
+    phi = r.prepare(ClientTask(client=0, round=1, indices=np.arange(100), local_state={}), g)["style"]
+    assert phi.shape == (4 * 8,) and np.all(phi[8:16] > 0)  # [mu, sigma, Var(mu), Var(sigma)], sigma > 0
+    out = r.run_client(0, 1, np.arange(100), g, {}, {"styles": phi[None] * 1.1})
     assert r.model.head.in_features == 16  # [GAP, attention] doubles the classifier input
-    again = r.run_client(0, 1, np.arange(100), g, {}, {})
+    assert np.isfinite(out.train_loss)
+    assert not np.array_equal(out.update["head.weight"], g["head.weight"])  # it trained
+    again = r.run_client(0, 1, np.arange(100), g, {}, {"styles": phi[None] * 1.1})
     assert all(np.array_equal(out.update[k], again.update[k]) for k in out.update)  # seeded
 
 
@@ -118,12 +122,47 @@ def test_styles_travel_through_the_engine_and_ledger(ray_session, tiny_ds):
     cfg = tiny_cfg("method.name=stablefdg", "model.width=8", "training.rounds=2")
     split = leave_one_domain_out(tiny_ds, "mono", 0.2, 0)
     res = run_federation(cfg, split, ray.put(tiny_ds.images), ray.put(tiny_ds.labels), 10, progress=False)
-    up = [r for r in res.ledger if r["group"] == "payload:style"]
+    up = [r for r in res.ledger if r["group"] == "prepare:style"]
     down = [r for r in res.ledger if r["group"] == "payload:styles"]
-    assert {(r["round"], r["direction"]) for r in up} == {(1, "up"), (2, "up")}
-    assert all(r["bytes"] == 4 * 8 * 4 for r in up)  # 4C float32
-    assert {r["round"] for r in down} == {2} and len(down) == 3  # round 1 shares nothing
-    assert all(r["bytes"] == 4 * 8 * 4 for r in down)
+    # every round: each participant uploads its style before training and receives a peer's
+    assert sorted((r["round"], r["direction"]) for r in up) == [(1, "up")] * 3 + [(2, "up")] * 3
+    assert all(r["bytes"] == 4 * 8 * 4 for r in up + down)  # 4C float32
+    assert sorted(r["round"] for r in down) == [1, 1, 1, 2, 2, 2]
+
+
+def test_styles_received_in_a_round_come_from_that_rounds_participants_and_model(ray_session, tiny_ds):
+    """Algorithm 1's order, through the engine: with 6 clients and 3 per round,
+    what the server aggregates in round 2 is exactly what the round-2
+    participants train when each receives the style that another round-2
+    participant computed with round 2's global model."""
+    from rayfed_dg.data import leave_one_domain_out
+    from rayfed_dg.engine import ClientTask, Server
+    from rayfed_dg.seeding import Stream, numpy_rng
+
+    ray = ray_session
+    cfg = tiny_cfg("method.name=stablefdg", "model.width=8", "method.attention=false", "method.shift_p=1.0",
+                   "partition.strategy=single_domain", "partition.num_clients=6", "training.clients_per_round=3",
+                   "training.local_steps=3", "evaluation.every=0", "training.rounds=3")
+    split = leave_one_domain_out(tiny_ds, "mono", 0.2, 0, "single_domain", 6)
+    server = ray.remote(Server).options(num_cpus=0).remote(
+        cfg, split, [ray.put(tiny_ds.images), ray.put(tiny_ds.labels)], 10, 2)
+    ray.get(server.run_round.remote())
+    g1 = ray.get(server.get_state.remote())["global_state"]
+    out2 = ray.get(server.run_round.remote())
+    g2 = ray.get(server.get_state.remote())["global_state"]
+    ray.get(server.shutdown.remote())
+    sampled = out2.sampled
+    assert len(sampled) == 3
+    runner = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, 10)
+    styles = {c: runner.prepare(ClientTask(client=c, round=2, indices=split.clients[c], local_state={}), g1)["style"]
+              for c in sampled}
+    given = assign_styles(sampled, sampled, 1, numpy_rng(cfg.training.seed, Stream.PAYLOAD, 2))
+    assert all(given[c] != [c] and given[c][0] in sampled for c in sampled)
+    ups = {c: runner.run_client(c, 2, split.clients[c], g1, {}, {"styles": styles[given[c][0]][None]}).update
+           for c in sampled}
+    n = split.client_sizes()[sampled].astype(np.float64)
+    expect = sum(w * ups[c]["head.weight"].astype(np.float64) for w, c in zip(n, sampled)) / n.sum()
+    np.testing.assert_allclose(g2["head.weight"], expect.astype(np.float32), rtol=1e-5, atol=1e-6)
 
 
 def test_exploration_sigma_follows_eq5_unclamped():
