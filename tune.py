@@ -17,7 +17,7 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--space", required=True, help="search space name (a file tuning/NAME.yaml)")
+    ap.add_argument("--space", required=True, help="search space: a name (tuning/NAME.yaml) or a YAML file")
     ap.add_argument("--config", default=None, help="experiment config (default: the space's)")
     ap.add_argument("--target", default="all", help="target domain, comma list, or all (one trial per target)")
     ap.add_argument("--samples", type=int, default=1, help="samples per grid point / random draws")

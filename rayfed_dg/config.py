@@ -123,6 +123,9 @@ class EngineConfig(_Strict):
     fault_probability: float = Field(0.0, ge=0.0, le=1.0)  # seeded fault injection per task
     fault_mode: Literal["exception", "kill"] = "exception"  # kill: the worker process exits
     fault_clients: list[int] = []  # clients whose every task fails (to test dropping)
+    # a pool the cluster cannot fit now: ask the autoscaler for it and wait this long (auto: when one runs)
+    autoscaler: Literal["auto", "on", "off"] = "auto"
+    scale_up_timeout_s: float = Field(600.0, ge=0.0)
 
 
 class EvaluationConfig(_Strict):

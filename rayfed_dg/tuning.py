@@ -28,6 +28,8 @@ validation wins, and its target accuracies are what one reports.
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +48,8 @@ def space_names(space_dir: Path = SPACE_DIR) -> list[str]:
 
 
 def load_space(name: str, space_dir: Path = SPACE_DIR) -> dict:
-    path = space_dir / f"{name}.yaml"
+    """A space by name (``tuning/NAME.yaml``) or by the path of a YAML file."""
+    path = Path(name) if name.endswith((".yaml", ".yml")) and Path(name).is_file() else space_dir / f"{name}.yaml"
     if not path.is_file():
         known = space_names(space_dir)
         raise ConfigError(f"unknown search space {name!r}{did_you_mean(name, known)}; "
@@ -85,26 +88,45 @@ def trainable(trial_config: dict, *, config_path: str, fixed: list[str]) -> None
 
     from rayfed_dg.engine import load_data, run_federation, split_for
 
-    cfg = load_config(config_path, fixed + overrides_of(trial_config) + ["output.save_best_checkpoint=false",
-                                                                         "output.checkpoint_every=0"])
+    cfg = load_config(config_path, fixed + overrides_of(trial_config) + ["output.save_best_checkpoint=false"])
     ds = load_data(cfg)
     split = split_for(cfg, ds, trial_config["target"])
     pg = ray.util.get_current_placement_group()
     opts = {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg)} if pg is not None else None
     workers = len(pg.bundle_specs) - 1 if pg is not None else None
+    # the engine's own resumable checkpoints (every output.checkpoint_every rounds) travel through Tune's
+    # checkpoint API, so a restored trial continues from its last one instead of round 1
+    work = Path(tempfile.mkdtemp(prefix="rayfed-dg-trial-"))
+    restored = tune.get_checkpoint()
+    if restored is not None:
+        with restored.as_directory() as d:
+            shutil.copytree(d, work, dirs_exist_ok=True)
+    last: dict = {}
 
     def report(out, res):
-        rows = out.metrics
-        if not rows:
+        if out.metrics:
+            last["src_val"] = float(np.mean([m["accuracy"] for m in out.metrics if m["split"] == "source_val"]))
+            last["target_acc"] = float(np.mean([m["accuracy"] for m in out.metrics if m["split"] == "target_test"]))
+        if not last:
             return
-        src = float(np.mean([m["accuracy"] for m in rows if m["split"] == "source_val"]))
-        tgt = float(np.mean([m["accuracy"] for m in rows if m["split"] == "target_test"]))
-        tune.report({"round": out.round, "src_val": src, "target_acc": tgt,
-                     "selected_round": res.selected_round, "selected_src_val": res.selected_val,
-                     "selected_target_acc": res.selected_target_acc})
+        metrics = {"round": out.round, **last, "selected_round": res.selected_round,
+                   "selected_src_val": res.selected_val, "selected_target_acc": res.selected_target_acc}
+        saved = work / "checkpoints" / split.target / f"round_{out.round:05d}.pt"
+        if not saved.is_file():
+            tune.report(metrics)
+            return
+        snap = Path(tempfile.mkdtemp(prefix="rayfed-dg-ckpt-"))
+        (snap / "checkpoints" / split.target).mkdir(parents=True)
+        for f in (saved, saved.with_suffix(".json")):
+            shutil.copy2(f, snap / "checkpoints" / split.target / f.name)
+        tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(str(snap)))
+        shutil.rmtree(snap, ignore_errors=True)
 
-    run_federation(cfg, split, ray.put(ds.images), ray.put(ds.labels), ds.num_classes, progress=False,
-                   worker_options=opts, on_round=report, pool_workers=workers)
+    try:
+        run_federation(cfg, split, ray.put(ds.images), ray.put(ds.labels), ds.num_classes, run_dir=work,
+                       progress=False, worker_options=opts, on_round=report, pool_workers=workers)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def placement(cfg, workers: int):
@@ -162,10 +184,10 @@ def markdown_table(rows: list[dict], targets: list[str], params: list[str]) -> s
 
 def run_sweep(space_name: str, config: str | None, target: str, samples: int, scheduler: str, resume: bool,
               overrides: list[str], storage: str, space_dir: Path = SPACE_DIR, verbose: int = 1) -> dict[str, Any]:
-    import ray
     from ray import tune
 
-    from rayfed_dg.engine import clients_per_round, init_ray, load_data, make_splits, plan_workers, resolve_targets
+    from rayfed_dg.engine import clients_per_round, init_ray, load_data, make_splits, resolve_targets
+    from rayfed_dg.engine.plan import ensure_workers
 
     space = load_space(space_name, space_dir)
     config_path = config or space.get("config")
@@ -187,7 +209,7 @@ def run_sweep(space_name: str, config: str | None, target: str, samples: int, sc
     splits = make_splits(cfg, ds, targets)
     init_ray(cfg)
     k = max(clients_per_round(cfg, s) for s in splits)
-    workers = plan_workers(cfg.engine, k, ray.cluster_resources())
+    workers = ensure_workers(cfg.engine, k)
 
     param_space = {key: to_tune(d) for key, d in space["params"].items()}
     param_space["target"] = tune.grid_search(targets)
@@ -195,17 +217,21 @@ def run_sweep(space_name: str, config: str | None, target: str, samples: int, sc
     if scheduler == "asha":
         sched = tune.schedulers.ASHAScheduler(time_attr="round", max_t=cfg.training.rounds,
                                               grace_period=max(1, cfg.training.rounds // 4))
-    storage = str(Path(storage).resolve())
-    name = f"{space_name}"
-    exp_path = Path(storage) / name
+    # a local path, or a URI Ray Tune and pyarrow understand (s3://, gs://): a multi-node sweep needs storage
+    # every node can reach, since Ray no longer syncs trial folders to the head
+    remote = "://" in storage
+    storage = storage if remote else str(Path(storage).resolve())
+    name = Path(space_name).stem if space_name.endswith((".yaml", ".yml")) else space_name
+    exp_path = Path(storage) / name if not remote else Path(tempfile.mkdtemp(prefix="rayfed-dg-sweep-")) / name
     fn = tune.with_parameters(trainable, config_path=config_path, fixed=fixed)
     fn = tune.with_resources(fn, placement(cfg, workers))
     if resume:
-        if not tune.Tuner.can_restore(str(exp_path)):
-            raise ConfigError(f"--resume: no sweep to resume at {exp_path}")
-        tuner = tune.Tuner.restore(str(exp_path), fn, resume_unfinished=True, restart_errored=True)
+        where = f"{storage.rstrip('/')}/{name}"
+        if not tune.Tuner.can_restore(where):
+            raise ConfigError(f"--resume: no sweep to resume at {where}")
+        tuner = tune.Tuner.restore(where, fn, resume_unfinished=True, restart_errored=True)
     else:
-        if exp_path.exists():
+        if not remote and exp_path.exists():
             raise ConfigError(f"sweep directory {exp_path} exists; continue it with --resume or choose --storage")
         tuner = tune.Tuner(fn, param_space=param_space,
                            tune_config=tune.TuneConfig(metric="src_val", mode="max", num_samples=samples,
@@ -225,10 +251,19 @@ def run_sweep(space_name: str, config: str | None, target: str, samples: int, sc
     if not records:
         raise RuntimeError("no trial reported a selected round")
     chosen, rows = select_value(records, params)
+    exp_path.mkdir(parents=True, exist_ok=True)
     write_table(records, exp_path / "trials.parquet")
     write_table(rows, exp_path / "selection.parquet")
     md = markdown_table(rows, targets, params)
     write_text(md + "\n", exp_path / "selection.md")
     chosen_cfg = load_config(config_path, fixed + overrides_of(chosen))
     write_text(yaml.safe_dump(chosen_cfg.to_dict(), sort_keys=False), exp_path / "chosen_config.yaml")
-    return {"path": str(exp_path), "chosen": chosen, "table": md, "records": records}
+    if remote:  # the tables go beside the trials, in the sweep's storage
+        import pyarrow.fs as pafs
+
+        fs, root = pafs.FileSystem.from_uri(f"{storage.rstrip('/')}/{name}")
+        for f in exp_path.iterdir():
+            with fs.open_output_stream(f"{root}/{f.name}") as out:
+                out.write(f.read_bytes())
+    path = f"{storage.rstrip('/')}/{name}" if remote else str(exp_path)
+    return {"path": path, "chosen": chosen, "table": md, "records": records}

@@ -2,12 +2,20 @@
 exploration, attention highlighter."""
 import numpy as np
 import torch
-
 from conftest import tiny_cfg
+
 from rayfed_dg.engine import ClientRunner
 from rayfed_dg.methods.stablefdg import assign_styles
-from rayfed_dg.models.style import (FeatureHighlighter, StyleShift, StyleState, balanced_oversample, channel_stats,
-                                    explore, kmeanspp_seeds, style_information)
+from rayfed_dg.models.style import (
+    FeatureHighlighter,
+    StyleShift,
+    StyleState,
+    balanced_oversample,
+    channel_stats,
+    explore,
+    kmeanspp_seeds,
+    style_information,
+)
 
 
 def test_derangement_never_self_and_seeded():

@@ -79,3 +79,43 @@ def test_two_trial_sweep_writes_table_and_resumes_without_rerunning(ray_session,
     again = run_sweep("tiny", None, "colour", 1, "fifo", True, [], str(store), space_dir=space_dir, verbose=0)
     assert [p.read_text() for p in sorted(sel.glob("*/result.json"))] == before  # nothing re-ran
     assert again["chosen"] == out["chosen"]
+
+
+@pytest.mark.slow
+def test_sweep_killed_mid_trial_resumes_from_its_checkpoints_and_matches_an_uninterrupted_one(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import pyarrow.parquet as pq
+
+    space = tmp_path / "tiny.yaml"
+    space.write_text(yaml.safe_dump({
+        "config": "configs/quickstart.yaml",
+        "set": ["compare=null", "method.name=gperxan", "data.resolution=16", "model.width=8", "training.rounds=4",
+                "output.checkpoint_every=1"],
+        "params": {"method.lam": {"grid": [0.0, 1.0]}}}))
+    cmd = [sys.executable, "tune.py", "--space", str(space), "--target", "colour"]
+    proc = subprocess.Popen(cmd + ["--storage", str(tmp_path / "killed")], cwd=REPO, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 400
+    while not list((tmp_path / "killed" / "tiny").glob("*/checkpoint_000001")):  # a trial saved round 2
+        assert proc.poll() is None and time.monotonic() < deadline, "the sweep ended before round 2 was saved"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    time.sleep(2)
+    resumed = subprocess.run(cmd + ["--storage", str(tmp_path / "killed"), "--resume"], cwd=REPO,
+                             capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    clean = subprocess.run(cmd + ["--storage", str(tmp_path / "clean")], cwd=REPO, capture_output=True, text=True,
+                           timeout=900)
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    cols = ["method.lam", "target", "selected_round", "selected_src_val", "selected_target_acc", "rounds_run"]
+    key = lambda p: sorted(tuple(r[c] for c in cols) for r in pq.read_table(p).to_pylist())  # noqa: E731
+    assert key(tmp_path / "killed" / "tiny" / "trials.parquet") == key(tmp_path / "clean" / "tiny" / "trials.parquet")
+    # a trial that had saved rounds went on from its checkpoint: round 1 was never trained twice
+    for result in (tmp_path / "killed" / "tiny").glob("*/result.json"):
+        rounds = [json.loads(line)["round"] for line in result.read_text().splitlines()]
+        assert rounds.count(1) == 1 and rounds[-1] == 4, rounds

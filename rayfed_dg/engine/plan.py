@@ -55,6 +55,70 @@ def make_splits(cfg: ExperimentConfig, ds: DomainDataset, targets: list[str]) ->
     return splits
 
 
+def autoscaler_present() -> bool:
+    """Whether the connected cluster runs a real autoscaler (``ray up``, a
+    fake multi-node cluster).  Plain local Ray runs the autoscaler's
+    read-only provider, whose node types are named after its nodes
+    (``node_<id>``); a cluster config names its node types itself."""
+    import json
+
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    raw = _internal_kv_get("__autoscaling_status")
+    if not raw:
+        return False
+    report = json.loads(raw).get("autoscaler_report") or {}
+    types = set((report.get("node_type_mapping") or {}).values()) | set(report.get("active_nodes") or {})
+    return any(not str(t).startswith("node_") for t in types)
+
+
+def ensure_workers(engine_cfg, clients_per_round: int) -> int:
+    """``plan_workers`` against the cluster as it is; when the pool does not
+    fit and an autoscaler runs (``engine.autoscaler``), ask it for the pool's
+    bundles and wait up to ``engine.scale_up_timeout_s``, saying what it waits
+    for; then fail with one line naming what was asked and what is there."""
+    import sys
+    import time
+
+    import ray
+    from ray.autoscaler.sdk import request_resources
+
+    try:
+        return plan_workers(engine_cfg, clients_per_round, ray.cluster_resources())
+    except ResourceError:
+        mode = engine_cfg.autoscaler
+        if mode == "off" or (mode == "auto" and not autoscaler_present()):
+            raise
+    c, g = engine_cfg.num_cpus_per_worker, engine_cfg.num_gpus_per_worker
+    want = engine_cfg.num_workers or clients_per_round
+    bundle = {"CPU": c, **({"GPU": g} if g else {})}
+    timeout = engine_cfg.scale_up_timeout_s
+    print(f"rayfed-dg: the cluster cannot fit the worker pool yet; asked the autoscaler for {want} x {bundle}, "
+          f"waiting up to {timeout:g} s (engine.scale_up_timeout_s)", file=sys.stderr, flush=True)
+    request_resources(bundles=[dict(bundle) for _ in range(want)])
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                n = plan_workers(engine_cfg, clients_per_round, ray.cluster_resources())
+                res = ray.cluster_resources()
+                print(f"rayfed-dg: the cluster now has {res.get('CPU', 0):g} CPU / {res.get('GPU', 0):g} GPU; "
+                      f"starting {n} workers", file=sys.stderr, flush=True)
+                return n
+            except ResourceError:
+                if time.monotonic() >= deadline:
+                    res = ray.cluster_resources()
+                    raise ResourceError(
+                        f"the autoscaler did not provide {want} worker(s) of {c:g} CPU / {g:g} GPU "
+                        f"({want * c:g} CPU / {want * g:g} GPU) within engine.scale_up_timeout_s={timeout:g}; the "
+                        f"cluster has {res.get('CPU', 0):g} CPU / {res.get('GPU', 0):g} GPU; lower engine.num_workers, "
+                        "num_cpus_per_worker or num_gpus_per_worker, or raise the node types' max_workers in the "
+                        "cluster config") from None
+                time.sleep(1.0)
+    finally:
+        request_resources(bundles=[])  # the placed workers hold their nodes; let idle ones go
+
+
 def plan_workers(engine_cfg, clients_per_round: int, resources: dict) -> int:
     """How many workers to start; fail up front when the request cannot fit,
     because Ray waits silently forever for resources that never come."""
@@ -89,6 +153,16 @@ def init_ray(cfg: ExperimentConfig) -> None:
     kwargs: dict[str, Any] = dict(include_dashboard=e.include_dashboard, configure_logging=True, logging_level="WARNING",
                   log_to_driver=True, dashboard_host="127.0.0.1")
     if e.ray_address:
+        import os
+        from pathlib import Path
+
+        # a cluster started with `ray start` has token authentication on; a connecting driver must ask for it
+        if "RAY_AUTH_MODE" not in os.environ and ("RAY_AUTH_TOKEN" in os.environ
+                                                  or (Path.home() / ".ray" / "auth_token").is_file()):
+            from ray._raylet import Config
+
+            os.environ["RAY_AUTH_MODE"] = "token"
+            Config.initialize("")  # Ray reads its settings once; re-read them (as Ray's own token setup does)
         ray.init(address=e.ray_address, **kwargs)
     else:
         ray.init(**kwargs)
@@ -98,7 +172,6 @@ def preflight(cfg: ExperimentConfig, splits: list[FederatedSplit], num_classes: 
     """Fail before anything is written: the model builds (weights found, the
     method accepts the backbone), the stages can run, and the worker pool
     fits the Ray cluster."""
-    import ray
 
     from rayfed_dg.methods import build_method
     from rayfed_dg.stages import build_stages
@@ -114,4 +187,4 @@ def preflight(cfg: ExperimentConfig, splits: list[FederatedSplit], num_classes: 
         stage.preflight()
     init_ray(cfg)
     for s in splits:
-        plan_workers(cfg.engine, clients_per_round(cfg, s), ray.cluster_resources())
+        ensure_workers(cfg.engine, clients_per_round(cfg, s))

@@ -4,13 +4,16 @@ Jobs run on whichever worker is free, at most two in flight per worker (the
 next one starts while the server is still folding in the previous result).
 A job that fails with a retryable error (a dead worker, an injected fault,
 out of memory) is re-submitted up to ``retries`` times, after Ray restarted
-a dead worker; one that keeps failing is reported as dropped.  A client
+a dead worker (a lost worker backs off 0.25, 0.5, 1, ... up to 5 s per
+attempt, so a lost node's workers have time to come back elsewhere); one
+that keeps failing is reported as dropped.  A client
 whose training diverged stops the run (a retry would diverge again: training
 is seeded); any other exception in client code is a bug and is raised with
 its traceback.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar
 
@@ -44,16 +47,24 @@ class WorkerPool:
         ``on_result(job, result)`` is called as results arrive (in completion
         order), with ``None`` for a job dropped after its retries.  Returns the
         dropped jobs with a one-line reason."""
-        queue = [(job, 0) for job in jobs]
+        queue: list[tuple[J, int, float]] = [(job, 0, 0.0) for job in jobs]  # (job, attempt, not before)
         free = [w for _ in range(IN_FLIGHT_PER_WORKER) for w in range(len(self.workers))]
         inflight: dict[Any, tuple[int, J, int]] = {}
         dropped: list[tuple[J, str]] = []
         while queue or inflight:
-            while queue and free:
-                job, attempt = queue.pop(0)
+            now = time.monotonic()
+            while free and queue and min(q[2] for q in queue) <= now:
+                job, attempt, _ = queue.pop(next(i for i, q in enumerate(queue) if q[2] <= now))
                 w = free.pop(0)
                 inflight[submit(self.workers[w], job, attempt)] = (w, job, attempt)
-            (ref,), _ = ray.wait(list(inflight), num_returns=1)
+            wait = max(0.0, min(q[2] for q in queue) - now) if queue and free else None
+            if not inflight:
+                time.sleep(wait or 0.0)
+                continue
+            ready, _ = ray.wait(list(inflight), num_returns=1, timeout=wait)
+            if not ready:
+                continue
+            ref = ready[0]
             w, job, attempt = inflight.pop(ref)
             free.append(w)
             try:
@@ -66,7 +77,9 @@ class WorkerPool:
                     raise
                 if attempt < self.retries:
                     self.retried += 1
-                    queue.insert(0, (job, attempt + 1))
+                    # a lost worker (its process or its node) takes Ray a moment to restart: back off
+                    delay = min(5.0, 0.25 * 2 ** attempt) if isinstance(err, ray.exceptions.RayActorError) else 0.0
+                    queue.insert(0, (job, attempt + 1, time.monotonic() + delay))
                 else:
                     dropped.append((job, repr(err).splitlines()[0][:200]))
                     on_result(job, None)

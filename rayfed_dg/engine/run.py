@@ -37,7 +37,7 @@ from rayfed_dg.data import DomainDataset, FederatedSplit
 from rayfed_dg.utils import atomic_write_with, render_table, write_table, write_text
 
 from .checkpoint import load_latest, save_checkpoint
-from .plan import clients_per_round, init_ray, make_splits, plan_workers
+from .plan import clients_per_round, ensure_workers, init_ray, make_splits
 from .records import RoundResult
 from .selection import select_round
 from .server import Server
@@ -170,6 +170,13 @@ def _resume(run_dir: Path | None, target: str) -> tuple[TargetResult, dict | Non
 
 def _start_server(cfg, split, data_refs, num_classes, n_workers, worker_options, state):
     opts = {k: v for k, v in (worker_options or {}).items() if k == "scheduling_strategy"}
+    if not opts:
+        # the server lives on the driver's node (the head), beside the dataset the driver owns, so losing
+        # a worker node loses only workers, which the pool restarts and retries
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
+                                                                     soft=False)
     server = ray.remote(Server).options(num_cpus=0, **opts).remote(cfg, split, list(data_refs), num_classes,
                                                                    n_workers, worker_options)
     try:
@@ -191,7 +198,7 @@ def run_federation(cfg: ExperimentConfig, split: FederatedSplit, images_ref, lab
     ends early after that round (tests of resume use it).  ``pool_workers``
     fixes the pool size when the resources are already reserved (a Tune
     trial's placement group); otherwise it is planned against the cluster."""
-    n_workers = pool_workers or plan_workers(cfg.engine, clients_per_round(cfg, split), ray.cluster_resources())
+    n_workers = pool_workers or ensure_workers(cfg.engine, clients_per_round(cfg, split))
     res, state = _resume(run_dir, split.target)
     if res.rounds_done >= cfg.training.rounds:
         return res

@@ -1,0 +1,142 @@
+"""The cluster path on a real multi-node Ray cluster on this machine (issue 16).
+
+A head on port 6379 with the autoscaler's fake multi-node provider
+(``cluster-local.yaml``: the head has no GPU; ``gpu_worker`` nodes with one
+declared GPU each are added on demand, at most 4).  Drivers run in
+subprocesses, as a user's would; the cluster is started and stopped by
+process id (``rayfed_dg.cluster.LocalCluster``), never with ``ray stop``.
+"""
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from conftest import REPO
+
+from rayfed_dg.cluster import ADDRESS, PORT, LocalCluster, client_env
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+TINY = ["--set", "compare=null", "--set", "data.resolution=16", "--set", "model.width=8",
+        "--set", "evaluation.batch_size=512"]
+ON_CLUSTER = ["--set", f"engine.ray_address={ADDRESS}", "--set", "engine.num_gpus_per_worker=0.25",
+              "--set", "engine.num_cpus_per_worker=0.5"]
+
+
+def _port_free() -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", PORT)) != 0
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    if shutil.which("ray") is None:
+        pytest.skip("the ray command is not on PATH")
+    if not _port_free():
+        pytest.skip(f"port {PORT} is taken by another Ray head; the fake provider's nodes can only join 6379")
+    c = LocalCluster(REPO / "cluster-local.yaml", temp_dir=tmp_path_factory.mktemp("rc"))
+    c.start()
+    c.wait_until_up()
+    yield c
+    c.stop()
+
+
+def _run(args, timeout=600, **kw):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                          env=client_env(), **kw)
+
+
+def _gpus() -> float:
+    r = _run(["-c", f"import ray; ray.init(address='{ADDRESS}', logging_level='ERROR'); "
+                    "print(ray.cluster_resources().get('GPU', 0))"], timeout=120)
+    return float(r.stdout.strip().splitlines()[-1])
+
+
+def test_a_pool_the_cluster_can_never_fit_fails_within_the_timeout(cluster, tmp_path):
+    t0 = time.monotonic()
+    r = _run(["-m", "rayfed_dg", "run", "configs/quickstart.yaml", "--target", "colour", *TINY, *ON_CLUSTER,
+              "--set", "engine.num_gpus_per_worker=2", "--set", "engine.scale_up_timeout_s=15",
+              "--run-dir", str(tmp_path / "never")])
+    took = time.monotonic() - t0
+    errors = [line for line in r.stderr.splitlines() if line.startswith("rayfed-dg: error")]
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert len(errors) == 1 and "did not provide" in errors[0] and "max_workers" in errors[0], r.stderr[-1500:]
+    assert "asked the autoscaler" in r.stderr  # it did ask before giving up
+    assert took < 15 + 90 and not (tmp_path / "never").exists()
+
+
+def test_sweep_scales_up_from_zero_packs_four_workers_per_gpu_and_matches_local_ray(cluster, tmp_path):
+    space = tmp_path / "tiny.yaml"
+    space.write_text(yaml.safe_dump({
+        "config": "configs/quickstart.yaml",
+        "set": ["compare=null", "method.name=gperxan", "data.resolution=16", "model.width=8", "training.rounds=2",
+                "engine.num_workers=4"],
+        "params": {"method.lam": {"grid": [0.0, 1.0]}}}))
+    assert _gpus() == 0  # the head has no GPU and no worker node runs yet
+    r = _run(["tune.py", "--space", str(space), "--target", "colour", "--storage", str(tmp_path / "cluster"),
+              "--set", f"engine.ray_address={ADDRESS}", "--set", "engine.num_gpus_per_worker=0.25",
+              "--set", "engine.num_cpus_per_worker=0.5"], timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "asked the autoscaler" in r.stderr
+    gpus = _gpus()
+    assert 1 <= gpus <= 2  # 2 trials x 4 workers x 0.25 GPU: at most one (fake) GPU node per trial
+    local = _run(["tune.py", "--space", str(space), "--target", "colour", "--storage", str(tmp_path / "local"),
+                  "--set", "engine.num_cpus_per_worker=0.5"], timeout=900)
+    assert local.returncode == 0, local.stderr[-3000:]
+    cols = ["method.lam", "target", "selected_round", "selected_src_val", "selected_target_acc", "rounds_run"]
+    key = lambda p: sorted(tuple(row[c] for c in cols) for row in pq.read_table(p).to_pylist())  # noqa: E731
+    assert key(tmp_path / "cluster" / "tiny" / "trials.parquet") == key(tmp_path / "local" / "tiny" / "trials.parquet")
+
+
+def test_losing_a_worker_node_mid_run_gives_the_clean_result_with_retries(cluster, tmp_path):
+    import psutil
+
+    common = ["-m", "rayfed_dg", "run", "configs/quickstart.yaml", "--target", "colour", *TINY, "--no-progress",
+              "--set", "method.name=fedavg", "--set", "training.rounds=4", "--set", "output.checkpoint_every=1",
+              "--set", "engine.max_task_retries=10"]
+    proc = subprocess.Popen([sys.executable, *common, *ON_CLUSTER, "--run-dir", str(tmp_path / "lost")],
+                            cwd=REPO, env=client_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = tmp_path / "lost" / "checkpoints" / "colour" / "round_00001.json"
+    deadline = time.monotonic() + 300
+    while not first.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before round 1 was saved"
+        time.sleep(0.2)
+    # the worker node that hosts the pool's workers: kill its raylet and everything it started
+    hosts = [(sum("Worker" in " ".join(ch.cmdline()) for ch in p.children(recursive=True)), p)
+             for p in cluster.worker_raylets()]
+    n_workers, victim = max(hosts, key=lambda h: h[0])
+    assert n_workers >= 1
+    for p in victim.children(recursive=True) + [victim]:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    clean = _run([*common, "--set", "engine.num_cpus_per_worker=1", "--run-dir", str(tmp_path / "clean")])
+    assert clean.returncode == 0, clean.stderr[-2000:]
+    lost = pq.read_table(tmp_path / "lost" / "metrics.parquet").to_pylist()
+    assert lost == pq.read_table(tmp_path / "clean" / "metrics.parquet").to_pylist()
+    summary = json.loads((tmp_path / "lost" / "summary.json").read_text())["targets"]["colour"]
+    assert summary["tasks_retried"] >= 1 and summary["clients_dropped"] == 0
+
+
+def test_local_and_cloud_cluster_configs_differ_only_in_the_provider():
+    cloud = yaml.safe_load((REPO / "cluster.yaml").read_text())
+    local = yaml.safe_load((REPO / "cluster-local.yaml").read_text())
+    for key in ("cluster_name", "max_workers", "upscaling_speed", "idle_timeout_minutes", "head_node_type"):
+        assert cloud[key] == local[key], key
+    assert set(cloud["available_node_types"]) == set(local["available_node_types"])
+    for name, node in cloud["available_node_types"].items():
+        other = local["available_node_types"][name]
+        assert node.get("min_workers") == other.get("min_workers") and node.get("max_workers") == other.get(
+            "max_workers"), name
+        if name != cloud["head_node_type"]:  # the head's resources are detected on the cloud
+            assert {k: v for k, v in node["resources"].items() if k in ("CPU", "GPU")} == \
+                   {k: v for k, v in other["resources"].items() if k in ("CPU", "GPU")}, name
+    assert cloud["provider"]["type"] == "aws" and local["provider"]["type"] == "fake_multinode"
