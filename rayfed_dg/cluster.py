@@ -95,13 +95,13 @@ class LocalCluster:
     def stop(self, timeout: float = 5.0) -> int:
         import psutil
 
-        procs = {p.pid: p for p in self.processes()}
-        for p in list(procs.values()):  # agents and workers carry only a process title: find them as children
+        found = {p.pid: p for p in self.processes()}
+        for p in list(found.values()):  # agents and workers carry only a process title: find them as children
             try:
-                procs.update({c.pid: c for c in p.children(recursive=True)})
+                found.update({c.pid: c for c in p.children(recursive=True)})
             except psutil.NoSuchProcess:
                 pass
-        procs = list(procs.values())
+        procs = list(found.values())
         for p in procs:
             try:
                 p.terminate()

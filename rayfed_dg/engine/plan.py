@@ -150,8 +150,8 @@ def init_ray(cfg: ExperimentConfig) -> None:
         return
     e = cfg.engine
     # the dashboard is off by default; when on, it listens on loopback only
-    kwargs: dict[str, Any] = dict(include_dashboard=e.include_dashboard, configure_logging=True, logging_level="WARNING",
-                  log_to_driver=True, dashboard_host="127.0.0.1")
+    kwargs: dict[str, Any] = dict(include_dashboard=e.include_dashboard, configure_logging=True,
+                                  logging_level="WARNING", log_to_driver=True, dashboard_host="127.0.0.1")
     if e.ray_address:
         import os
         from pathlib import Path
@@ -159,7 +159,7 @@ def init_ray(cfg: ExperimentConfig) -> None:
         # a cluster started with `ray start` has token authentication on; a connecting driver must ask for it
         if "RAY_AUTH_MODE" not in os.environ and ("RAY_AUTH_TOKEN" in os.environ
                                                   or (Path.home() / ".ray" / "auth_token").is_file()):
-            from ray._raylet import Config
+            from ray._raylet import Config  # type: ignore[attr-defined]
 
             os.environ["RAY_AUTH_MODE"] = "token"
             Config.initialize("")  # Ray reads its settings once; re-read them (as Ray's own token setup does)
