@@ -143,6 +143,21 @@ def plan_workers(engine_cfg, clients_per_round: int, resources: dict) -> int:
     return max(1, min(fit, clients_per_round))
 
 
+def use_token_auth_if_available() -> None:
+    """A cluster started with ``ray start`` has token authentication on; a
+    driver connecting to it must ask for it too (a local ``ray.init`` turns
+    it on by itself)."""
+    import os
+    from pathlib import Path
+
+    if "RAY_AUTH_MODE" not in os.environ and ("RAY_AUTH_TOKEN" in os.environ
+                                              or (Path.home() / ".ray" / "auth_token").is_file()):
+        from ray._raylet import Config  # type: ignore[attr-defined]
+
+        os.environ["RAY_AUTH_MODE"] = "token"
+        Config.initialize("")  # Ray reads its settings once; re-read them (as Ray's own token setup does)
+
+
 def init_ray(cfg: ExperimentConfig) -> None:
     import ray
 
@@ -153,16 +168,7 @@ def init_ray(cfg: ExperimentConfig) -> None:
     kwargs: dict[str, Any] = dict(include_dashboard=e.include_dashboard, configure_logging=True,
                                   logging_level="WARNING", log_to_driver=True, dashboard_host="127.0.0.1")
     if e.ray_address:
-        import os
-        from pathlib import Path
-
-        # a cluster started with `ray start` has token authentication on; a connecting driver must ask for it
-        if "RAY_AUTH_MODE" not in os.environ and ("RAY_AUTH_TOKEN" in os.environ
-                                                  or (Path.home() / ".ray" / "auth_token").is_file()):
-            from ray._raylet import Config  # type: ignore[attr-defined]
-
-            os.environ["RAY_AUTH_MODE"] = "token"
-            Config.initialize("")  # Ray reads its settings once; re-read them (as Ray's own token setup does)
+        use_token_auth_if_available()
         ray.init(address=e.ray_address, **kwargs)
     else:
         ray.init(**kwargs)
