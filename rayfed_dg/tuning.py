@@ -101,13 +101,14 @@ def trainable(trial_config: dict, *, config_path: str, fixed: list[str]) -> None
     if restored is not None:
         with restored.as_directory() as d:
             shutil.copytree(d, work, dirs_exist_ok=True)
-    last: dict = {}
+    saved_rounds = [int(p.stem.split("_")[1]) for p in work.glob("checkpoints/*/round_*.pt")]
+    last: dict = {"resumed_from_round": max(saved_rounds, default=0)}  # 0: the trial started at round 1
 
     def report(out, res):
         if out.metrics:
             last["src_val"] = float(np.mean([m["accuracy"] for m in out.metrics if m["split"] == "source_val"]))
             last["target_acc"] = float(np.mean([m["accuracy"] for m in out.metrics if m["split"] == "target_test"]))
-        if not last:
+        if "src_val" not in last:
             return
         metrics = {"round": out.round, **last, "selected_round": res.selected_round,
                    "selected_src_val": res.selected_val, "selected_target_acc": res.selected_target_acc}
@@ -247,7 +248,8 @@ def run_sweep(space_name: str, config: str | None, target: str, samples: int, sc
             continue
         records.append({**{p: conf[p] for p in params}, "target": conf["target"],
                         "selected_round": m["selected_round"], "selected_src_val": m["selected_src_val"],
-                        "selected_target_acc": m["selected_target_acc"], "rounds_run": m.get("round")})
+                        "selected_target_acc": m["selected_target_acc"], "rounds_run": m.get("round"),
+                        "resumed_from_round": m.get("resumed_from_round", 0)})
     if not records:
         raise RuntimeError("no trial reported a selected round")
     chosen, rows = select_value(records, params)
