@@ -28,6 +28,7 @@ validation wins, and its target accuracies are what one reports.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -224,6 +225,9 @@ def run_sweep(space_name: str, config: str | None, target: str, samples: int, sc
     storage = storage if remote else str(Path(storage).resolve())
     name = Path(space_name).stem if space_name.endswith((".yaml", ".yml")) else space_name
     exp_path = Path(storage) / name if not remote else Path(tempfile.mkdtemp(prefix="rayfed-dg-sweep-")) / name
+    # Tune saves the sweep's state (which checkpoint each trial is at) every 10 s or more by default; a sweep
+    # killed in between would restart trials from scratch: save it every second (it is a few kB here)
+    os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "1")
     fn = tune.with_parameters(trainable, config_path=config_path, fixed=fixed)
     fn = tune.with_resources(fn, placement(cfg, workers))
     if resume:

@@ -100,7 +100,11 @@ def test_sweep_killed_mid_trial_resumes_from_its_checkpoints_and_matches_an_unin
     proc = subprocess.Popen(cmd + ["--storage", str(tmp_path / "killed")], cwd=REPO, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 400
-    while not list((tmp_path / "killed" / "tiny").glob("*/checkpoint_000001")):  # a trial saved round 2
+    def recorded():  # the sweep's own state (saved every second) knows a trial's round-2 checkpoint
+        return any("checkpoint_000001" in p.read_text()
+                   for p in (tmp_path / "killed" / "tiny").glob("experiment_state*.json"))
+
+    while not recorded():
         assert proc.poll() is None and time.monotonic() < deadline, "the sweep ended before round 2 was saved"
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)
