@@ -138,9 +138,13 @@ def test_client_side_selection_uploads_the_best_validated_iterate(tiny_ds):
     b = sel.run_client(0, 1, train, g, {}, pay, val_indices=val)
     it, acc = b.stats["selected_iteration"], b.stats["selected_val_acc"]
     assert it in (2, 4, 6)
-    correct, _, n = sel.evaluate({**g, **b.update}, val, 64)
+    # selection scores the uploaded weights with the received global statistics (issue 17.3), i.e. the
+    # uploaded model with the statistics of the global model it started the round from
+    stats = lambda k: k.endswith(("running_mean", "running_var"))  # noqa: E731
+    with_global = lambda upd: {**g, **{k: v for k, v in upd.items() if not stats(k)}}  # noqa: E731
+    correct, _, n = sel.evaluate(with_global(b.update), val, 64)
     assert correct / n == acc  # the uploaded model is the one that scored acc
-    correct_last, _, _ = plain.evaluate({**g, **a.update}, val, 64)
+    correct_last, _, _ = plain.evaluate(with_global(a.update), val, 64)
     assert acc >= correct_last / n  # the last iterate was a candidate (same seeded trajectory)
     same = all(np.array_equal(a.update[k], b.update[k]) for k in a.update)
     assert same == (it == 6)
@@ -157,3 +161,44 @@ def test_server_gives_each_client_validation_of_its_own_domain(ray_session, tiny
         assert len(v) == 7 and set(v) <= set(split.val[split.client_domains[c]])
         assert np.array_equal(v, ray.get(server.client_val.remote(c)))  # fixed across rounds
     ray.get(server.shutdown.remote())
+
+
+def test_client_side_selection_normalises_with_the_received_global_statistics():
+    """Issue 17.3: the adapter was trained on differences from the received
+    global statistics; selecting on the client must use them too (not the
+    client's own running statistics, which under SiloBN are not global)."""
+    torch.manual_seed(0)
+    m = FDBN(3, adapter=True).eval()
+    with torch.no_grad():
+        m.running_mean.copy_(torch.tensor([0.5, -1.0, 2.0]))
+        m.running_var.copy_(torch.tensor([1.5, 0.5, 2.0]))
+        m.g_mean.copy_(torch.tensor([-0.3, 0.2, 0.1]))
+        m.g_var.copy_(torch.tensor([0.7, 1.2, 0.9]))
+        m.adapter[2].weight.normal_()
+        m.weight.copy_(torch.tensor([1.2, 0.8, 1.0]))
+        m.bias.copy_(torch.tensor([0.1, -0.2, 0.3]))
+    x = torch.randn(2, 3, 4, 4)
+    var_i, mu_i = torch.var_mean(x, (2, 3), unbiased=False)
+    sig_i = torch.sqrt(var_i + 1e-5)
+
+    def by_hand(g_mean, g_var, mode):
+        sig_g = torch.sqrt(g_var + 1e-5)
+        if mode == "plain":
+            mu, sig = g_mean.expand(2, 3), sig_g.expand(2, 3)
+        else:
+            eps = m.adapter(torch.cat([mu_i - g_mean, sig_i - sig_g], 1))[:, 1]
+            a = eps.clamp(0, 1).unsqueeze(1)
+            mu, sig = a * mu_i + (1 - a) * g_mean, a * sig_i + (1 - a) * sig_g
+        return (x - mu[:, :, None, None]) / sig[:, :, None, None] * m.weight[None, :, None, None] \
+            + m.bias[None, :, None, None]
+
+    for mode in ("adapt", "plain"):
+        m.mode = mode
+        with torch.no_grad():
+            m.eval_with_received = True
+            selected = m(x)
+            m.eval_with_received = False
+            tested = m(x)  # the server's test: the global model's own running statistics are the global ones
+        assert torch.allclose(selected, by_hand(m.g_mean, m.g_var, mode), atol=1e-5), mode
+        assert torch.allclose(tested, by_hand(m.running_mean, m.running_var, mode), atol=1e-5), mode
+        assert not torch.allclose(selected, tested)

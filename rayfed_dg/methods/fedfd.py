@@ -1,7 +1,7 @@
 """FedFD and FedFD-A: federated feature diversification and instance feature adaptation.
 
-Park, Kim, et al., "Feature Diversification and Adaptation for Federated
-Domain Generalization", ECCV 2024.  There is no public reference code; the
+Yang, Choi, Park, Choi, Chang, Yun, "Feature Diversification and Adaptation
+for Federated Domain Generalization", ECCV 2024.  There is no public reference code; the
 paper (Sec. 3.2-3.3, Eq. 1-7, appendix F Tables 15-16) is the specification.
 
 * Every BatchNorm2d of the feature extractor becomes an ``FDBN`` layer that
@@ -78,6 +78,9 @@ class FDBN(nn.BatchNorm2d):
         self.u: torch.Tensor | None = None
         self.gen: torch.Generator | None = None
         self.last_alpha: torch.Tensor | None = None
+        # client-side selection evaluates with the received global statistics, as the adapter was trained on
+        # differences from them (the client's own running statistics are not the global ones under SiloBN)
+        self.eval_with_received = False
 
     @classmethod
     def from_bn(cls, bn: nn.BatchNorm2d, adapter: bool) -> "FDBN":
@@ -87,12 +90,14 @@ class FDBN(nn.BatchNorm2d):
 
     def global_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
         # at test time the global model's own running statistics are the global ones
-        if self.training:
+        if self.training or self.eval_with_received:
             return self.g_mean, self.g_var
         return self.running_mean, self.running_var
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "plain":
+            if not self.training and self.eval_with_received:
+                return F.batch_norm(x, self.g_mean, self.g_var, self.weight, self.bias, False, 0.0, self.eps)
             return super().forward(x)
         var_i, mu_i = torch.var_mean(x, (2, 3), unbiased=False)
         sig_i = torch.sqrt(var_i + self.eps)
@@ -294,7 +299,13 @@ class FedFD(Method):
         strictly better (ties keep the earlier iterate)."""
         set_mode(model, self._eval_mode)
         model.eval()
-        acc, _ = evaluate_on_val(model, ctx)
+        for m in fd_layers(model):
+            m.eval_with_received = True
+        try:
+            acc, _ = evaluate_on_val(model, ctx)
+        finally:
+            for m in fd_layers(model):
+                m.eval_with_received = False
         model.train()
         set_mode(model, "plain")
         if acc > best[0]:
