@@ -1,6 +1,7 @@
 """StableFDG (NeurIPS 2023): style sharing, k-means++ shifting, oversampling,
 exploration, attention highlighter."""
 import numpy as np
+import pytest
 import torch
 from conftest import tiny_cfg
 
@@ -71,6 +72,17 @@ def test_oversampling_balances_as_in_appendix_g():
     assert sorted(torch.tensor([4, 4, 4, 4, 9])[extra].tolist()) == [9, 9, 9]
 
 
+def test_oversampling_breaks_ties_with_the_seeded_generator():
+    # four classes of one sample each: the first extra sample's class must not always be the lowest id
+    labels = torch.tensor([0, 1, 2, 3])
+    gen = torch.Generator().manual_seed(0)
+    first = [int(labels[balanced_oversample(labels, 1, gen)[0]]) for _ in range(400)]
+    counts = torch.bincount(torch.tensor(first), minlength=4).tolist()
+    assert all(60 < c < 140 for c in counts), counts  # about 100 each
+    again = torch.Generator().manual_seed(0)
+    assert first == [int(labels[balanced_oversample(labels, 1, again)[0]]) for _ in range(400)]  # seeded
+
+
 def test_exploration_with_alpha_zero_is_identity_and_moves_otherwise():
     x = torch.randn(6, 3, 4, 4) * 2 + 1
     pick = torch.tensor([0, 2, 2, 5])
@@ -97,12 +109,44 @@ def test_attention_sums_to_one_and_test_forward_is_self_attention():
     hl.eval()
     e1, e2 = hl(z), hl(z)
     assert torch.equal(e1, e2)
-    q, k = hl.q(z).flatten(2), hl.k(z).flatten(2)
-    s = torch.einsum("bdm,bdn->bmn", q, k) / 5 ** 0.5
-    att = torch.softmax(s.mean(1), 1)
-    expect = torch.cat([z.mean((2, 3)), torch.einsum("bn,bcn->bc", att, z.flatten(2))], 1)
-    assert torch.allclose(e1[:, :, 0, 0], expect, atol=1e-6)
     assert not torch.allclose(out_train, e1)  # training mixed in the partner's query
+
+
+@pytest.mark.parametrize("scores", ["cosine", "dot", "scaled"])
+def test_attention_scores_by_hand(scores):
+    """Eq. 6-8 written out per sample with loops: S[m, n] = <q_m, k_n> over the
+    d channels (cosine: both L2-normalised first, as the reference code;
+    scaled: / sqrt(d)); mean over query positions m, softmax over key
+    positions n; in training the query is (q_i + q_partner) / 2."""
+    torch.manual_seed(0)
+    hl = FeatureHighlighter(6, StyleState(), d=4, scores=scores)
+    z = torch.randn(3, 6, 2, 3) * 3
+    with torch.no_grad():
+        q_all, k_all = hl.q(z).flatten(2), hl.k(z).flatten(2)  # (B, d, HW)
+        if scores == "cosine":
+            q_all, k_all = q_all / q_all.norm(dim=1, keepdim=True), k_all / k_all.norm(dim=1, keepdim=True)
+
+        def by_hand(i, partner=None, transpose=False):
+            q = q_all[i] if partner is None else (q_all[i] + q_all[partner]) / 2
+            hw = q.shape[1]
+            s = torch.tensor([[float(q[:, m] @ k_all[i][:, n]) for n in range(hw)] for m in range(hw)])
+            if scores == "scaled":
+                s = s / 2.0  # sqrt(d) = 2
+            if transpose:
+                s = s.T
+            a = torch.softmax(s.mean(0), 0)
+            return torch.cat([z[i].mean((1, 2)), z[i].flatten(1) @ a])
+
+        hl.eval()
+        out = hl(z)[:, :, 0, 0]
+        for i in range(3):
+            assert torch.allclose(out[i], by_hand(i), atol=1e-5)
+            assert not torch.allclose(out[i], by_hand(i, transpose=True), atol=1e-5)  # the test sees S^T
+        hl.train()
+        hl.partners = torch.tensor([2, 0, 1])
+        out = hl(z)[:, :, 0, 0]
+        for i, j in enumerate([2, 0, 1]):
+            assert torch.allclose(out[i], by_hand(i, partner=j), atol=1e-5)
 
 
 def test_stablefdg_client_prepares_a_4c_style_and_trains(tiny_ds):

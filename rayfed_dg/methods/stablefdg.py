@@ -35,6 +35,8 @@ Federated Domain Generalization", NeurIPS 2023.  Modules in
 """
 from __future__ import annotations
 
+from typing import Literal
+
 import numpy as np
 import torch
 import torch.nn as nn
@@ -65,6 +67,7 @@ class StableFDG(Method):
         mix_alpha: float = Field(0.1, gt=0.0)
         styles_per_client: int = Field(1, ge=1)  # Table 10
         attention_dim: int = Field(30, ge=1)
+        attention_scores: Literal["cosine", "dot", "scaled"] = "cosine"  # Eq. 6 vs the reference code
         style_samples: int | None = Field(None, ge=2)  # cap on samples used for Phi
 
     def build_model(self, num_classes):
@@ -80,7 +83,8 @@ class StableFDG(Method):
         for b in ("block2", "block3"):
             insert_after(model.body, sites[b], StyleExplore(state))
         if p.attention:
-            replace_module(model.body, sites["pool"], FeatureHighlighter(channels, state, p.attention_dim))
+            replace_module(model.body, sites["pool"], FeatureHighlighter(channels, state, p.attention_dim,
+                                                                                p.attention_scores))
             model.head = nn.Linear(2 * channels, num_classes)
         return model
 

@@ -8,11 +8,12 @@ task, the style received from the server and the switches of the method.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 EPS = 1e-6
 
@@ -58,14 +59,17 @@ def kmeanspp_seeds(points: torch.Tensor, k: int, gen: torch.Generator) -> torch.
 def balanced_oversample(labels: torch.Tensor, size: int, gen: torch.Generator) -> torch.Tensor:
     """Indices (into the batch) of ``size`` extra samples that make the
     enlarged batch as class-balanced as possible: repeatedly add one sample
-    of the class now rarest (ties to the lower class id), drawn at random
-    from that class's samples in the batch (StableFDG appendix G)."""
+    of the class now rarest (a tie broken at random with the client's seeded
+    generator: a fixed order would favour the lowest class id), drawn at
+    random from that class's samples in the batch (StableFDG appendix G)."""
     classes = torch.unique(labels)
     counts = {int(c): int((labels == c).sum()) for c in classes}
     members = {int(c): torch.nonzero(labels == c).flatten() for c in classes}
     out = []
     for _ in range(size):
-        c = min(counts, key=lambda k: (counts[k], k))
+        low = min(counts.values())
+        rarest = sorted(k for k, v in counts.items() if v == low)
+        c = rarest[int(torch.randint(len(rarest), (1,), generator=gen))] if len(rarest) > 1 else rarest[0]
         pool = members[c]
         out.append(int(pool[int(torch.randint(len(pool), (1,), generator=gen))]))
         counts[c] += 1
@@ -87,8 +91,6 @@ class StyleState:
     explore_p: float = 0.5
     mix_alpha: float = 0.1
     fired: bool = False  # has a style op enlarged this forward's batch
-    mode: str = "train"
-    extra: dict = field(default_factory=dict)
 
     def coin(self, p: float) -> bool:
         return float(torch.rand(1, generator=self.gen)) < p
@@ -200,18 +202,27 @@ class FeatureHighlighter(nn.Module):
     On the last block's map z (B, C, H, W): Q = theta_q z, K = theta_k z
     (1x1 convolutions to d channels).  The query of sample i mixes its own
     with a same-class partner's, (q_j + q_i) / 2 (Eq. 8), in training; at
-    test it is q_i alone (self-attention).  S = Q^T K / sqrt(d) (HW x HW),
-    a = softmax over key positions of the mean over query positions, and the
-    output is [GAP(z), sum_hw a * z]: the classifier input doubles.  The
-    1/sqrt(d) scale is our choice (the paper is silent).
+    test it is q_i alone (self-attention).  S = Q^T K (HW x HW), a = softmax
+    over key positions of the mean over query positions, and the output is
+    [GAP(z), sum_hw a * z]: the classifier input doubles.
+
+    ``scores``: Eq. 6 writes a plain dot product (``dot``); the reference code
+    L2-normalises q and k over channels at each position before mixing the
+    partner's query, i.e. cosine scores (``cosine``, the default: what the
+    published numbers were run with, and bounded, where raw dot products
+    sharpen the softmax without bound as features grow); ``scaled`` divides
+    the dot product by sqrt(d), as Transformers do.
     """
 
-    def __init__(self, channels: int, state: StyleState, d: int = 30):
+    def __init__(self, channels: int, state: StyleState, d: int = 30, scores: str = "cosine"):
         super().__init__()
+        if scores not in ("cosine", "dot", "scaled"):
+            raise ValueError(f"attention scores {scores!r}: use cosine, dot or scaled")
         self.state = state
         self.q = nn.Conv2d(channels, d, 1)
         self.k = nn.Conv2d(channels, d, 1)
         self.d = d
+        self.scores = scores
         self.last_attention: torch.Tensor | None = None
         self.partners: torch.Tensor | None = None  # set by the method; None = self-attention
 
@@ -219,9 +230,13 @@ class FeatureHighlighter(nn.Module):
         b, c, h, w = z.shape
         q = self.q(z).flatten(2)  # (B, d, HW)
         k = self.k(z).flatten(2)
+        if self.scores == "cosine":
+            q, k = F.normalize(q, dim=1), F.normalize(k, dim=1)
         if self.training and self.partners is not None:
             q = (q + q[self.partners[:b]]) / 2
-        s = torch.einsum("bdm,bdn->bmn", q, k) / self.d ** 0.5  # query positions m, key positions n
+        s = torch.einsum("bdm,bdn->bmn", q, k)  # query positions m, key positions n
+        if self.scores == "scaled":
+            s = s / self.d ** 0.5
         a = torch.softmax(s.mean(1), dim=1)  # (B, HW) over key positions
         self.last_attention = a.detach()
         att = torch.einsum("bn,bcn->bc", a, z.flatten(2))
