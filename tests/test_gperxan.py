@@ -57,6 +57,19 @@ def test_xan_from_pretrained_bn_keeps_its_values():
 
 def test_placements_name_the_documented_layers():
     r50 = build_backbone("resnet50", 7)
+    # the default reading (issue 17.1): a "block" is a ResNet stage
+    r18 = build_backbone("resnet18", 7)
+    assert placement_names(r18, "stages:2") == [
+        "body.layer1.0.bn1", "body.layer1.0.bn2", "body.layer1.1.bn1", "body.layer1.1.bn2",
+        "body.layer2.0.bn1", "body.layer2.0.bn2", "body.layer2.0.downsample.1", "body.layer2.1.bn1",
+        "body.layer2.1.bn2"]
+    s4 = placement_names(r50, "stages:4")
+    assert len(s4) == 52 and "body.bn1" not in s4 and "body.layer4.2.bn3" in s4
+    assert len(placement_names(r50, "stages:2")) == 23  # layer1: 3 x 3 + downsample, layer2: 4 x 3 + downsample
+    from rayfed_dg.methods.gperxan import DEFAULT_PLACEMENT
+
+    assert DEFAULT_PLACEMENT["resnet50"] == "stages:4" and DEFAULT_PLACEMENT["resnet18"] == "stages:4"
+    # the residual-unit reading stays as an explicit option
     b4 = placement_names(r50, "blocks:4")
     assert b4[0] == "body.layer1.0.bn1" and b4[-1] == "body.layer2.0.downsample.1" and len(b4) == 14
     assert "body.bn1" not in b4 and not any("layer2.1" in n for n in b4)
@@ -76,7 +89,8 @@ def test_gperxan_model_surgery_and_local_keys():
     m = build_method(cfg)
     net = m.build_model(7)
     xans = [n for n, mod in net.named_modules() if isinstance(mod, XAN)]
-    assert xans == placement_names(build_backbone("resnet18", 7), "blocks:4")
+    assert xans == placement_names(build_backbone("resnet18", 7), "stages:4")  # the default reading
+    assert len(xans) == 19  # every BN of ResNet-18 but the stem's
     local = m.local_keys(net)
     assert len(local) == len(xans) * 6  # bn weight, bias, running mean/var, num_batches_tracked, logit_bn
     assert all(".bn." in k or k.endswith("logit_bn") for k in local)
@@ -145,3 +159,62 @@ def test_perxan_bn_side_is_the_clients_own_and_global_averages_it(ray_session, t
         np.testing.assert_allclose(s2["global_state"][k], avg.astype(np.float32), rtol=1e-5, atol=1e-6)
         # ... and that global value is not what the clients hold
         assert not all(np.array_equal(s2["global_state"][k], s2["client_store"][c][k]) for c in range(3))
+
+
+def test_unseen_target_is_evaluated_with_the_weighted_average_of_everything(ray_session, tiny_ds):
+    """Algorithm 1 line 12: the global model tested on the unseen target is the
+    sample-weighted average of all client parameters, the BN sides included
+    (they are never broadcast back, but they are averaged)."""
+    from rayfed_dg.data import leave_one_domain_out
+    from rayfed_dg.engine import OrderedReducer, run_federation
+    from rayfed_dg.engine.worker import to_numpy_state
+
+    ray = ray_session
+    cfg = tiny_cfg("method.name=gperxan", "training.rounds=1")
+    split = leave_one_domain_out(tiny_ds, "texture", 0.2, 0)
+    res = run_federation(cfg, split, ray.put(tiny_ds.images), ray.put(tiny_ds.labels), 10, progress=False)
+    row = [m for m in res.metrics if m["split"] == "target_test"][0]
+    runner = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, 10)
+    sd = runner.model.state_dict()
+    g0 = to_numpy_state(sd, sd.keys())
+    local = build_method(cfg).local_keys(runner.model)
+    ups = {c: runner.run_client(c, 1, split.clients[c], g0, {k: g0[k] for k in local}, {}).update
+           for c in range(3)}
+    n = split.client_sizes()
+    reducer = OrderedReducer([0, 1, 2], {c: float(n[c]) for c in range(3)})
+    for c in (2, 0, 1):
+        reducer.add(c, ups[c])
+    avg = reducer.result(g0)
+    assert all(k in ups[0] for k in local)  # the BN sides were uploaded
+    correct, loss, cnt = runner.evaluate(avg, split.test["texture"], 512)
+    assert correct / cnt == row["accuracy"] and abs(loss / cnt - row["loss"]) < 1e-6
+    # with the clients' own BN sides left out (the initial ones instead), the target figures differ
+    correct2, loss2, _ = runner.evaluate({**avg, **{k: g0[k] for k in local}}, split.test["texture"], 512)
+    assert abs(loss2 / cnt - row["loss"]) > 1e-4
+
+
+def test_ibn_forward_by_hand():
+    torch.manual_seed(0)
+    m = IBN(4)
+    with torch.no_grad():
+        m.inorm.weight.copy_(torch.tensor([1.5, 0.5]))
+        m.inorm.bias.copy_(torch.tensor([0.1, -0.1]))
+        m.bn.weight.copy_(torch.tensor([2.0, 0.7]))
+        m.bn.bias.copy_(torch.tensor([0.3, 0.0]))
+        m.bn.running_mean.copy_(torch.tensor([0.4, -0.2]))
+        m.bn.running_var.copy_(torch.tensor([1.3, 0.6]))
+    x = torch.randn(3, 4, 5, 5)
+    for training in (True, False):
+        m.train(training)
+        y = m(x)
+        a, b = x[:, :2], x[:, 2:]
+        # first C // 2 channels: per sample and channel (instance) statistics, in train and eval alike
+        mu_a, var_a = a.mean((2, 3), keepdim=True), a.var((2, 3), unbiased=False, keepdim=True)
+        ya = (a - mu_a) / torch.sqrt(var_a + 1e-5) * m.inorm.weight.view(1, 2, 1, 1) + m.inorm.bias.view(1, 2, 1, 1)
+        # the rest: batch statistics in training, running statistics at test
+        if training:
+            mu_b, var_b = b.mean((0, 2, 3), keepdim=True), b.var((0, 2, 3), unbiased=False, keepdim=True)
+        else:
+            mu_b, var_b = m.bn.running_mean.view(1, 2, 1, 1), m.bn.running_var.view(1, 2, 1, 1)
+        yb = (b - mu_b) / torch.sqrt(var_b + 1e-5) * m.bn.weight.view(1, 2, 1, 1) + m.bn.bias.view(1, 2, 1, 1)
+        assert torch.allclose(y, torch.cat([ya, yb], 1), atol=1e-5), training

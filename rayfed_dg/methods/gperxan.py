@@ -4,9 +4,15 @@ Le, Ho, Do, Le-Phuoc, Wong, "Efficiently Assemble Normalization Layers and
 Regularization for Federated Domain Generalization", CVPR 2024.
 
 * XAN (Eq. 2, ``models/norms.py``) replaces the BatchNorm layers named by
-  ``placement`` (paper: the first four blocks of ResNet-50 for PACS, the first
-  two for Office-Home, DenseNet-121's first dense + transition block for
-  Camelyon17; see ``models/norms.py`` for exactly which layers).
+  ``placement``.  The paper puts XAN in "the first four blocks" of ResNet-50
+  for PACS and "the first two" for Office-Home, and in DenseNet-121's "first
+  dense block" (+ transition) for Camelyon17.  We read a ResNet "block" as a
+  stage (``layer1`` .. ``layer4``), the unit the same paper means by
+  DenseNet's dense block and this repo's MixStyle means by block K: PACS =
+  ``stages:4`` (every BN but the stem's, 52 of ResNet-50's 53), Office-Home =
+  ``stages:2`` (23).  The reference code puts XAN in every BN layer (``all``,
+  stem included) and names its checkpoint ``xon4``.  Reading "block" as a
+  residual unit (``blocks:4`` = 14 layers) is kept as an explicit option.
 * PerXAN (Sec. 3.1, Algorithm 1 lines 5-9): the BN side of every XAN layer
   (its affine parameters, running statistics and the BN-side mixing logit)
   stays on the client and is never overwritten by the broadcast; everything
@@ -39,7 +45,7 @@ from rayfed_dg.models import XAN, apply_norm, modules_of_type
 
 from .base import Method, register_method
 
-DEFAULT_PLACEMENT = {"resnet50": "blocks:4", "resnet18": "blocks:4", "densenet121": "dense1", "convnet": "blocks:2"}
+DEFAULT_PLACEMENT = {"resnet50": "stages:4", "resnet18": "stages:4", "densenet121": "dense1", "convnet": "blocks:2"}
 IBN_PLACEMENT = {"resnet50": "first_bn:stages:3", "resnet18": "first_bn:stages:3", "convnet": "blocks:2",
                  "densenet121": "dense1"}
 
