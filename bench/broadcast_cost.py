@@ -75,7 +75,8 @@ def main() -> None:
     med = {w: float(np.median(v)) for w, v in times.items()}
     print(f"global model: ResNet-18 state dict, {nbytes:,} bytes; readers on one remote node; {args.rounds} rounds")
     for w in (1, 4):
-        print(f"{w} worker(s) on the node: {med[w]:.3f} s per round (median; rounds {', '.join(f'{x:.3f}' for x in times[w])})")
+        rounds = ", ".join(f"{x:.3f}" for x in times[w])
+        print(f"{w} worker(s) on the node: {med[w]:.3f} s per round (median; rounds {rounds})")
     print(f"ratio 4 workers / 1 worker: {med[4] / med[1]:.2f}  (4.00 if every worker fetched its own copy)")
     print("copies of a round's model per round (workers, nodes holding it, remote node among them): "
           + ", ".join(f"({w}, {n}, {on})" for w, n, on in copies[:4]))

@@ -28,8 +28,8 @@ def make_data(n_clients: int, per_client: int, res: int, seed: int = 0):
 
 
 def plain_loop(cfg, images, labels, clients, val_idx, rounds):
-    from rayfed_dg.seeding import Stream, sample_clients, seed_int, torch_generator
     from rayfed_dg.models import build_backbone
+    from rayfed_dg.seeding import Stream, sample_clients, seed_int, torch_generator
 
     t = cfg.training
     torch.set_num_threads(2)
@@ -116,7 +116,8 @@ def main() -> None:
         out["engine"] += engine_loop(cfg, images, labels, clients, val_idx, args.rounds)
     ray.shutdown()
     plain, eng = float(np.mean(out["plain"])), float(np.mean(out["engine"]))
-    print(f"workload: 30 clients, 10/round, ResNet-18 32px, 64 samples/client, batch 32, 1 epoch, {args.rounds} rounds, x{args.repeat} interleaved")
+    print("workload: 30 clients, 10/round, ResNet-18 32px, 64 samples/client, batch 32, 1 epoch, "
+          f"{args.rounds} rounds, x{args.repeat} interleaved")
     print(f"plain loop   s/round: {plain:.3f}  (rounds: {', '.join(f'{x:.2f}' for x in out['plain'])})")
     print(f"engine ({args.workers} workers x {cpus:g} CPU) s/round: {eng:.3f}  "
           f"(rounds: {', '.join(f'{x:.2f}' for x in out['engine'])})")

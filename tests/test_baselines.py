@@ -1,8 +1,9 @@
 """Style-augmentation baselines: MixStyle (ICLR 2021) and DSU (ICLR 2022)."""
 import numpy as np
+import pytest
 import torch
-
 from conftest import tiny_cfg
+
 from rayfed_dg.engine import ClientRunner
 from rayfed_dg.engine.worker import to_numpy_state
 from rayfed_dg.methods import build_method
@@ -112,3 +113,51 @@ def test_fedsr_reference_distribution_never_leaves_the_client(ray_session, tiny_
     assert np.array_equal(s2["global_state"]["head.r_mu"], init["head.r_mu"].numpy())
     mus = [s2["client_store"][c]["head.r_mu"] for c in range(split.num_clients)]
     assert not np.array_equal(mus[0], mus[1]) and not np.array_equal(mus[0], init["head.r_mu"].numpy())
+
+
+def test_fedprox_proximal_term_by_hand():
+    """Li et al. Eq. 2: h(w) = F(w) + mu/2 ||w - w_g||^2 over every trainable
+    parameter, w_g the weights received at the start of the round."""
+    import torch.nn.functional as F
+
+    from rayfed_dg.methods import ClientContext, build_method
+
+    cfg = tiny_cfg("method.name=fedprox", "method.mu=0.3")
+    method = build_method(cfg)
+    model = method.build_model(10)
+    ctx = ClientContext(client_id=0, round=1, device=torch.device("cpu"), generator=torch.Generator(), num_samples=4)
+    method.round_start(model, ctx)
+    w_g = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    x, y = torch.randn(4, 3, 16, 16), torch.tensor([0, 1, 2, 3])
+    model.eval()  # BN with fixed statistics: both sides see the same forward
+    got = method.loss(model, x, y, ctx)
+    dist = sum(float(((p.detach() - w_g[n]) ** 2).sum()) for n, p in model.named_parameters())
+    expect = float(F.cross_entropy(model(x), y)) + 0.3 / 2 * dist
+    assert abs(float(got) - expect) < 1e-5 and dist > 0
+    # its gradient on a weight is dCE/dw + mu (w - w_g)
+    got.backward()
+    w = model.head.weight
+    ce_only = F.cross_entropy(model(x), y)
+    g_ce = torch.autograd.grad(ce_only, w)[0]
+    assert torch.allclose(w.grad, g_ce + 0.3 * (w.detach() - w_g["head.weight"]), atol=1e-6)
+
+
+@pytest.mark.parametrize("name,kinds", [("fedbn", ("weight", "bias", "running_mean", "running_var",
+                                                    "num_batches_tracked")),
+                                         ("silobn", ("running_mean", "running_var", "num_batches_tracked"))])
+def test_fedbn_and_silobn_keep_the_shortcut_batchnorm_local(name, kinds):
+    # ResNet-18's projection shortcuts (layerK.0.downsample.1) are BatchNorm too: a name filter on "bn" misses them
+    from rayfed_dg.methods import build_method
+
+    method = build_method(tiny_cfg(f"method.name={name}", "model.arch=resnet18"))
+    model = method.build_model(7)
+    local = method.local_keys(model)
+    for stage in (2, 3, 4):
+        for kind in kinds:
+            assert f"body.layer{stage}.0.downsample.1.{kind}" in local, (name, stage, kind)
+    expect = {f"{n}.{k}" for n, m in model.named_modules() if isinstance(m, torch.nn.BatchNorm2d) for k in kinds}
+    assert local == expect  # exactly the BN state of the given kinds, the 20 BN layers of ResNet-18
+    assert "body.layer2.0.downsample.0.weight" not in local  # the shortcut conv is shared

@@ -4,12 +4,12 @@ import sys
 import numpy as np
 import pytest
 import torch
-
 from conftest import tiny_cfg
+
 from rayfed_dg.data import leave_one_domain_out
-from rayfed_dg.stages.ccst import CCSTParams, augment_client, choose_styles
 from rayfed_dg.models import ModelError
 from rayfed_dg.models.styletransfer import AdaINBackend, adain_decoder, vgg_normalised
+from rayfed_dg.stages.ccst import CCSTParams, augment_client, choose_styles
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +98,7 @@ def test_overall_style_cache_is_shared_across_seeds_and_k(adain_files, tmp_path)
 @pytest.mark.slow
 def test_engine_stage_grows_training_sets_without_validation_images(ray_session, tiny_ds, tmp_path):
     import ray
+
     from rayfed_dg.engine import Server, run_federation
 
     cfg = tiny_cfg("stages.ccst.k=2", f"stages.ccst.cache_dir={tmp_path}", "training.rounds=1",

@@ -1,8 +1,8 @@
 """End-to-end engine behaviour on real local Ray (no mocks)."""
 import numpy as np
 import pytest
-
 from conftest import server_rounds, tiny_cfg
+
 from rayfed_dg.data import leave_one_domain_out
 from rayfed_dg.engine import ClientRunner, Server, run_federation
 from rayfed_dg.methods import build_method

@@ -1,7 +1,7 @@
 """FedDG-GA (CVPR 2023): the generalization adjustment by hand, and on a real Ray server."""
 import numpy as np
-
 from conftest import tiny_cfg
+
 from rayfed_dg.data import leave_one_domain_out
 from rayfed_dg.engine import ClientRunner, Server
 from rayfed_dg.methods.feddg_ga import ga_step, ga_update

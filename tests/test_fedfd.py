@@ -1,8 +1,8 @@
 """FedFD / FedFD-A (ECCV 2024): Eq. 2 mixing, Eq. 6-7 adapter, alternation, global statistics."""
 import numpy as np
 import torch
-
 from conftest import server_rounds, tiny_cfg
+
 from rayfed_dg.data import leave_one_domain_out
 from rayfed_dg.engine import ClientRunner, Server
 from rayfed_dg.engine.worker import to_numpy_state

@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-
 from conftest import server_rounds, tiny_cfg
+
 from rayfed_dg.engine import ClientRunner
 from rayfed_dg.methods import ClientContext, build_method
 from rayfed_dg.models import XAN, build_backbone, placement_names

@@ -54,7 +54,7 @@ def test_minimum_size_met_or_clear_failure(tiny_ds):
 def test_label_dirichlet_is_skewed_and_single_domain(tiny_ds):
     s = leave_one_domain_out(tiny_ds, "mono", 0.2, 0, "label_dirichlet", num_clients=30, alpha=0.1)
     assert s.client_domains == [d for d in ("negative", "colour", "texture") for _ in range(10)]
-    for i, idx in enumerate(s.clients):
+    for idx in s.clients:
         assert len(set(tiny_ds.domains[idx])) == 1
     # alpha 0.1: most clients are dominated by a few classes
     top = [np.bincount(tiny_ds.labels[c], minlength=10).max() / len(c) for c in s.clients]

@@ -5,9 +5,9 @@ subprocess tests in test_config.py and test_cli.py check the same path end
 to end (no traceback, exit code)."""
 import numpy as np
 import pytest
+from conftest import REPO
 from PIL import Image
 
-from conftest import REPO
 from rayfed_dg.cli import main
 
 QS = str(REPO / "configs" / "quickstart.yaml")

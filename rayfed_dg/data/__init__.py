@@ -1,6 +1,6 @@
 """Datasets, the leave-one-domain-out protocol and client partitions."""
-from .base import DataError, DomainDataset, dataset_names, load_dataset, register_dataset
 from . import embedded, folders  # noqa: F401  (register the loaders)
+from .base import DataError, DomainDataset, dataset_names, load_dataset, register_dataset
 from .protocol import FederatedSplit, leave_one_domain_out, stratified_split
 
 __all__ = [

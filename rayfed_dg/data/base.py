@@ -1,11 +1,10 @@
 """In-memory multi-domain image datasets and the dataset registry."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
-
 
 from rayfed_dg.errors import DataError
 from rayfed_dg.utils import Registry, did_you_mean
@@ -45,7 +44,7 @@ class DomainDataset:
                             f"this dataset has {', '.join(self.domain_names)}")
         return self.domain_names.index(name)
 
-    def subsample(self, per_domain: int, seed: int = 0) -> "DomainDataset":
+    def subsample(self, per_domain: int, seed: int = 0) -> DomainDataset:
         """At most ``per_domain`` images of each domain, classes kept in proportion."""
         k = subsample_indices(self.labels, self.domains, per_domain, seed)
         if len(k) == len(self.labels):

@@ -172,7 +172,8 @@ def partition_explicit(source_train, labels, seed: int, clients_spec: list[list[
     for d, who in holders.items():
         if not who:
             continue
-        for i, chunk in zip(who, _even_split(source_train[d], len(who), np.random.default_rng(_seed_for(seed, "explicit", d)))):
+        rng = np.random.default_rng(_seed_for(seed, "explicit", d))
+        for i, chunk in zip(who, _even_split(source_train[d], len(who), rng)):
             parts[i].append(chunk)
     clients = [np.sort(np.concatenate(p)) if p else np.zeros(0, np.int64) for p in parts]
     return clients, ["+".join(spec) for spec in clients_spec]

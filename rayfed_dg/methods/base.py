@@ -38,8 +38,9 @@ seeded generator for all of the client's randomness, the device and a
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -99,7 +100,7 @@ class ClientUpdate:
 
 
 @torch.no_grad()
-def evaluate_on_val(model: nn.Module, ctx: "ClientContext", batch_size: int = 256) -> tuple[float, float]:
+def evaluate_on_val(model: nn.Module, ctx: ClientContext, batch_size: int = 256) -> tuple[float, float]:
     """(accuracy, mean cross-entropy) of ``model`` as it is (mode untouched)
     on the client's validation samples ``ctx.val_indices``."""
     assert ctx.val_indices is not None and ctx.fetch is not None, "the method asked for no validation samples"

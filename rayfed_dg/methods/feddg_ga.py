@@ -41,7 +41,7 @@ import sys
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from .base import Method, register_method, evaluate_on_val
+from .base import Method, evaluate_on_val, register_method
 
 
 def ga_step(round: int, rounds: int, step: float) -> float:

@@ -56,7 +56,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rayfed_dg.models import BN_TYPES, modules_of_type, replace_norm, state_keys_of
 
-from .base import Method, register_method, evaluate_on_val
+from .base import Method, evaluate_on_val, register_method
 
 
 class FDBN(nn.BatchNorm2d):
@@ -83,7 +83,7 @@ class FDBN(nn.BatchNorm2d):
         self.eval_with_received = False
 
     @classmethod
-    def from_bn(cls, bn: nn.BatchNorm2d, adapter: bool) -> "FDBN":
+    def from_bn(cls, bn: nn.BatchNorm2d, adapter: bool) -> FDBN:
         m = cls(bn.num_features, bn.eps, bn.momentum if bn.momentum is not None else 0.1, adapter)
         m.load_state_dict(bn.state_dict(), strict=False)
         return m

@@ -44,8 +44,14 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
 from rayfed_dg.models import feature_sites, insert_after, replace_module
-from rayfed_dg.models.style import (FeatureHighlighter, StyleExplore, StyleShift, StyleState, channel_stats,
-                                    style_information)
+from rayfed_dg.models.style import (
+    FeatureHighlighter,
+    StyleExplore,
+    StyleShift,
+    StyleState,
+    channel_stats,
+    style_information,
+)
 
 from .base import Method, register_method
 

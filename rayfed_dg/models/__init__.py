@@ -3,6 +3,6 @@ from .backbones import ModelError, SplitModel, build_backbone, convnet, resnet
 from .norms import IBN, XAN, apply_norm, placement_names
 from .surgery import BN_TYPES, feature_sites, insert_after, modules_of_type, replace_module, replace_norm, state_keys_of
 
-__all__ = ["IBN", "XAN", "apply_norm", "placement_names", "BN_TYPES", "ModelError", "SplitModel", "build_backbone", "convnet", "feature_sites", "insert_after",
-           "modules_of_type", "replace_module",
-           "replace_norm", "resnet", "state_keys_of"]
+__all__ = ["IBN", "XAN", "apply_norm", "placement_names", "BN_TYPES", "ModelError", "SplitModel", "build_backbone",
+           "convnet", "feature_sites", "insert_after", "modules_of_type", "replace_module", "replace_norm", "resnet",
+           "state_keys_of"]

@@ -40,7 +40,8 @@ def convnet(num_classes: int, width: int = 64, norm_layer=nn.BatchNorm2d) -> Spl
     layers: list[nn.Module] = []
     c_in = 3
     for _ in range(4):
-        layers += [nn.Conv2d(c_in, width, 3, padding=1, bias=False), norm_layer(width), nn.ReLU(inplace=True), nn.MaxPool2d(2)]
+        layers += [nn.Conv2d(c_in, width, 3, padding=1, bias=False), norm_layer(width), nn.ReLU(inplace=True),
+                   nn.MaxPool2d(2)]
         c_in = width
     layers += [nn.AdaptiveAvgPool2d(1)]
     return SplitModel(nn.Sequential(*layers), nn.Linear(width, num_classes))
@@ -73,7 +74,8 @@ def _load_pretrained(arch: str, spec: str) -> dict[str, torch.Tensor]:
         weights = enum[spec]
     except KeyError:
         names = ", ".join(w.name for w in torchvision.models.get_model_weights(arch))
-        raise ModelError(f"model.pretrained: {spec!r} is not a torchvision weights name for {arch} (known: {names})") from None
+        raise ModelError(f"model.pretrained: {spec!r} is not a torchvision weights name for {arch} "
+                         f"(known: {names})") from None
     fname = Path(torch.hub.get_dir()) / "checkpoints" / Path(weights.url).name
     if not fname.is_file():
         raise ModelError(

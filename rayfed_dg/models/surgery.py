@@ -5,7 +5,7 @@ filters such as ``'bn' in key`` miss it; everything here goes by module type.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch.nn as nn
 
