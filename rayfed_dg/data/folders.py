@@ -82,7 +82,9 @@ def list_domain_class_tree(root: Path, domains: list[str], name: str, aliases: d
     if not classes:
         raise DataError(f"data.root {root}: domain folders hold no class folders; expected {name} "
                         "<domain>/<class>/<images>")
-    files, labels, doms = [], [], []
+    files: list[Path] = []
+    labels: list[int] = []
+    doms: list[int] = []
     for j, d in enumerate(domains):
         n_before = len(files)
         for ci, c in enumerate(classes):
@@ -105,8 +107,7 @@ def _decode_one(args) -> np.ndarray | str:
 
     try:
         with Image.open(path) as im:
-            im = im.convert("RGB").resize((res, res), Image.BILINEAR)
-            return np.asarray(im, dtype=np.uint8)
+            return np.asarray(im.convert("RGB").resize((res, res), Image.Resampling.BILINEAR), dtype=np.uint8)
     except Exception as e:  # noqa: BLE001  reported with its path by the caller
         return f"{type(e).__name__}: {e}"
 

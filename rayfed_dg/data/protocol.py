@@ -53,7 +53,7 @@ def stratified_split(indices: np.ndarray, labels: np.ndarray, val_fraction: floa
     return np.sort(np.concatenate(train)), np.sort(np.concatenate(val))
 
 
-def _seed_for(*parts: int | str) -> np.random.SeedSequence:
+def _seed_for(*parts: int | float | str) -> np.random.SeedSequence:
     return np.random.SeedSequence([abs(hash_str(str(p))) for p in parts])
 
 
@@ -253,17 +253,19 @@ def leave_one_domain_out(
 def manifest(ds: DomainDataset, split: FederatedSplit) -> dict[str, np.ndarray]:
     """Columns of the partition manifest: client (-1 outside training),
     domain, class, sample id (index in the dataset) and split."""
-    client, sid, part = [], [], []
+    client: list[np.ndarray] = []
+    parts: list[np.ndarray] = []
+    part: list[str] = []
     for i, idx in enumerate(split.clients):
         client.append(np.full(len(idx), i))
-        sid.append(idx)
+        parts.append(idx)
         part += ["train"] * len(idx)
     for name, sets in (("val", split.val), ("test", split.test)):
         for idx in sets.values():
             client.append(np.full(len(idx), -1))
-            sid.append(idx)
+            parts.append(idx)
             part += [name] * len(idx)
-    sid = np.concatenate(sid).astype(np.int64)
+    sid = np.concatenate(parts).astype(np.int64)
     return {
         "client": np.concatenate(client).astype(np.int64),
         "domain": np.array(ds.domain_names, dtype=object)[ds.domains[sid]],

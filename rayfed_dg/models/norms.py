@@ -80,19 +80,20 @@ class IBN(nn.Module):
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.1):
         super().__init__()
-        self.half = num_features // 2
-        self.inorm = nn.InstanceNorm2d(self.half, eps=eps, affine=True)
-        self.bn = nn.BatchNorm2d(num_features - self.half, eps=eps, momentum=momentum)
+        # (not ``self.half``: that would shadow nn.Module.half(), the float16 cast)
+        self.n_in = num_features // 2
+        self.inorm = nn.InstanceNorm2d(self.n_in, eps=eps, affine=True)
+        self.bn = nn.BatchNorm2d(num_features - self.n_in, eps=eps, momentum=momentum)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a, b = torch.split(x, [self.half, x.shape[1] - self.half], 1)
+        a, b = torch.split(x, [self.n_in, x.shape[1] - self.n_in], 1)
         return torch.cat([self.inorm(a.contiguous()), self.bn(b.contiguous())], 1)
 
     @classmethod
     def from_bn(cls, bn: nn.BatchNorm2d) -> IBN:
         m = cls(bn.num_features, bn.eps, bn.momentum if bn.momentum is not None else 0.1)
         with torch.no_grad():
-            h = m.half
+            h = m.n_in
             if bn.affine:
                 m.inorm.weight.copy_(bn.weight[:h])
                 m.inorm.bias.copy_(bn.bias[:h])

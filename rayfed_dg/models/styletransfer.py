@@ -184,7 +184,8 @@ class GhiasiBackend(StyleBackend):
     def _vector(self, image: np.ndarray) -> np.ndarray:
         from PIL import Image
 
-        x = np.asarray(Image.fromarray(image).resize((256, 256), Image.BILINEAR), dtype=np.float32)[None] / 255.0
+        small = Image.fromarray(image).resize((256, 256), Image.Resampling.BILINEAR)
+        x = np.asarray(small, dtype=np.float32)[None] / 255.0
         return self.predict.run(None, {self.predict.get_inputs()[0].name: x})[0].reshape(-1)
 
     def style_of(self, images, kind, j, rng):
@@ -212,7 +213,7 @@ class GhiasiBackend(StyleBackend):
         per = g * g
 
         def resize(a, size):
-            return np.asarray(Image.fromarray(a).resize(size, Image.BILINEAR))
+            return np.asarray(Image.fromarray(a).resize(size, Image.Resampling.BILINEAR))
 
         for s in range(0, n, per):
             chunk = images[s:s + per]
