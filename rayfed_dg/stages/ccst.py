@@ -49,7 +49,7 @@ from rayfed_dg.utils import atomic_write_with
 from .base import Stage, StageClient, StageServer, register_stage
 
 OWN = -1  # in a choice table: the image's own client, i.e. the original image
-CACHE_VERSION = "2"
+CACHE_VERSION = "3"  # 3: each image stylized on its own canvas
 SINGLE_BATCH = 32  # the paper's single-image bank: one style per batch of 32 images
 
 
