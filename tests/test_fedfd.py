@@ -1,6 +1,7 @@
 """FedFD / FedFD-A (ECCV 2024): Eq. 2 mixing, Eq. 6-7 adapter, alternation, global statistics."""
 import numpy as np
 import torch
+import torch.nn.functional as F
 from conftest import server_rounds, tiny_cfg
 
 from rayfed_dg.data import leave_one_domain_out
@@ -202,3 +203,104 @@ def test_client_side_selection_normalises_with_the_received_global_statistics():
         assert torch.allclose(selected, by_hand(m.g_mean, m.g_var, mode), atol=1e-5), mode
         assert torch.allclose(tested, by_hand(m.running_mean, m.running_var, mode), atol=1e-5), mode
         assert not torch.allclose(selected, tested)
+
+
+# ---------------------------------------------------------------- issue 17.4: an independent re-implementation
+def _stats(x):
+    var, mu = torch.var_mean(x, (2, 3), unbiased=False)  # per sample and channel (instance statistics)
+    return mu, torch.sqrt(var + 1e-5)
+
+
+def _norm(x, mu, sig, m):
+    return (x - mu[:, :, None, None]) / sig[:, :, None, None] * m.weight[None, :, None, None] \
+        + m.bias[None, :, None, None]
+
+
+def _manual_features(model, x, mode):
+    """The conv net's forward with every FDBN written out: ``plain`` = BN with
+    batch statistics (training), ``mix`` = Eq. 2 with the layer's u and the
+    received global statistics."""
+    h = x
+    for layer in model.body:
+        if isinstance(layer, FDBN):
+            if mode == "plain":
+                var, mu = torch.var_mean(h, (0, 2, 3), unbiased=False)
+                mu, sig = mu.expand(len(h), -1), torch.sqrt(var + 1e-5).expand(len(h), -1)
+            else:
+                mu_i, sig_i = _stats(h)
+                mu_g, sig_g = layer.g_mean[None], torch.sqrt(layer.g_var + 1e-5)[None]
+                u = layer.u[None]
+                mu, sig = u * mu_i + (1 - u) * mu_g, u * sig_i + (1 - u) * sig_g
+            h = _norm(h, mu, sig, layer)
+        else:
+            h = layer(h)
+    return torch.flatten(h, 1)
+
+
+def _fedfd_model(*sets):
+    cfg = tiny_cfg("method.name=fedfd", "method.lambda1=0.3", "method.lambda2=0.7", "model.width=6", *sets)
+    method = build_method(cfg)
+    torch.manual_seed(0)
+    model = method.build_model(10).train()
+    for m in fd_layers(model):
+        with torch.no_grad():
+            m.g_mean.copy_(torch.randn(m.num_features) * 0.3)
+            m.g_var.copy_(torch.rand(m.num_features) + 0.5)
+            m.weight.copy_(torch.rand(m.num_features) + 0.5)
+            m.bias.copy_(torch.randn(m.num_features) * 0.1)
+    return method, model
+
+
+def test_eq3_to_5_loss_value_and_gradient_match_an_independent_computation():
+    method, model = _fedfd_model()
+    x, y = torch.randn(4, 3, 16, 16), torch.tensor([0, 3, 3, 7])
+    ctx = ClientContext(0, 1, torch.device("cpu"), torch.Generator().manual_seed(1), 4)
+    loss = method.main_loss(model, x, y, ctx)  # draws u into the layers
+    us = [m.u.clone() for m in fd_layers(model)]
+    assert all(u.shape == (m.num_features,) and u.std() > 0 for u, m in zip(us, fd_layers(model)))
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, params)
+    f = _manual_features(model, x, "plain")
+    f_aug = _manual_features(model, x, "mix")
+    ce = F.cross_entropy(model.head(f), y)
+    cacl = F.cross_entropy(model.head(f_aug), y)
+    cafl = ((f - f_aug) ** 2).sum(1).mean()  # Eq. 3: mean over samples of the squared feature distance
+    expect = 0.7 * ce + 0.3 * cacl + 0.7 * cafl  # (1 - l1) CE + l1 CACL + l2 CAFL, l1 = 0.3, l2 = 0.7
+    assert abs(float(loss) - float(expect)) < 1e-4 * max(1.0, abs(float(expect)))
+    # the diversified features carry gradient too (CACL and CAFL reach the extractor through f_aug)
+    for g, e in zip(grads, torch.autograd.grad(expect, params)):
+        assert torch.allclose(g, e, atol=1e-4, rtol=1e-3)
+
+
+def test_eq6_7_adapter_with_fixed_weights_and_noise_by_hand():
+    torch.manual_seed(0)
+    m = FDBN(4, adapter=True).train()
+    with torch.no_grad():
+        for p in m.adapter.parameters():
+            p.normal_(0, 0.3)
+        m.adapter[2].weight.mul_(0.3)
+        m.adapter[2].bias.copy_(torch.tensor([0.15, 0.5]))  # delta, epsilon around alpha = 0.5
+        m.g_mean.copy_(torch.tensor([0.2, -0.5, 1.0, 0.0]))
+        m.g_var.copy_(torch.tensor([0.8, 1.5, 0.6, 1.1]))
+        m.weight.copy_(torch.tensor([1.1, 0.9, 1.3, 0.7]))
+        m.bias.copy_(torch.tensor([0.05, -0.1, 0.2, 0.0]))
+    m.mode = "adapt"
+    x = torch.randn(3, 4, 5, 5) * 1.5 + 0.3
+    mu_i, sig_i = _stats(x)
+    w1, b1, w2, b2 = m.adapter[0].weight, m.adapter[0].bias, m.adapter[2].weight, m.adapter[2].bias
+    for training in (True, False):
+        # global statistics: the received ones on the client; at test the global model's own running ones
+        g_mean, g_var = (m.g_mean, m.g_var) if training else (m.running_mean, m.running_var)
+        mu_g, sig_g = g_mean[None], torch.sqrt(g_var + 1e-5)[None]
+        hidden = torch.relu(torch.cat([mu_i - mu_g, sig_i - sig_g], 1) @ w1.T + b1)  # Eq. 7 input
+        delta, eps = (hidden @ w2.T + b2).unbind(1)
+        m.train(training)
+        m.gen = torch.Generator().manual_seed(5)
+        z = torch.randn(3, generator=torch.Generator().manual_seed(5))
+        alpha = (z * delta + eps).clamp(0, 1) if training else eps.clamp(0, 1)  # Eq. 7; test: epsilon alone
+        a = alpha[:, None]
+        expect = _norm(x, a * mu_i + (1 - a) * mu_g, a * sig_i + (1 - a) * sig_g, m)  # Eq. 6: alpha on the instance side
+        with torch.no_grad():
+            got = m(x)
+        assert torch.allclose(got, expect, atol=1e-5), training
+        assert 0 < float(alpha.min()) and float(alpha.max()) < 1  # the test's values stay off the clamps
