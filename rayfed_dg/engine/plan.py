@@ -143,14 +143,15 @@ def plan_workers(engine_cfg, clients_per_round: int, resources: dict) -> int:
     return max(1, min(fit, clients_per_round))
 
 
-def use_token_auth_if_available() -> None:
-    """A cluster started with ``ray start`` has token authentication on; a
-    driver connecting to it must ask for it too (a local ``ray.init`` turns
-    it on by itself)."""
+def use_token_auth_if_available(local: bool = False) -> None:
+    """Token authentication, said explicitly.  A cluster started with ``ray
+    start`` has it on, and a driver connecting to it must ask for it too; a
+    local ``ray.init`` turns it on by itself but then logs a WARNING on every
+    run, which saying so explicitly (Ray's own opt-in) silences."""
     import os
     from pathlib import Path
 
-    if "RAY_AUTH_MODE" not in os.environ and ("RAY_AUTH_TOKEN" in os.environ
+    if "RAY_AUTH_MODE" not in os.environ and (local or "RAY_AUTH_TOKEN" in os.environ
                                               or (Path.home() / ".ray" / "auth_token").is_file()):
         from ray._raylet import Config  # type: ignore[attr-defined]
 
@@ -171,6 +172,7 @@ def init_ray(cfg: ExperimentConfig) -> None:
         use_token_auth_if_available()
         ray.init(address=e.ray_address, **kwargs)
     else:
+        use_token_auth_if_available(local=True)
         ray.init(**kwargs)
 
 

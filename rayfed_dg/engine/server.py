@@ -18,11 +18,13 @@ One ``run_round`` call is one federated round:
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Any
 
 import numpy as np
 import ray
 import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rayfed_dg.config import ExperimentConfig
 from rayfed_dg.data.protocol import FederatedSplit
@@ -63,8 +65,15 @@ class Server:
         opts = dict(num_cpus=e.num_cpus_per_worker, num_gpus=e.num_gpus_per_worker,
                     max_restarts=e.max_restarts, max_task_retries=0)
         opts.update(worker_options or {})
+        # on this node (the head, beside the dataset's owner), holding the references for (re)starting workers
+        # (named: a worker gets the name, a plain string, since Ray warns that references or handles passed
+        # to a restartable actor's constructor need not outlive it)
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        source = f"rayfed_dg_data_{uuid.uuid4().hex}"
+        self.data_source = ray.remote(DataSource).options(num_cpus=0, scheduling_strategy=here,
+                                                          name=source).remote(self.data_refs)
         remote_worker = ray.remote(Worker)
-        workers: list[Any] = [remote_worker.options(**opts).remote(cfg, self.data_refs, num_classes)
+        workers: list[Any] = [remote_worker.options(**opts).remote(cfg, source, num_classes)
                               for _ in range(num_workers)]
         ray.get([w.ping.remote() for w in workers])
         self.pool = WorkerPool(workers, e.max_task_retries)
@@ -206,6 +215,17 @@ class Server:
 
     def shutdown(self) -> None:
         self.pool.shutdown()
+        ray.kill(self.data_source)
+
+
+class DataSource:
+    """Holds the dataset's object references for the workers of one server."""
+
+    def __init__(self, refs: list):
+        self._refs = list(refs)
+
+    def refs(self) -> list:
+        return self._refs
 
 
 def _retry(task: ClientTask, attempt: int) -> ClientTask:

@@ -220,16 +220,19 @@ class ClientRunner:
 class Worker(ClientRunner):
     """The Ray actor (wrapped with ``ray.remote`` by the server).
 
-    The dataset arrives as references inside a list, resolved here (zero-copy
-    views of the object store); the server owns and keeps the references, so a
-    restarted worker can read them again."""
+    The dataset's references come from the server's ``DataSource`` actor and
+    are resolved here (zero-copy views of the object store); a restarted
+    worker asks again."""
 
     returns_to_ray = True
 
-    def __init__(self, cfg: ExperimentConfig, data_refs: list, num_classes: int):
+    def __init__(self, cfg: ExperimentConfig, data_source: str, num_classes: int):
         import ray
 
-        images, labels = ray.get(list(data_refs))
+        # the dataset's references come from the server's named data source actor, not from the constructor's
+        # arguments: a restarted worker (max_restarts) re-runs this and asks again, and Ray need not keep
+        # references or handles passed to a constructor alive for restarts (it warns about them)
+        images, labels = ray.get(ray.get(ray.get_actor(data_source).refs.remote()))
         super().__init__(cfg, images, labels, num_classes)
 
     def ping(self) -> int:
