@@ -70,7 +70,7 @@ class Server:
         # to a restartable actor's constructor need not outlive it)
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         source = f"rayfed_dg_data_{uuid.uuid4().hex}"
-        self.data_source = ray.remote(DataSource).options(num_cpus=0, scheduling_strategy=here,
+        self.data_source: Any = ray.remote(DataSource).options(num_cpus=0, scheduling_strategy=here,
                                                           name=source).remote(self.data_refs)
         remote_worker = ray.remote(Worker)
         workers: list[Any] = [remote_worker.options(**opts).remote(cfg, source, num_classes)

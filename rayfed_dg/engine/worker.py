@@ -232,7 +232,8 @@ class Worker(ClientRunner):
         # the dataset's references come from the server's named data source actor, not from the constructor's
         # arguments: a restarted worker (max_restarts) re-runs this and asks again, and Ray need not keep
         # references or handles passed to a constructor alive for restarts (it warns about them)
-        images, labels = ray.get(ray.get(ray.get_actor(data_source).refs.remote()))
+        refs: list = ray.get(ray.get_actor(data_source).refs.remote())
+        images, labels = ray.get(refs)
         super().__init__(cfg, images, labels, num_classes)
 
     def ping(self) -> int:
