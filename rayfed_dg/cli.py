@@ -122,7 +122,7 @@ def _run(args) -> int:
         sub = run_dir if len(variants) == 1 else run_dir / label
         sub.mkdir(parents=True, exist_ok=True)
         print(f"== {label}: {len(targets)} target(s), {vcfg.training.rounds} rounds -> {sub}", file=sys.stderr)
-        summary = run_experiment(vcfg, ds, targets, sub, progress=not args.no_progress, splits=splits)
+        summary = run_experiment(vcfg, ds, targets, sub, progress=not args.no_progress, splits=splits, label=label)
         summaries[label] = summary
     if len(variants) > 1:
         write_text(json.dumps(summaries, indent=2), run_dir / "summary.json")

@@ -37,6 +37,7 @@ class WorkerPool:
         self.workers = list(workers)
         self.retries = retries
         self.retried = 0  # failed attempts that were retried, over the pool's life
+        self.last_retries: dict[Any, int] = {}  # job -> its retries in the latest ``map``
 
     def map(self, jobs: Sequence[J], submit: Callable[[Any, J, int], Any],
             on_result: Callable[[J, Any], None]) -> list[tuple[J, str]]:
@@ -48,6 +49,7 @@ class WorkerPool:
         free = [w for _ in range(IN_FLIGHT_PER_WORKER) for w in range(len(self.workers))]
         inflight: dict[Any, tuple[int, J, int]] = {}
         dropped: list[tuple[J, str]] = []
+        self.last_retries = {}
         while queue or inflight:
             while queue and free:
                 job, attempt = queue.pop(0)
@@ -66,6 +68,7 @@ class WorkerPool:
                     raise
                 if attempt < self.retries:
                     self.retried += 1
+                    self.last_retries[job] = self.last_retries.get(job, 0) + 1
                     queue.insert(0, (job, attempt + 1))
                 else:
                     dropped.append((job, repr(err).splitlines()[0][:200]))
