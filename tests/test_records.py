@@ -43,21 +43,22 @@ def without_seconds(rows):
 
 
 def test_killed_run_keeps_every_finished_round_and_resume_adds_no_duplicates(ray_session, tiny_ds, tmp_path):
+    # checkpoints every 2 rounds: killed after round 3, the run resumes from round 2 and repeats round 3
     killed, clean = tmp_path / "killed", tmp_path / "clean"
     with pytest.raises(Killed):
-        federation(ray_session, tiny_ds, killed, on_round=kill_after(2))
+        federation(ray_session, tiny_ds, killed, "output.checkpoint_every=2", on_round=kill_after(3))
     for name in TABLES:
-        assert rounds_of(killed, name) == [1, 2], name
+        assert rounds_of(killed, name) == [1, 2, 3], name
         parts = sorted((killed / f"{name}.parquet").iterdir())
-        assert [p.name for p in parts] == [f"{TARGET}-r00001.parquet", f"{TARGET}-r00002.parquet"]
+        assert [p.name for p in parts] == [f"{TARGET}-r{r:05d}.parquet" for r in (1, 2, 3)]
         for p in parts:  # every part is a complete Parquet file on its own
             assert pq.read_table(p).num_rows > 0
         # any Parquet reader sees the folder as one table
         assert pq.read_table(killed / f"{name}.parquet").num_rows == len(read_rows(killed, name))
-    assert len(read_rows(killed, "metrics")) == 2 * 4 and len(read_rows(killed, "clients")) == 2 * 3
+    assert len(read_rows(killed, "metrics")) == 3 * 4 and len(read_rows(killed, "clients")) == 3 * 3
 
-    federation(ray_session, tiny_ds, killed)  # resume from the round-2 checkpoint
-    federation(ray_session, tiny_ds, clean)
+    federation(ray_session, tiny_ds, killed, "output.checkpoint_every=2")  # resume
+    federation(ray_session, tiny_ds, clean, "output.checkpoint_every=2")
     for name in TABLES:
         a, b = read_rows(killed, name), read_rows(clean, name)
         assert rounds_of(killed, name) == [1, 2, 3, 4]
