@@ -195,9 +195,7 @@ def seeds_table(run_dirs: list[Path], fmt: str = "md") -> str:
     for label, rs in runs.items():
         per_run = [rule_accuracies(r, targets) for r in rs]
         for rule in RULES:
-            cells = []
-            for t in targets:
-                cells.append(_cell([a[rule.name][t] for a in per_run if a[rule.name].get(t) is not None]))
+            cells = [_cell([v for a in per_run if (v := a[rule.name].get(t)) is not None]) for t in targets]
             # a run's average over targets, then mean ± SE over runs; only runs with every target count
             avgs = [float(np.mean([a[rule.name][t] for t in targets])) for a in per_run
                     if all(a[rule.name].get(t) is not None for t in targets)]
