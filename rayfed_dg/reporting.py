@@ -91,11 +91,15 @@ class RunRecord:
 _NOT_RUNS = ("checkpoints", "tensorboard", "plots")
 
 
-def find_runs(run_dir: Path, depth: int = 0) -> list[RunRecord]:
+def find_runs(run_dir: Path, depth: int = 0, unfinished: bool = False) -> list[RunRecord]:
     """The runs under ``run_dir``: itself if it holds a finished run's
     ``summary.json``, else its sub-directories (a compare run's methods, a
-    ``--seeds`` run's ``seedN`` folders, or both), up to three levels down."""
+    ``--seeds`` run's ``seedN`` folders, or both), up to three levels down.
+    With ``unfinished``, also runs still going or killed (records but no
+    summary yet; their summary is empty)."""
     import json
+
+    import yaml
 
     run_dir = Path(run_dir)
     path = run_dir / "summary.json"
@@ -104,18 +108,22 @@ def find_runs(run_dir: Path, depth: int = 0) -> list[RunRecord]:
         # runs before summaries named their label: a compare run's sub-directory is named after it
         label = s.get("label") or (run_dir.name if depth else s.get("method", run_dir.name))
         return [RunRecord(run_dir, label + _data_stage(run_dir), s)]
+    if unfinished and (run_dir / "metrics.parquet").exists() and (run_dir / "config.yaml").is_file():
+        method = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("method") or {}
+        label = method.get("label") or method.get("name", run_dir.name)
+        return [RunRecord(run_dir, label + _data_stage(run_dir), {})]
     if depth >= 3:
         return []
     subs = sorted(p for p in run_dir.iterdir() if p.is_dir() and p.name not in _NOT_RUNS
                   and not p.name.endswith(".parquet")) if run_dir.is_dir() else []
-    return [r for sub in subs for r in find_runs(sub, depth + 1)]
+    return [r for sub in subs for r in find_runs(sub, depth + 1, unfinished)]
 
 
-def collect_runs(run_dirs: list[Path]) -> dict[str, list[RunRecord]]:
+def collect_runs(run_dirs: list[Path], unfinished: bool = False) -> dict[str, list[RunRecord]]:
     """method label -> its runs (one per seed) under ``run_dirs``, in order."""
     out: dict[str, list[RunRecord]] = {}
     for rd in run_dirs:
-        for run in find_runs(Path(rd)):
+        for run in find_runs(Path(rd), unfinished=unfinished):
             out.setdefault(run.label, []).append(run)
     return out
 
