@@ -15,13 +15,20 @@ target, and overlays them on the same charts.  Tags, with the round as step:
 ``comm/bytes_down``        bytes the round's clients received
 
 Accuracies appear on evaluated rounds only (``evaluation.every``).  A resumed
-run opens its writer with ``purge_step`` = the first round it repeats, so
+run starts its event file with a purge at the first round it repeats
+(``SessionLog.START``, what ``SummaryWriter(purge_step=...)`` writes), so
 TensorBoard hides what the killed run had logged from that round on.
+
+Events are written synchronously with tensorboardX's ``EventsWriter`` and
+flushed after each round: ``SummaryWriter.flush`` does not wait for its
+background thread, and a run killed right after a round lost that round's
+scalars (seen in the SIGKILL test of ``tests/test_resume.py``).
 """
 from __future__ import annotations
 
 import os
 import struct
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -55,16 +62,24 @@ class TensorBoardLogger:
     """A round callback (``run.RoundCallback``) writing ``round_scalars``."""
 
     def __init__(self, logdir: Path, purge_step: int | None = None):
-        from tensorboardX import SummaryWriter
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
 
         Path(logdir).mkdir(parents=True, exist_ok=True)
         # the pid keeps a resumed run's file apart from the killed one's, even within the same second
-        self.writer = SummaryWriter(logdir=str(logdir), purge_step=purge_step, filename_suffix=f".{os.getpid()}")
+        self.writer = EventsWriter(str(Path(logdir) / "events"), f".{os.getpid()}")
+        if purge_step is not None:
+            self.writer.write_event(Event(wall_time=time.time(), step=purge_step,
+                                          session_log=SessionLog(status=SessionLog.START)))
+        self.writer.flush()
 
     def on_round(self, out: RoundResult, res: Any, new_best: bool, server_state: Callable[[], dict]) -> None:
-        for tag, value in round_scalars(out).items():
-            self.writer.add_scalar(tag, value, out.round)
-        self.writer.flush()  # readable at once, and kept if the run is killed
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.proto.summary_pb2 import Summary
+
+        values = [Summary.Value(tag=tag, simple_value=v) for tag, v in round_scalars(out).items()]
+        self.writer.write_event(Event(wall_time=time.time(), step=out.round, summary=Summary(value=values)))
+        self.writer.flush()  # on disk before the round's checkpoint: kept if the run is killed
 
     def close(self) -> None:
         self.writer.close()
