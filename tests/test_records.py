@@ -42,23 +42,41 @@ def without_seconds(rows):
     return [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
 
 
-def test_killed_run_keeps_every_finished_round_and_resume_adds_no_duplicates(ray_session, tiny_ds, tmp_path):
-    # checkpoints every 2 rounds: killed after round 3, the run resumes from round 2 and repeats round 3
-    killed, clean = tmp_path / "killed", tmp_path / "clean"
+@pytest.fixture(scope="module")
+def killed_and_clean(ray_session, tiny_ds, tmp_path_factory):
+    """FedBN (so personal rows too), checkpoints every 2 rounds, killed after
+    round 3 (a copy of the run directory as the kill left it), then resumed
+    (from round 2: round 3 is repeated); and the same run uninterrupted."""
+    import shutil
+
+    base = tmp_path_factory.mktemp("records")
+    killed, clean, at_kill = base / "killed", base / "clean", base / "at_kill"
+    sets = ("output.checkpoint_every=2", "method.name=fedbn")
     with pytest.raises(Killed):
-        federation(ray_session, tiny_ds, killed, "output.checkpoint_every=2", on_round=kill_after(3))
+        federation(ray_session, tiny_ds, killed, *sets, on_round=kill_after(3))
+    shutil.copytree(killed, at_kill)
+    federation(ray_session, tiny_ds, killed, *sets)  # resume
+    federation(ray_session, tiny_ds, clean, *sets)
+    return at_kill, killed, clean
+
+
+def test_killed_run_keeps_every_finished_round(killed_and_clean):
+    at_kill, _, _ = killed_and_clean
     for name in TABLES:
-        assert rounds_of(killed, name) == [1, 2, 3], name
-        parts = sorted((killed / f"{name}.parquet").iterdir())
+        assert rounds_of(at_kill, name) == [1, 2, 3], name
+        parts = sorted((at_kill / f"{name}.parquet").iterdir())
         assert [p.name for p in parts] == [f"{TARGET}-r{r:05d}.parquet" for r in (1, 2, 3)]
         for p in parts:  # every part is a complete Parquet file on its own
             assert pq.read_table(p).num_rows > 0
         # any Parquet reader sees the folder as one table
-        assert pq.read_table(killed / f"{name}.parquet").num_rows == len(read_rows(killed, name))
-    assert len(read_rows(killed, "metrics")) == 3 * 4 and len(read_rows(killed, "clients")) == 3 * 3
+        assert pq.read_table(at_kill / f"{name}.parquet").num_rows == len(read_rows(at_kill, name))
+    # per round: 3 source val + 1 target + 3 clients' own models; 3 clients
+    assert len(read_rows(at_kill, "metrics")) == 3 * 7 and len(read_rows(at_kill, "clients")) == 3 * 3
+    assert [c.name for c in (at_kill / "checkpoints" / TARGET).glob("*.json")] == ["round_00002.json"]
 
-    federation(ray_session, tiny_ds, killed, "output.checkpoint_every=2")  # resume
-    federation(ray_session, tiny_ds, clean, "output.checkpoint_every=2")
+
+def test_resume_adds_no_duplicate_rows(killed_and_clean):
+    _, killed, clean = killed_and_clean
     for name in TABLES:
         a, b = read_rows(killed, name), read_rows(clean, name)
         assert rounds_of(killed, name) == [1, 2, 3, 4]
@@ -134,35 +152,32 @@ def test_personalized_evaluation_is_each_clients_own_model(ray_session, tiny_ds)
         tiny_cfg(), split, [ray.put(tiny_ds.images), ray.put(tiny_ds.labels)], 10, 1).personalizes.remote())
 
 
-def test_tensorboard_scalars_equal_the_metrics_table(ray_session, tiny_ds, tmp_path):
-    federation(ray_session, tiny_ds, tmp_path, "training.rounds=3", "method.name=fedbn")
-    logdir = tmp_path / "tensorboard" / TARGET
-    assert list(logdir.glob("events.out.tfevents.*"))
+def test_tensorboard_scalars_equal_the_metrics_table(killed_and_clean):
+    _, _, clean = killed_and_clean
+    logdir = clean / "tensorboard" / TARGET
+    assert len(list(logdir.glob("events.out.tfevents.*"))) == 1
     sc = {tag: dict(points) for tag, points in read_scalars(logdir).items()}
     assert set(sc) == {"accuracy/source_val", "accuracy/target", "accuracy/personal_val", "loss/train",
                        "time/round_seconds", "comm/bytes_up", "comm/bytes_down"}
-    metrics, clients, ledger = (read_rows(tmp_path, n) for n in ("metrics", "clients", "ledger"))
+    metrics, clients, ledger = (read_rows(clean, n) for n in ("metrics", "clients", "ledger"))
+    rounds = (1, 2, 3, 4)
     for tag, split in (("accuracy/source_val", "source_val"), ("accuracy/target", "target_test"),
                        ("accuracy/personal_val", "personal_val")):
         want = {r: np.float32(np.mean([m["accuracy"] for m in metrics if m["round"] == r and m["split"] == split]))
-                for r in (1, 2, 3)}
+                for r in rounds}
         assert sc[tag] == want, tag
     assert sc["loss/train"] == {r: np.float32(np.mean([c["train_loss"] for c in clients if c["round"] == r]))
-                                for r in (1, 2, 3)}
+                                for r in rounds}
     for d in ("up", "down"):
         assert sc[f"comm/bytes_{d}"] == {r: np.float32(sum(x["bytes"] for x in ledger if x["round"] == r
-                                                           and x["direction"] == d)) for r in (1, 2, 3)}
+                                                           and x["direction"] == d)) for r in rounds}
     assert all(v > 0 for v in sc["time/round_seconds"].values())
 
 
-def test_tensorboard_after_resume_shows_each_round_once(ray_session, tiny_ds, tmp_path):
-    killed, clean = tmp_path / "killed", tmp_path / "clean"
-    with pytest.raises(Killed):
-        federation(ray_session, tiny_ds, killed, "output.checkpoint_every=2", on_round=kill_after(3))
-    federation(ray_session, tiny_ds, killed, "output.checkpoint_every=2")  # repeats round 3
-    federation(ray_session, tiny_ds, clean, "output.checkpoint_every=2")
+def test_tensorboard_after_resume_shows_each_round_once(killed_and_clean):
+    _, killed, clean = killed_and_clean
     a, b = (read_scalars(d / "tensorboard" / TARGET) for d in (killed, clean))
     assert len(list((killed / "tensorboard" / TARGET).glob("events.*"))) == 2
-    for tag in ("accuracy/source_val", "accuracy/target", "loss/train", "comm/bytes_up"):
+    for tag in ("accuracy/source_val", "accuracy/target", "accuracy/personal_val", "loss/train", "comm/bytes_up"):
         assert [s for s, _ in a[tag]] == [1, 2, 3, 4], tag  # round 3 of the killed run is hidden, not drawn twice
         assert a[tag] == b[tag], tag
