@@ -134,7 +134,7 @@ def client_losses(run: RunRecord, title: str, path: Path, targets: list[str] | N
     targets = targets or _targets(rows)
     if not targets:
         raise ConfigError(f"{run.path}: no client rows yet")
-    domains = list(dict.fromkeys(r["domain"] for r in rows))
+    domains = sorted({r["domain"] for r in rows})  # colours as in the feature maps: domains in name order
     cmap = plt.get_cmap("tab10")
     fig, axes = plt.subplots(1, len(targets), figsize=(3.8 * len(targets) + 0.8, 3.6), squeeze=False)
     for j, t in enumerate(targets):
@@ -176,6 +176,7 @@ def feature_map(feats: dict[str, np.ndarray], kind: str, class_names: list[str],
         xy = TSNE(n_components=2, perplexity=float(min(30, max(5, (len(x) - 1) // 3))), init="pca",
                   random_state=0).fit_transform(x)
     cmap = plt.get_cmap("tab10")
+    domain_order = sorted(domain_order)  # colours as in the client plots: domains in name order
     fig, ax = plt.subplots(figsize=(9.0, 6.4))
     fig.subplots_adjust(left=0.03, right=0.70, top=0.86, bottom=0.03)
     domains = [d for d in domain_order if d in set(feats["domain"])]
