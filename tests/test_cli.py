@@ -24,8 +24,12 @@ def test_two_round_run_writes_the_run_directory(tmp_path):
     proc = quick_run(run_dir, "method.name=fedbn")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "fedbn" in proc.stdout and "colour" in proc.stdout
-    for name in ("config.yaml", "metrics.parquet", "ledger.parquet", "summary.json", "best_colour.pt"):
+    for name in ("config.yaml", "summary.json", "best_colour.pt"):
         assert (run_dir / name).is_file(), name
+    for name in ("metrics", "ledger", "clients"):  # folders of per-round parts
+        assert sorted(p.name for p in (run_dir / f"{name}.parquet").iterdir()) == [
+            "colour-r00001.parquet", "colour-r00002.parquet"], name
+    assert list((run_dir / "tensorboard" / "colour").glob("events.out.tfevents.*"))
     m = pq.read_table(run_dir / "metrics.parquet").to_pylist()
     assert {r["split"] for r in m} == {"source_val", "target_test"}
     assert {r["round"] for r in m} == {1, 2}
