@@ -3,11 +3,13 @@
 
     python tune.py --space NAME [--config CONFIG] [--target DOMAIN|all] [--samples N]
                    [--scheduler fifo|asha] [--resume] [--set k=v ...]
+                   [--wandb PROJECT] [--mlflow TRACKING_URI]
 
 Spaces are the YAML files in tuning/.  Model selection follows the DG
 protocol: rounds and values are chosen by mean source-validation accuracy;
 target accuracy is recorded, never used to choose.  Writes trials.parquet,
-selection.parquet, selection.md and chosen_config.yaml in the sweep folder.
+selection.parquet, selection.md and chosen_config.yaml in the sweep folder;
+each trial's TensorBoard scalars go to <trial>/tensorboard/<target>.
 """
 from __future__ import annotations
 
@@ -25,6 +27,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resume", action="store_true", help="continue an interrupted sweep")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--storage", default="runs/tune", help="where sweeps are kept")
+    ap.add_argument("--wandb", metavar="PROJECT", default=None,
+                    help="also log trials to Weights & Biases (Ray Tune's WandbLoggerCallback; needs wandb)")
+    ap.add_argument("--mlflow", metavar="TRACKING_URI", default=None,
+                    help="also log trials to MLflow (Ray Tune's MLflowLoggerCallback; needs mlflow)")
     ap.add_argument("--debug", action="store_true")
     args = ap.parse_args(argv)
 
@@ -33,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def sweep() -> int:
         out = run_sweep(args.space, args.config, args.target, args.samples, args.scheduler, args.resume,
-                        args.overrides, args.storage)
+                        args.overrides, args.storage, wandb_project=args.wandb, mlflow_uri=args.mlflow)
         print(f"\nTarget accuracy at each target's round selected by source validation; sweep {out['path']}")
         print(out["table"])
         print(f"chosen by mean source validation: {out['chosen']}  (config: {out['path']}/chosen_config.yaml)")

@@ -27,6 +27,8 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--run-dir", default=None, help="output directory (default: output.root/name-timestamp)")
     run.add_argument("--resume", metavar="RUN_DIR", default=None,
                      help="continue RUN_DIR (made with the same config) from its last complete checkpoint")
+    run.add_argument("--seeds", default=None, metavar="S,S,...",
+                     help="run each training seed in turn into RUN_DIR/seed<S> and end with mean +- SE over seeds")
     run.add_argument("--no-progress", action="store_true", help="no live progress bars")
     run.add_argument("--dry-run", action="store_true",
                      help="prove the config builds and trains: 1 round, 1 local step, a few images per client "
@@ -46,9 +48,20 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="the selected round's model (default) or the last round's")
     ev.add_argument("--target", default=None, help="target domain or comma list (default: the run's targets)")
     ev.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
-    rep = sub.add_parser("report", help="table of target accuracy over runs (seeds) per method")
-    rep.add_argument("run_dirs", nargs="+")
+    rep = sub.add_parser("report", help="target accuracy per method and model-selection rule, mean +- SE over seeds")
+    rep.add_argument("run_dirs", nargs="+", help="run directories (a --seeds run, compare runs, or one per seed)")
+    rep.add_argument("--format", choices=("md", "csv", "latex", "text"), default="md")
     rep.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    plot = sub.add_parser("plot", help="figures of runs: learning curves, per-client loss, t-SNE / PCA of features")
+    plot.add_argument("run_dirs", nargs="+", help="run directories (as for report)")
+    plot.add_argument("--kind", choices=("curves", "clients", "tsne", "pca"), default="curves")
+    plot.add_argument("--out", default=None, help="folder for the PNGs (default: RUN_DIR/plots of the first)")
+    plot.add_argument("--target", default=None, help="target domain or comma list (default: every target)")
+    plot.add_argument("--weights", choices=("best", "final"), default="best",
+                      help="tsne / pca: the selected round's model (default) or the last round's")
+    plot.add_argument("--per-domain", type=int, default=200,
+                      help="tsne / pca: held-out images per domain (seeded sample; default 200)")
+    plot.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     return p
 
 
@@ -75,8 +88,23 @@ def _partition(args) -> int:
     return 0
 
 
+def parse_seeds(text: str | None) -> list[int] | None:
+    """``--seeds 0,1,2`` -> [0, 1, 2]; None when not given."""
+    from rayfed_dg.config import ConfigError
+
+    if text is None:
+        return None
+    try:
+        seeds = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--seeds {text!r}: expected a comma list of integers, e.g. --seeds 0,1,2") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ConfigError(f"--seeds {text!r}: expected distinct integers, e.g. --seeds 0,1,2")
+    return seeds
+
+
 def _run(args) -> int:
-    from rayfed_dg.config import load_config, method_variants
+    from rayfed_dg.config import ConfigError, load_config, method_variants, save_config
     from rayfed_dg.engine import (
         check_resume_dir,
         format_table,
@@ -88,6 +116,7 @@ def _run(args) -> int:
         run_experiment,
     )
 
+    seeds = parse_seeds(args.seeds)
     dry = []
     if args.dry_run:
         clients = load_config(args.config, args.overrides).partition.num_clients or 1
@@ -95,7 +124,10 @@ def _run(args) -> int:
         dry = ["training.rounds=1", "training.local_steps=1", "training.batch_size=4",
                f"data.limit_per_domain={max(24, 6 * clients)}", "partition.min_size=1",
                "evaluation.batch_size=8", "output.checkpoint_every=1"]
-    cfg = load_config(args.config, args.overrides + dry)
+    # one config per seed (--seeds: training.seed set last, so it wins over --set)
+    cfgs = [(None, load_config(args.config, args.overrides + dry))] if seeds is None else \
+        [(s, load_config(args.config, args.overrides + dry + [f"training.seed={s}"])) for s in seeds]
+    cfg = cfgs[0][1]
     ds = load_data(cfg)
     targets = resolve_targets(ds, args.target)
     variants = method_variants(cfg)
@@ -104,7 +136,12 @@ def _run(args) -> int:
         preflight(vcfg, splits, ds.num_classes)
     if args.resume:
         run_dir = Path(args.resume)
-        check_resume_dir(cfg, run_dir)
+        for s, scfg in cfgs:
+            sdir = run_dir if s is None else run_dir / f"seed{s}"
+            if s is None and not (sdir / "config.yaml").is_file() and any(run_dir.glob("seed*/config.yaml")):
+                raise ConfigError(f"--resume {run_dir}: a --seeds run; resume it with the same --seeds")
+            if s is None or sdir.exists():
+                check_resume_dir(scfg, sdir)
     elif args.dry_run and args.run_dir is None:
         import tempfile
 
@@ -113,21 +150,33 @@ def _run(args) -> int:
         run_dir = make_run_dir(cfg, tmp.name)
     else:
         run_dir = make_run_dir(cfg, args.run_dir)
-    from rayfed_dg.config import save_config
+    by_seed = {}
+    for s, scfg in cfgs:
+        sdir = run_dir if s is None else run_dir / f"seed{s}"
+        sdir.mkdir(parents=True, exist_ok=True)
+        if not (sdir / "config.yaml").exists():
+            save_config(scfg, sdir / "config.yaml")
+        summaries = {}
+        for label, vcfg in (variants if s is None else method_variants(scfg)):
+            sub = sdir if len(variants) == 1 else sdir / label
+            sub.mkdir(parents=True, exist_ok=True)
+            what = "" if s is None else f"seed {s}, "
+            print(f"== {label}: {what}{len(targets)} target(s), {vcfg.training.rounds} rounds -> {sub}",
+                  file=sys.stderr)
+            summaries[label] = run_experiment(vcfg, ds, targets, sub, progress=not args.no_progress, splits=splits,
+                                              label=label)
+        if len(variants) > 1:
+            write_text(json.dumps(summaries, indent=2), sdir / "summary.json")
+        by_seed[s] = summaries
+    if seeds is None:
+        print(f"\nTarget accuracy (%) at the round selected by mean source-validation accuracy; run dir {run_dir}")
+        print(format_table(by_seed[None]))
+        return 0
+    from rayfed_dg.reporting import SE_NOTE, seeds_table
 
-    if not (run_dir / "config.yaml").exists():
-        save_config(cfg, run_dir / "config.yaml")
-    summaries = {}
-    for label, vcfg in variants:
-        sub = run_dir if len(variants) == 1 else run_dir / label
-        sub.mkdir(parents=True, exist_ok=True)
-        print(f"== {label}: {len(targets)} target(s), {vcfg.training.rounds} rounds -> {sub}", file=sys.stderr)
-        summary = run_experiment(vcfg, ds, targets, sub, progress=not args.no_progress, splits=splits)
-        summaries[label] = summary
-    if len(variants) > 1:
-        write_text(json.dumps(summaries, indent=2), run_dir / "summary.json")
-    print(f"\nTarget accuracy (%) at the round selected by mean source-validation accuracy; run dir {run_dir}")
-    print(format_table(summaries))
+    write_text(json.dumps({"seeds": {str(s): v for s, v in by_seed.items()}}, indent=2), run_dir / "summary.json")
+    print(f"\nTarget accuracy (%) over seeds {','.join(map(str, seeds))} ({SE_NOTE}); run dir {run_dir}")
+    print(seeds_table([run_dir], "text"))
     return 0
 
 
@@ -151,12 +200,34 @@ def _evaluate(args) -> int:
     return 0
 
 
+def _report(args) -> int:
+    from rayfed_dg.reporting import SE_NOTE, seeds_table
+
+    caption = (f"Target accuracy (%) at the round each model-selection rule picks; {SE_NOTE}. "
+               "The test-domain oracle is an upper bound and never chooses anything.")
+    table = seeds_table([Path(p) for p in args.run_dirs], args.format)
+    if args.format in ("md", "text"):
+        print(caption + "\n")
+    elif args.format == "latex":
+        print("% " + caption)
+    print(table)
+    return 0
+
+
+def _plot(args) -> int:
+    from rayfed_dg.plots import plot_runs
+
+    for path in plot_runs([Path(p) for p in args.run_dirs], args.kind, Path(args.out) if args.out else None,
+                          args.target, args.weights, args.per_domain):
+        print(path)
+    return 0
+
+
 def _dispatch(args) -> int:
     if args.command == "report":
-        from rayfed_dg.reporting import seeds_table
-
-        print(seeds_table([Path(p) for p in args.run_dirs]))
-        return 0
+        return _report(args)
+    if args.command == "plot":
+        return _plot(args)
     if args.command == "evaluate":
         return _evaluate(args)
     return _run(args) if args.command == "run" else _partition(args)

@@ -131,6 +131,8 @@ class EngineConfig(_Strict):
 class EvaluationConfig(_Strict):
     every: int = Field(1, ge=0)  # 0: only after the last round
     batch_size: int = Field(256, ge=1)
+    # methods with client-local state: also evaluate each client's own model on its domain's validation split
+    personal: bool = True
 
 
 class OutputConfig(_Strict):
@@ -138,6 +140,7 @@ class OutputConfig(_Strict):
     name: str = "experiment"
     save_best_checkpoint: bool = True
     checkpoint_every: int = Field(5, ge=0)  # rounds between resumable checkpoints; 0: none
+    tensorboard: bool = True  # TensorBoard scalars per round under <run dir>/tensorboard/<target>
 
 
 class ExperimentConfig(_Strict):

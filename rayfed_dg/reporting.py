@@ -1,6 +1,9 @@
-"""Reports from records: partition summaries and heatmaps (like FedFD-A Fig. 7)."""
+"""Reports from records: partition summaries and heatmaps (like FedFD-A
+Fig. 7), and the results table over seeds with DomainBed's three
+model-selection rules (``rayfed-dg report``)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -71,22 +74,63 @@ def partition_heatmap(ds: DomainDataset, split: FederatedSplit, path: Path, titl
     return path
 
 
-def collect_summaries(run_dirs: list[Path]) -> dict[str, list[dict]]:
-    """method label -> the per-run summaries found under ``run_dirs`` (a run
-    directory with ``summary.json``, or one whose sub-directories have them)."""
+@dataclass
+class RunRecord:
+    """One finished run (one method, one seed) found under a report's arguments."""
+    path: Path
+    label: str
+    summary: dict
+
+    def metrics(self) -> list[dict] | None:
+        """Its evaluation rows, or None for a run without a metrics table."""
+        from rayfed_dg.engine.records import read_rows
+
+        return read_rows(self.path, "metrics") if (self.path / "metrics.parquet").exists() else None
+
+
+_NOT_RUNS = ("checkpoints", "tensorboard", "plots")
+
+
+def find_runs(run_dir: Path, depth: int = 0, unfinished: bool = False) -> list[RunRecord]:
+    """The runs under ``run_dir``: itself if it holds a finished run's
+    ``summary.json``, else its sub-directories (a compare run's methods, a
+    ``--seeds`` run's ``seedN`` folders, or both), up to three levels down.
+    With ``unfinished``, also runs still going or killed (records but no
+    summary yet; their summary is empty)."""
     import json
 
-    out: dict[str, list[dict]] = {}
+    import yaml
+
+    run_dir = Path(run_dir)
+    path = run_dir / "summary.json"
+    s = json.loads(path.read_text()) if path.is_file() else {}
+    if "targets" in s:
+        # runs before summaries named their label: a compare run's sub-directory is named after it
+        label = s.get("label") or (run_dir.name if depth else s.get("method", run_dir.name))
+        return [RunRecord(run_dir, label + _data_stage(run_dir), s)]
+    if unfinished and (run_dir / "metrics.parquet").exists() and (run_dir / "config.yaml").is_file():
+        method = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("method") or {}
+        label = method.get("label") or method.get("name", run_dir.name)
+        return [RunRecord(run_dir, label + _data_stage(run_dir), {})]
+    if depth >= 3:
+        return []
+    subs = sorted(p for p in run_dir.iterdir() if p.is_dir() and p.name not in _NOT_RUNS
+                  and not p.name.endswith(".parquet")) if run_dir.is_dir() else []
+    return [r for sub in subs for r in find_runs(sub, depth + 1, unfinished)]
+
+
+def collect_runs(run_dirs: list[Path], unfinished: bool = False) -> dict[str, list[RunRecord]]:
+    """method label -> its runs (one per seed) under ``run_dirs``, in order."""
+    out: dict[str, list[RunRecord]] = {}
     for rd in run_dirs:
-        rd = Path(rd)
-        top = json.loads((rd / "summary.json").read_text()) if (rd / "summary.json").is_file() else {}
-        if "targets" in top:  # a one-method run; otherwise a compare run's sub-directories
-            runs = [(rd, top.get("method", rd.name), top)]
-        else:
-            runs = [(p.parent, p.parent.name, json.loads(p.read_text())) for p in sorted(rd.glob("*/summary.json"))]
-        for sd, label, s in runs:
-            out.setdefault(label + _data_stage(sd), []).append(s)
+        for run in find_runs(Path(rd), unfinished=unfinished):
+            out.setdefault(run.label, []).append(run)
     return out
+
+
+def collect_summaries(run_dirs: list[Path]) -> dict[str, list[dict]]:
+    """method label -> the per-run summaries found under ``run_dirs``."""
+    return {label: [r.summary for r in runs] for label, runs in collect_runs(run_dirs).items()}
 
 
 def _data_stage(run_dir: Path) -> str:
@@ -112,20 +156,56 @@ def _data_stage(run_dir: Path) -> str:
     return out
 
 
-def seeds_table(run_dirs: list[Path]) -> str:
-    """Markdown: target accuracy (%) at the source-validation-selected round,
-    mean +- std over the runs (seeds) of each method."""
-    runs = collect_summaries(run_dirs)
+def rule_accuracies(run: RunRecord, targets: list[str]) -> dict[str, dict[str, float | None]]:
+    """{rule name: {target: target accuracy at the round the rule selects}}
+    for one run; without a metrics table only the training-domain rule is
+    known (from ``summary.json``)."""
+    from rayfed_dg.engine.selection import RULES, select
+
+    rows = run.metrics()
+    out: dict[str, dict[str, float | None]] = {}
+    for rule in RULES:
+        accs: dict[str, float | None] = {}
+        for t in targets:
+            if rows is None:
+                s = run.summary["targets"].get(t)
+                accs[t] = s["target_acc"] if s is not None and rule.name == "training_domain" else None
+            else:
+                sel = select([r for r in rows if r["target"] == t], rule)
+                accs[t] = None if sel is None else sel["target_acc"]
+        out[rule.name] = accs
+    return out
+
+
+SE_NOTE = "mean ± SE over seeds, SE = std(ddof=1)/sqrt(n), n = the seeds column"
+
+
+def _cell(values: list[float]) -> str:
+    from rayfed_dg.engine.selection import mean_se
+
+    if not values:
+        return "-"
+    m, se = mean_se([100 * v for v in values])
+    return f"{m:.2f}" if se is None else f"{m:.2f} ± {se:.2f}"
+
+
+def seeds_table(run_dirs: list[Path], fmt: str = "md") -> str:
+    """Target accuracy (%) per method and model-selection rule (DomainBed's:
+    training-domain validation, last round, test-domain oracle as an upper
+    bound), mean ± standard error over the runs (seeds) of each method."""
+    from rayfed_dg.engine.selection import RULES
+
+    runs = collect_runs(run_dirs)
     if not runs:
-        return "(no summaries found)"
-    targets = list(next(iter(runs.values()))[0]["targets"])
+        return "(no finished runs found)"
+    targets = list(next(iter(runs.values()))[0].summary["targets"])
     rows = []
-    for label, ss in runs.items():
-        cells = []
-        for t in targets + ["__avg"]:
-            vals = [100 * (s["average_target_acc"] if t == "__avg" else s["targets"][t]["target_acc"])
-                    for s in ss if t == "__avg" or t in s["targets"]]
-            cells.append(f"{np.mean(vals):.2f} ± {np.std(vals):.2f}" if len(vals) > 1 else
-                         (f"{vals[0]:.2f}" if vals else "-"))
-        rows.append([label, len(ss)] + cells)
-    return render_table(["method", "runs"] + targets + ["avg"], rows, "md")
+    for label, rs in runs.items():
+        per_run = [rule_accuracies(r, targets) for r in rs]
+        for rule in RULES:
+            cells = [_cell([v for a in per_run if (v := a[rule.name].get(t)) is not None]) for t in targets]
+            # a run's average over targets, then mean ± SE over runs; only runs with every target count
+            avgs = [float(np.mean([a[rule.name][t] for t in targets])) for a in per_run
+                    if all(a[rule.name].get(t) is not None for t in targets)]
+            rows.append([label, rule.label, len(rs)] + cells + [_cell(avgs)])
+    return render_table(["method", "selection", "seeds"] + targets + ["avg"], rows, fmt)

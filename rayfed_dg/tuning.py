@@ -24,6 +24,12 @@ to choose).  ``select_value`` applies the training-domain-validation rule:
 for each hyper-parameter value, the round of each target's trial is chosen
 by source validation; the value with the best mean selected source
 validation wins, and its target accuracies are what one reports.
+
+Each trial also writes the run's TensorBoard scalars (``engine/tblog.py``:
+the same tags as ``rayfed-dg run``) to ``<trial dir>/tensorboard/<target>``,
+so ``tensorboard --logdir runs/tune/NAME`` compares the trials.  W&B and
+MLflow are optional, off by default, through the logger callbacks Ray Tune
+ships (``logger_callbacks``); neither package is imported unless asked for.
 """
 from __future__ import annotations
 
@@ -104,6 +110,8 @@ def trainable(trial_config: dict, *, config_path: str, fixed: list[str]) -> None
             shutil.copytree(d, work, dirs_exist_ok=True)
     saved_rounds = [int(p.stem.split("_")[1]) for p in work.glob("checkpoints/*/round_*.pt")]
     last: dict = {"resumed_from_round": max(saved_rounds, default=0)}  # 0: the trial started at round 1
+    trial_dir = tune.get_context().get_trial_dir()  # Tune syncs it to the sweep folder
+    tb = Path(trial_dir) / "tensorboard" if cfg.output.tensorboard and trial_dir else None
 
     def report(out, res):
         if out.metrics:
@@ -126,9 +134,32 @@ def trainable(trial_config: dict, *, config_path: str, fixed: list[str]) -> None
 
     try:
         run_federation(cfg, split, ray.put(ds.images), ray.put(ds.labels), ds.num_classes, run_dir=work,
-                       progress=False, worker_options=opts, on_round=report, pool_workers=workers)
+                       progress=False, worker_options=opts, on_round=report, pool_workers=workers,
+                       tensorboard=tb)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def logger_callbacks(name: str, wandb_project: str | None = None, mlflow_uri: str | None = None) -> list:
+    """Ray Tune's W&B and MLflow logger callbacks, each only when asked for
+    (a project, a tracking URI); their modules, and ``wandb`` / ``mlflow``,
+    are imported here and nowhere else."""
+    cbs: list = []
+    if wandb_project:
+        try:
+            import wandb  # noqa: F401
+            from ray.air.integrations.wandb import WandbLoggerCallback
+        except ImportError:
+            raise ConfigError("--wandb needs the wandb package (pip install wandb)") from None
+        cbs.append(WandbLoggerCallback(project=wandb_project, group=name))
+    if mlflow_uri:
+        try:
+            import mlflow  # noqa: F401
+            from ray.air.integrations.mlflow import MLflowLoggerCallback
+        except ImportError:
+            raise ConfigError("--mlflow needs the mlflow package (pip install mlflow)") from None
+        cbs.append(MLflowLoggerCallback(tracking_uri=mlflow_uri, experiment_name=name))
+    return cbs
 
 
 def placement(cfg, workers: int):
@@ -185,13 +216,15 @@ def markdown_table(rows: list[dict], targets: list[str], params: list[str]) -> s
 
 
 def run_sweep(space_name: str, config: str | None, target: str, samples: int, scheduler: str, resume: bool,
-              overrides: list[str], storage: str, space_dir: Path = SPACE_DIR, verbose: int = 1) -> dict[str, Any]:
+              overrides: list[str], storage: str, space_dir: Path = SPACE_DIR, verbose: int = 1,
+              wandb_project: str | None = None, mlflow_uri: str | None = None) -> dict[str, Any]:
     from ray import tune
 
     from rayfed_dg.engine import clients_per_round, init_ray, load_data, make_splits, resolve_targets
     from rayfed_dg.engine.plan import ensure_workers
 
     space = load_space(space_name, space_dir)
+    callbacks = logger_callbacks(space_name, wandb_project, mlflow_uri)  # a missing package fails before any trial
     config_path = config or space.get("config")
     if not config_path:
         raise ConfigError(f"{space['path']}: no 'config' and no --config given")
@@ -241,7 +274,8 @@ def run_sweep(space_name: str, config: str | None, target: str, samples: int, sc
         tuner = tune.Tuner(fn, param_space=param_space,
                            tune_config=tune.TuneConfig(metric="src_val", mode="max", num_samples=samples,
                                                        scheduler=sched),
-                           run_config=tune.RunConfig(name=name, storage_path=storage, verbose=verbose))
+                           run_config=tune.RunConfig(name=name, storage_path=storage, verbose=verbose,
+                                                     callbacks=callbacks or None))
     results = tuner.fit()
     params = list(space["params"])
     records = []

@@ -26,9 +26,10 @@ def atomic_write_with(path: Path, write: Callable[[BinaryIO], Any], mode: int = 
     """Write ``path`` so that a reader sees the old file or the whole new one:
     ``write(f)`` fills a temporary file in the same folder (streamed, so a
     large array is never held twice in memory), which is synced to disk and
-    renamed over ``path``."""
+    renamed over ``path``.  The temporary name is hidden (``.NAME.tmp``), so
+    readers that list a folder of part files never pick up a half-written one."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name("." + path.name + ".tmp")
     try:
         with open(tmp, "wb") as f:
             write(f)
@@ -36,8 +37,23 @@ def atomic_write_with(path: Path, write: Callable[[BinaryIO], Any], mode: int = 
             os.fsync(f.fileno())
         os.chmod(tmp, mode)
         os.replace(tmp, path)
+        _fsync_dir(path.parent)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename durable (a crash of the machine, not only of the process)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:

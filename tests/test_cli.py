@@ -9,10 +9,10 @@ import torch
 from conftest import REPO
 
 
-def quick_run(run_dir, *sets):
+def quick_run(run_dir, *sets, options=()):
     """The quickstart for target colour, 2 rounds on 16 px images, one method."""
     cmd = [sys.executable, "-m", "rayfed_dg", "run", str(REPO / "configs" / "quickstart.yaml"),
-           "--target", "colour", "--run-dir", str(run_dir), "--no-progress"]
+           "--target", "colour", "--run-dir", str(run_dir), "--no-progress", *options]
     for kv in ("training.rounds=2", "data.resolution=16", "model.width=8", "compare=null", *sets):
         cmd += ["--set", kv]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -24,8 +24,12 @@ def test_two_round_run_writes_the_run_directory(tmp_path):
     proc = quick_run(run_dir, "method.name=fedbn")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "fedbn" in proc.stdout and "colour" in proc.stdout
-    for name in ("config.yaml", "metrics.parquet", "ledger.parquet", "summary.json", "best_colour.pt"):
+    for name in ("config.yaml", "summary.json", "best_colour.pt"):
         assert (run_dir / name).is_file(), name
+    for name in ("metrics", "ledger", "clients"):  # folders of per-round parts
+        assert sorted(p.name for p in (run_dir / f"{name}.parquet").iterdir()) == [
+            "colour-r00001.parquet", "colour-r00002.parquet"], name
+    assert list((run_dir / "tensorboard" / "colour").glob("events.out.tfevents.*"))
     m = pq.read_table(run_dir / "metrics.parquet").to_pylist()
     assert {r["split"] for r in m} == {"source_val", "target_test"}
     assert {r["round"] for r in m} == {1, 2}
@@ -134,7 +138,8 @@ def test_report_keeps_ccst_variants_apart(tmp_path, capsys):
         (d / "summary.json").write_text(json.dumps({"targets": {"x": {"target_acc": acc}}, "average_target_acc": acc,
                                                     "method": "fedavg"}))
     assert main(["report"] + [str(tmp_path / n) for n in ("plain", "k1", "k2", "single")]) == 0
-    rows = {l.split(" | ")[0][2:]: l for l in capsys.readouterr().out.splitlines() if l.startswith("| fedavg")}
+    rows = {l.split(" | ")[0][2:]: l for l in capsys.readouterr().out.splitlines()
+            if l.startswith("| fedavg") and "training-domain" in l}
     # a stage's label names the settings that differ from its defaults (K = 2, overall style)
     assert set(rows) == {"fedavg", "fedavg + ccst(k=1)", "fedavg + ccst", "fedavg + ccst(j=3, style=single)"}
     assert "| 70.00 |" in rows["fedavg + ccst"]
@@ -153,3 +158,39 @@ def test_result_table_aligns_every_variant():
     assert {tuple(i for i, ch in enumerate(x) if ch == "|") for x in lines if "|" in x} == {
         tuple(i for i, ch in enumerate(lines[0]) if ch == "|")}
     assert lines[4].split("|")[1:] == ["  4.17 ", "  4.17 ", "  4.17"]
+
+
+@pytest.mark.slow
+def test_seeds_give_the_numbers_of_separate_runs(tmp_path):
+    from rayfed_dg.engine.records import read_rows
+
+    multi = tmp_path / "multi"
+    proc = quick_run(multi, options=("--seeds", "0,1"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sorted(p.name for p in multi.iterdir()) == ["seed0", "seed1", "summary.json"]
+    for s in (0, 1):
+        one = tmp_path / f"one{s}"
+        r = quick_run(one, f"training.seed={s}")
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert read_rows(multi / f"seed{s}", "metrics") == read_rows(one, "metrics")
+        a, b = (json.loads((d / "summary.json").read_text())["targets"]["colour"] for d in (multi / f"seed{s}", one))
+        assert a["selected_round"] == b["selected_round"] and a["target_acc"] == b["target_acc"]
+    m0, m1 = (read_rows(multi / f"seed{s}", "metrics") for s in (0, 1))
+    assert m0 != m1  # the seeds really differ
+    # the final table: mean +- SE over the two seeds, every rule
+    accs = [json.loads((multi / f"seed{s}" / "summary.json").read_text())["targets"]["colour"]["target_acc"]
+            for s in (0, 1)]
+    row = [l for l in proc.stdout.splitlines() if "training-domain validation" in l][0]
+    assert f"{50 * (accs[0] + accs[1]):.2f} ± {50 * abs(accs[0] - accs[1]):.2f}" in row
+    assert "SE = std(ddof=1)/sqrt(n)" in proc.stdout and "test-domain oracle" in proc.stdout
+
+
+def test_bad_seeds_are_one_line_exit_2(tmp_path, capsys):
+    from rayfed_dg.cli import main
+
+    for bad in ("0,x", "1,1", ","):
+        assert main(["run", str(REPO / "configs" / "quickstart.yaml"), "--seeds", bad,
+                     "--run-dir", str(tmp_path / "r")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--seeds" in err[0]
+    assert not (tmp_path / "r").exists()

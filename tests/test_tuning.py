@@ -76,6 +76,17 @@ def test_two_trial_sweep_writes_table_and_resumes_without_rerunning(ray_session,
     results = sorted(sel.glob("*/result.json"))
     before = [p.read_text() for p in results]
     assert len(results) == 2 and all(len(b.splitlines()) == 2 for b in before)  # 2 rounds reported each
+    # each trial writes the run's TensorBoard scalars, equal to what it reported to Tune
+    import numpy as np
+
+    from rayfed_dg.engine.tblog import read_scalars
+
+    for p in results:
+        sc = read_scalars(p.parent / "tensorboard" / "colour")
+        assert {"accuracy/source_val", "accuracy/target", "loss/train", "comm/bytes_up"} <= set(sc)
+        reported = [json.loads(line) for line in p.read_text().splitlines()]
+        assert sc["accuracy/source_val"] == [(r["round"], float(np.float32(r["src_val"]))) for r in reported]
+        assert sc["accuracy/target"] == [(r["round"], float(np.float32(r["target_acc"]))) for r in reported]
     again = run_sweep("tiny", None, "colour", 1, "fifo", True, [], str(store), space_dir=space_dir, verbose=0)
     assert [p.read_text() for p in sorted(sel.glob("*/result.json"))] == before  # nothing re-ran
     assert again["chosen"] == out["chosen"]
@@ -123,3 +134,22 @@ def test_sweep_killed_mid_trial_resumes_from_its_checkpoints_and_matches_an_unin
     # the trial that had saved rounds went on from its last checkpoint, not from round 1
     resumed = lambda p: [r["resumed_from_round"] for r in pq.read_table(p / "tiny" / "trials.parquet").to_pylist()]  # noqa
     assert max(resumed(tmp_path / "killed")) >= 2 and set(resumed(tmp_path / "clean")) == {0}
+
+
+def test_wandb_and_mlflow_are_never_imported_unless_asked_for():
+    code = ("import sys; import rayfed_dg.tuning as t; assert t.logger_callbacks('x') == []; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('wandb', 'mlflow') "
+            "or m.startswith('ray.air.integrations')))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "[]"
+
+
+def test_asking_for_wandb_or_mlflow_without_the_package_is_one_line(monkeypatch):
+    from rayfed_dg.config import ConfigError
+    from rayfed_dg.tuning import logger_callbacks
+
+    for flag, mod, arg in (("--wandb", "wandb", {"wandb_project": "p"}), ("--mlflow", "mlflow", {"mlflow_uri": "u"})):
+        monkeypatch.setitem(sys.modules, mod, None)  # import fails, as when the package is absent
+        with pytest.raises(ConfigError, match=f"{flag} needs the {mod} package"):
+            logger_callbacks("x", **arg)

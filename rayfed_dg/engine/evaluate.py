@@ -45,26 +45,37 @@ def run_targets(run_dir: Path) -> list[str]:
     return list(json.loads(summary.read_text())["targets"])
 
 
-def evaluate_saved(cfg: ExperimentConfig, ds, targets: list[str], run_dir: Path, weights: str = "best") -> dict:
-    """{target: {"source_val": acc, "target_test": acc, "domains": {...}}} for the saved models."""
-    from .plan import split_for
+def _runner(cfg: ExperimentConfig, ds):
     from .worker import ClientRunner
 
     threads = torch.get_num_threads()
     runner = ClientRunner(cfg, ds.images, ds.labels, ds.num_classes)
     torch.set_num_threads(threads)  # the runner pins a worker's share; this process may use them all
+    return runner
+
+
+def _saved_state(runner, run_dir: Path, weights: str, target: str) -> dict[str, np.ndarray]:
+    path = run_dir / f"{weights}_{target}.pt"
+    if not path.is_file():
+        raise ConfigError(f"{path} is missing: the run saved no {weights} model for target {target}"
+                          + (" (output.save_best_checkpoint was off?)" if weights == "best" else ""))
+    state = {k: v.numpy() for k, v in torch.load(path, weights_only=True).items()}
     expected = set(runner.model.state_dict())
+    if set(state) != expected:
+        diff = sorted(set(state) ^ expected)
+        raise ConfigError(f"{path} does not fit the model these settings build ({len(diff)} tensors differ, "
+                          f"e.g. {diff[0]}); evaluate with the settings the run was trained with")
+    return state
+
+
+def evaluate_saved(cfg: ExperimentConfig, ds, targets: list[str], run_dir: Path, weights: str = "best") -> dict:
+    """{target: {"source_val": acc, "target_test": acc, "domains": {...}}} for the saved models."""
+    from .plan import split_for
+
+    runner = _runner(cfg, ds)
     out = {}
     for t in targets:
-        path = run_dir / f"{weights}_{t}.pt"
-        if not path.is_file():
-            raise ConfigError(f"{path} is missing: the run saved no {weights} model for target {t}"
-                              + (" (output.save_best_checkpoint was off?)" if weights == "best" else ""))
-        state = {k: v.numpy() for k, v in torch.load(path, weights_only=True).items()}
-        if set(state) != expected:
-            diff = sorted(set(state) ^ expected)
-            raise ConfigError(f"{path} does not fit the model these settings build ({len(diff)} tensors differ, "
-                              f"e.g. {diff[0]}); evaluate with the settings the run was trained with")
+        state = _saved_state(runner, run_dir, weights, t)
         split = split_for(cfg, ds, t)
         res: dict[str, Any] = {"domains": {}}
         for name, sets in (("source_val", split.val), ("target_test", split.test)):
@@ -76,3 +87,33 @@ def evaluate_saved(cfg: ExperimentConfig, ds, targets: list[str], run_dir: Path,
             res[name] = float(np.mean(accs))
         out[t] = res
     return out
+
+
+@torch.no_grad()
+def saved_features(cfg: ExperimentConfig, ds, target: str, run_dir: Path, weights: str = "best",
+                   per_domain: int = 200, seed: int = 0) -> dict[str, np.ndarray]:
+    """Penultimate features (``model.features``) of a run's saved global
+    model on every domain's held-out images: each source domain's validation
+    split and the target domain, a seeded sample of at most ``per_domain``
+    images each.  Returns arrays ``features`` (N x D), ``domain`` (names),
+    ``label`` (class indices), ``is_target`` and ``index`` (into the dataset)."""
+    from .plan import split_for
+
+    runner = _runner(cfg, ds)
+    runner._load(_saved_state(runner, run_dir, weights, target))
+    runner.model.eval()
+    split = split_for(cfg, ds, target)
+    rng = np.random.default_rng(seed)
+    feats, doms, labels, is_target, index = [], [], [], [], []
+    for sets, tgt in ((split.val, False), (split.test, True)):
+        for dom, idx in sets.items():
+            idx = np.sort(rng.choice(np.asarray(idx), min(per_domain, len(idx)), replace=False))
+            for s in range(0, len(idx), cfg.evaluation.batch_size):
+                x, _ = runner._tensors(idx[s:s + cfg.evaluation.batch_size], None)
+                feats.append(runner.model.features(x).flatten(1).cpu().numpy())
+            doms += [dom] * len(idx)
+            labels.append(ds.labels[idx])
+            index.append(idx)
+            is_target += [tgt] * len(idx)
+    return {"features": np.concatenate(feats), "domain": np.array(doms), "label": np.concatenate(labels),
+            "is_target": np.array(is_target), "index": np.concatenate(index)}

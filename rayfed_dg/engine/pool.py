@@ -40,6 +40,7 @@ class WorkerPool:
         self.workers = list(workers)
         self.retries = retries
         self.retried = 0  # failed attempts that were retried, over the pool's life
+        self.last_retries: dict[Any, int] = {}  # job -> its retries in the latest ``map``
 
     def map(self, jobs: Sequence[J], submit: Callable[[Any, J, int], Any],
             on_result: Callable[[J, Any], None]) -> list[tuple[J, str]]:
@@ -51,6 +52,7 @@ class WorkerPool:
         free = [w for _ in range(IN_FLIGHT_PER_WORKER) for w in range(len(self.workers))]
         inflight: dict[Any, tuple[int, J, int]] = {}
         dropped: list[tuple[J, str]] = []
+        self.last_retries = {}
         while queue or inflight:
             now = time.monotonic()
             while free and queue and min(q[2] for q in queue) <= now:
@@ -77,6 +79,7 @@ class WorkerPool:
                     raise
                 if attempt < self.retries:
                     self.retried += 1
+                    self.last_retries[job] = self.last_retries.get(job, 0) + 1
                     # a lost worker (its process or its node) takes Ray a moment to restart: back off
                     delay = min(5.0, 0.25 * 2 ** attempt) if isinstance(err, ray.exceptions.RayActorError) else 0.0
                     queue.insert(0, (job, attempt + 1, time.monotonic() + delay))

@@ -5,6 +5,8 @@
 ``Ledger``       what crossed the wire: rows (round, client, direction,
                  group, tensors, bytes), one per tensor group
 ``ClientStore``  each client's persistent local state between rounds
+``RecordTables``  the run directory's tables, appended one Parquet part file
+                 per (target, round), so a killed run keeps every finished round
 
 (``ClientUpdate``, what a training task returns, is defined with the method
 hooks in ``methods/base.py``, since ``after_round`` receives it.)
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -36,9 +39,11 @@ class RoundResult:
     round: int
     sampled: list[int]
     dropped: list[dict]  # {"round", "client", "reason"}
-    metrics: list[dict]  # evaluation rows: round, split, domain, accuracy, loss, samples
+    metrics: list[dict]  # evaluation rows: round, split, domain, client, accuracy, loss, samples
     ledger: list[dict]
-    clients: list[dict]  # one row per returned client: client, samples, train_loss, seconds
+    # one row per sampled client: client, domain, samples, local_steps, train_loss, seconds,
+    # bytes_up, bytes_down, retried, dropped, drop_reason (a dropped client: train_loss etc. None)
+    clients: list[dict]
     train_loss: float
     tasks_retried: int  # over the run so far
     seconds_train: float
@@ -92,3 +97,89 @@ class ClientStore:
         local.update(private)
         # copies: ``update`` may be read-only views of the object store
         self.states[client] = {k: np.array(v) for k, v in local.items()}
+
+
+# ------------------------------------------------------------------ run-directory tables
+
+# column name -> Arrow type; every part file of a table has exactly this schema
+TABLES: dict[str, list[tuple[str, str]]] = {
+    "metrics": [("target", "string"), ("round", "int64"), ("split", "string"), ("domain", "string"),
+                ("client", "int64"), ("accuracy", "float64"), ("loss", "float64"), ("samples", "int64"),
+                ("clients_dropped", "int64")],
+    "ledger": [("target", "string"), ("round", "int64"), ("client", "int64"), ("direction", "string"),
+               ("group", "string"), ("tensors", "int64"), ("bytes", "int64")],
+    "clients": [("target", "string"), ("round", "int64"), ("client", "int64"), ("domain", "string"),
+                ("samples", "int64"), ("local_steps", "int64"), ("train_loss", "float64"), ("seconds", "float64"),
+                ("bytes_up", "int64"), ("bytes_down", "int64"), ("retried", "int64"), ("dropped", "bool"),
+                ("drop_reason", "string")],
+}
+
+
+def table_schema(name: str):
+    import pyarrow as pa
+
+    return pa.schema([(col, pa.type_for_alias(t)) for col, t in TABLES[name]])
+
+
+def part_name(target: str, round: int) -> str:
+    return f"{target}-r{round:05d}.parquet"
+
+
+class RecordTables:
+    """The run directory's tables, written as the run goes.
+
+    Table ``name`` is the folder ``<run_dir>/<name>.parquet/`` holding one
+    Parquet part file per (target, round), ``<target>-r<round:05d>.parquet``
+    (round 0: what a data stage exchanged before round 1).  Each part is
+    written atomically (a hidden temporary file renamed into place), so a run
+    killed at any moment leaves every finished round readable and never a
+    half-written part; a resumed run writes the rounds it repeats under the
+    same names, so no row is ever duplicated.  ``pyarrow.parquet.read_table``
+    (or pandas / DuckDB / Polars) reads such a folder as one table;
+    ``read_table`` here does so in a fixed order (target, round)."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = Path(run_dir)
+
+    def write(self, name: str, target: str, round: int, rows: list[dict]) -> None:
+        if not rows:
+            return
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        from rayfed_dg.utils import atomic_write_with
+
+        folder = self.run_dir / f"{name}.parquet"
+        folder.mkdir(exist_ok=True)
+        schema = table_schema(name)
+        table = pa.Table.from_pylist([dict(r, target=target) for r in rows], schema=schema)
+        atomic_write_with(folder / part_name(target, round), lambda buf: pq.write_table(table, buf))
+
+    def write_round(self, target: str, round: int, tables: dict[str, list[dict]]) -> None:
+        for name, rows in tables.items():
+            self.write(name, target, round, rows)
+
+
+def _part_key(p: Path) -> tuple[str, int]:
+    target, _, rnd = p.stem.rpartition("-r")
+    return target, int(rnd) if rnd.isdigit() else -1
+
+
+def read_table(run_dir: Path, name: str):
+    """Table ``name`` of a run directory as one Arrow table (part files in
+    (target, round) order; a single file of an older run as it is)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = Path(run_dir) / f"{name}.parquet"
+    schema = table_schema(name)
+    if path.is_file():
+        return pq.read_table(path)
+    parts = sorted(path.glob("*.parquet"), key=_part_key) if path.is_dir() else []
+    if not parts:
+        return schema.empty_table()
+    return pa.concat_tables([pq.read_table(p, schema=schema) for p in parts])
+
+
+def read_rows(run_dir: Path, name: str) -> list[dict]:
+    return read_table(run_dir, name).to_pylist()

@@ -7,16 +7,26 @@ in the object store once per run, starts one server actor per target domain
 a Tune reporter).  Records of a run directory:
 
 ``config.yaml``        the resolved config
-``metrics.parquet``    target, round, split (source_val | target_test), domain,
+``metrics.parquet/``   target, round, split (source_val | target_test |
+                       personal_val), domain, client (personal_val only),
                        accuracy, loss, samples, clients_dropped
-``ledger.parquet``     target, round, client, direction (up | down), group,
+``ledger.parquet/``    target, round, client, direction (up | down), group,
                        tensors, bytes (a dropped client: group ``dropped``)
+``clients.parquet/``   target, round, client, domain, samples, local_steps,
+                       train_loss, seconds, bytes_up, bytes_down, retried,
+                       dropped, drop_reason: one row per sampled client
 ``summary.json``       per target: selected round (by mean source-validation
                        accuracy), its source-val and target accuracy
+``tensorboard/<target>/``  TensorBoard scalars per round (``output.tensorboard``)
 ``best_<target>.pt``   global weights of the selected round
 ``final_<target>.pt``  global weights after the last round
 ``checkpoints/<target>/round_*.pt``  resumable state every
                        ``output.checkpoint_every`` rounds
+
+The three tables are folders of Parquet part files, one per (target, round),
+each written atomically before that round's checkpoint (``records.py``):
+a run killed at any point keeps every finished round readable, and a resumed
+run rewrites the rounds it repeats under the same names (no duplicate rows).
 """
 from __future__ import annotations
 
@@ -34,11 +44,11 @@ import torch
 
 from rayfed_dg.config import ConfigError, ExperimentConfig, save_config
 from rayfed_dg.data import DomainDataset, FederatedSplit
-from rayfed_dg.utils import atomic_write_with, render_table, write_table, write_text
+from rayfed_dg.utils import atomic_write_with, render_table, write_text
 
 from .checkpoint import load_latest, save_checkpoint
 from .plan import clients_per_round, ensure_workers, init_ray, make_splits
-from .records import RoundResult
+from .records import RecordTables, RoundResult
 from .selection import select_round
 from .server import Server
 
@@ -48,11 +58,21 @@ def save_weights(state: dict[str, np.ndarray], path: Path) -> None:
                                                    buf))
 
 
+def round_records(target: str, out: RoundResult) -> dict[str, list[dict]]:
+    """A round's rows of the run-directory tables (``records.TABLES``)."""
+    ledger = [dict(x, target=target) for x in out.ledger]
+    ledger += [{"round": out.round, "client": d["client"], "direction": "up", "group": "dropped",
+                "tensors": 0, "bytes": 0, "target": target} for d in out.dropped]
+    return {"metrics": [dict(m, target=target, clients_dropped=len(out.dropped)) for m in out.metrics],
+            "ledger": ledger, "clients": [dict(c, target=target) for c in out.clients]}
+
+
 @dataclass
 class TargetResult:
     target: str
     metrics: list[dict] = field(default_factory=list)
     ledger: list[dict] = field(default_factory=list)
+    clients: list[dict] = field(default_factory=list)
     dropped: list[dict] = field(default_factory=list)
     seconds_per_round: list[float] = field(default_factory=list)
     selected_round: int | None = None
@@ -67,11 +87,11 @@ class TargetResult:
         t = self.target
         self.rounds_done, self.tasks_retried = out.round, out.tasks_retried
         self.seconds_per_round.append(out.seconds_total)
-        rows = [dict(m, target=t, clients_dropped=len(out.dropped)) for m in out.metrics]
+        rec = round_records(t, out)
+        rows = rec["metrics"]
         self.metrics += rows
-        self.ledger += [dict(x, target=t) for x in out.ledger]
-        self.ledger += [{"round": out.round, "client": d["client"], "direction": "up", "group": "dropped",
-                         "tensors": 0, "bytes": 0, "target": t} for d in out.dropped]
+        self.ledger += rec["ledger"]
+        self.clients += rec["clients"]
         self.dropped += [dict(x, target=t) for x in out.dropped]
         best, best_val = select_round(self.metrics) if rows else (None, None)
         if best != out.round:
@@ -81,8 +101,12 @@ class TargetResult:
         return True
 
     def summary(self) -> dict:
+        personal = [m["accuracy"] for m in self.metrics
+                    if m["split"] == "personal_val" and m["round"] == self.selected_round]
         return {"selected_round": self.selected_round, "source_val_acc": self.selected_val,
                 "target_acc": self.selected_target_acc,
+                # each client's own model (methods with client-local state) at the selected round, mean over clients
+                "personal_val_acc": float(np.mean(personal)) if personal else None,
                 "final_target_acc": next((m["accuracy"] for m in reversed(self.metrics)
                                           if m["split"] == "target_test"), None),
                 "clients_dropped": len(self.dropped), "tasks_retried": self.tasks_retried,
@@ -120,6 +144,21 @@ class ProgressBar:
 
     def close(self):
         self.bar.close()
+
+
+class RecordWriter:
+    """The round's rows of ``metrics``, ``ledger`` and ``clients`` as part
+    files (``records.RecordTables``); runs before ``RunDirWriter``, so a
+    checkpoint never covers a round whose rows are not on disk."""
+
+    def __init__(self, run_dir: Path, target: str):
+        self.tables, self.target = RecordTables(run_dir), target
+
+    def on_round(self, out, res, new_best, server_state):
+        self.tables.write_round(self.target, out.round, round_records(self.target, out))
+
+    def close(self):
+        pass
 
 
 class RunDirWriter:
@@ -192,12 +231,15 @@ def _start_server(cfg, split, data_refs, num_classes, n_workers, worker_options,
 def run_federation(cfg: ExperimentConfig, split: FederatedSplit, images_ref, labels_ref, num_classes: int,
                    run_dir: Path | None = None, progress: bool = True, worker_options: dict | None = None,
                    on_round: Callable[[RoundResult, TargetResult], None] | None = None,
-                   stop_after: int | None = None, pool_workers: int | None = None) -> TargetResult:
+                   stop_after: int | None = None, pool_workers: int | None = None,
+                   tensorboard: Path | None = None) -> TargetResult:
     """Run one federation (one target domain) to the end, resuming from the
     newest valid checkpoint in ``run_dir`` if there is one.  ``stop_after``
     ends early after that round (tests of resume use it).  ``pool_workers``
     fixes the pool size when the resources are already reserved (a Tune
-    trial's placement group); otherwise it is planned against the cluster."""
+    trial's placement group); otherwise it is planned against the cluster.
+    TensorBoard scalars go to ``tensorboard/<target>`` (default, with
+    ``output.tensorboard``: ``run_dir/tensorboard``)."""
     n_workers = pool_workers or ensure_workers(cfg.engine, clients_per_round(cfg, split))
     res, state = _resume(run_dir, split.target)
     if res.rounds_done >= cfg.training.rounds:
@@ -205,8 +247,20 @@ def run_federation(cfg: ExperimentConfig, split: FederatedSplit, images_ref, lab
     server, setup = _start_server(cfg, split, (images_ref, labels_ref), num_classes, n_workers, worker_options, state)
     if state is None:
         res.ledger += [dict(x, target=split.target) for x in setup["ledger"]]
+        if run_dir is not None:
+            RecordTables(run_dir).write("ledger", split.target, 0, setup["ledger"])
     res.setup_info = setup["info"]
+    if tensorboard is None and run_dir is not None and cfg.output.tensorboard:
+        tensorboard = run_dir / "tensorboard"
     callbacks: list[Any] = [ProgressBar(cfg, res)] if progress else []
+    # order: the round's rows reach disk before its checkpoint (a resume never skips a round's rows)
+    callbacks += [RecordWriter(run_dir, split.target)] if run_dir is not None else []
+    if tensorboard is not None:
+        from .tblog import TensorBoardLogger
+
+        # a resumed run hides what the killed one logged from the first round it repeats
+        purge = res.rounds_done + 1 if res.rounds_done else None
+        callbacks.append(TensorBoardLogger(tensorboard / split.target, purge))
     callbacks += [RunDirWriter(cfg, run_dir, split.target)] if run_dir is not None else []
     callbacks += [OnRound(on_round)] if on_round is not None else []
     try:
@@ -249,6 +303,10 @@ def check_resume_dir(cfg: ExperimentConfig, run_dir: Path) -> None:
     saved = run_dir / "config.yaml"
     if not saved.is_file():
         raise ConfigError(f"--resume {run_dir}: no config.yaml there; not a rayfed-dg run directory")
+    legacy = [p.name for name in ("metrics.parquet", "ledger.parquet") for p in run_dir.rglob(name) if p.is_file()]
+    if legacy:
+        raise ConfigError(f"--resume {run_dir}: its {legacy[0]} is one file, written by an older rayfed-dg "
+                          "(records are now folders of per-round parts); start a new run")
     old = load_config(saved).to_dict()
     new = cfg.to_dict()
     diff = sorted(f"{s}.{k}" for s in new if s != "output" for k in (new[s] or {}) if isinstance(new[s], dict)
@@ -261,30 +319,23 @@ def check_resume_dir(cfg: ExperimentConfig, run_dir: Path) -> None:
 
 
 def run_experiment(cfg: ExperimentConfig, ds: DomainDataset, targets: list[str], run_dir: Path,
-                   progress: bool = True, splits: list[FederatedSplit] | None = None) -> dict:
-    """Leave-one-domain-out over ``targets``; writes (or resumes) ``run_dir``."""
+                   progress: bool = True, splits: list[FederatedSplit] | None = None, label: str | None = None) -> dict:
+    """Leave-one-domain-out over ``targets``; writes (or resumes) ``run_dir``.
+    ``label``: the method's row name in tables (a compare entry's label)."""
     splits = splits or make_splits(cfg, ds, targets)
     init_ray(cfg)
     if not (run_dir / "config.yaml").exists():
         save_config(cfg, run_dir / "config.yaml")
     images_ref, labels_ref = ray.put(ds.images), ray.put(ds.labels)
-    metrics: list[dict] = []
-    ledger: list[dict] = []
-    dropped: list[dict] = []
     summary: dict = {"targets": {}}
-    for split in splits:
+    for split in splits:  # each round's rows are written as it ends (RecordWriter)
         res = run_federation(cfg, split, images_ref, labels_ref, ds.num_classes, run_dir, progress)
-        metrics += res.metrics
-        ledger += res.ledger
-        dropped += res.dropped
         summary["targets"][split.target] = res.summary()
-        write_table(metrics, run_dir / "metrics.parquet")
-        write_table(ledger, run_dir / "ledger.parquet")
-        if dropped:
-            write_table(dropped, run_dir / "dropped.parquet")
     accs = [v["target_acc"] for v in summary["targets"].values() if v["target_acc"] is not None]
     summary["average_target_acc"] = float(np.mean(accs)) if accs else None
     summary["method"] = cfg.method.name
+    summary["label"] = label or cfg.method.label or cfg.method.name
+    summary["seed"] = cfg.training.seed
     summary["stages"] = {name: sc.raw_params() for name, sc in cfg.stages.items() if sc is not None}
     write_text(json.dumps(summary, indent=2), run_dir / "summary.json")
     return summary

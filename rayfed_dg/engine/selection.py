@@ -1,23 +1,98 @@
-"""Model selection by the DG protocol: training-domain validation.
+"""Model selection rules, as DomainBed's ``model_selection.py``: which round's
+global model a run reports, from its evaluation rows (``metrics``).
 
-The selected round maximises the mean accuracy over source domains of the
-global model on their validation splits.  Only rows with split
-``source_val`` are read, so target accuracy can never influence the choice;
-ties go to the earlier round.
+``training_domain``  training-domain validation, the DG protocol and the one
+                     rule that chooses anything (best checkpoint, summary,
+                     Tune): the round that maximises the mean accuracy over
+                     source domains of the global model on their validation
+                     splits.  Only ``source_val`` rows are read, so target
+                     accuracy can never influence it.
+``last_round``       the last evaluated round.
+``oracle``           test-domain oracle: the round that maximises the target
+                     accuracy itself.  An upper bound, reported beside the
+                     others and never used to choose anything.
+
+Ties go to the earlier round.  Each rule is a small class tested on
+hand-made records (``tests/test_selection.py``).
 """
 from __future__ import annotations
 
 from collections import defaultdict
 
+import numpy as np
 
-def select_round(rows: list[dict]) -> tuple[int | None, float | None]:
+
+def _mean_by_round(rows: list[dict], split: str) -> dict[int, float]:
     per_round: dict[int, list[float]] = defaultdict(list)
     for r in rows:
-        if r["split"] == "source_val":
+        if r["split"] == split:
             per_round[int(r["round"])].append(float(r["accuracy"]))
-    best, best_acc = None, None
-    for rnd in sorted(per_round):
-        acc = sum(per_round[rnd]) / len(per_round[rnd])
-        if best_acc is None or acc > best_acc:
-            best, best_acc = rnd, acc
-    return best, best_acc
+    return {rnd: sum(v) / len(v) for rnd, v in sorted(per_round.items())}
+
+
+def _argmax_first(values: dict[int, float]) -> int | None:
+    best, best_v = None, None
+    for rnd in sorted(values):
+        if best_v is None or values[rnd] > best_v:
+            best, best_v = rnd, values[rnd]
+    return best
+
+
+class SelectionRule:
+    name = ""
+    label = ""
+    upper_bound = False  # True: reported as a bound, never used to choose
+
+    def choose(self, rows: list[dict]) -> int | None:
+        raise NotImplementedError
+
+
+class TrainingDomainValidation(SelectionRule):
+    name, label = "training_domain", "training-domain validation"
+
+    def choose(self, rows):
+        return _argmax_first(_mean_by_round(rows, "source_val"))
+
+
+class LastRound(SelectionRule):
+    name, label = "last_round", "last round"
+
+    def choose(self, rows):
+        evaluated = _mean_by_round(rows, "target_test")
+        return max(evaluated) if evaluated else None
+
+
+class TestDomainOracle(SelectionRule):
+    __test__ = False  # not a pytest class
+    name, label, upper_bound = "oracle", "test-domain oracle (upper bound)", True
+
+    def choose(self, rows):
+        return _argmax_first(_mean_by_round(rows, "target_test"))
+
+
+RULES: tuple[SelectionRule, ...] = (TrainingDomainValidation(), LastRound(), TestDomainOracle())
+
+
+def select(rows: list[dict], rule: SelectionRule) -> dict | None:
+    """{round, source_val, target_acc} of the round ``rule`` picks among one
+    target's evaluation rows, or None when there are none."""
+    rnd = rule.choose(rows)
+    if rnd is None:
+        return None
+    src, tgt = _mean_by_round(rows, "source_val"), _mean_by_round(rows, "target_test")
+    return {"round": rnd, "source_val": src.get(rnd), "target_acc": tgt.get(rnd)}
+
+
+def select_round(rows: list[dict]) -> tuple[int | None, float | None]:
+    """The training-domain-validation round and its mean source-validation accuracy."""
+    rnd = TrainingDomainValidation().choose(rows)
+    return rnd, (None if rnd is None else _mean_by_round(rows, "source_val")[rnd])
+
+
+def mean_se(values: list[float]) -> tuple[float, float | None]:
+    """Mean and standard error over seeds: SE = std(ddof=1) / sqrt(n)
+    (None for a single seed)."""
+    v = np.asarray(values, dtype=np.float64)
+    if len(v) < 2:
+        return float(v.mean()), None
+    return float(v.mean()), float(v.std(ddof=1) / np.sqrt(len(v)))

@@ -154,6 +154,7 @@ class Server:
 
         dropped = self.pool.map(sampled, lambda w, cid, attempt: w.train.remote(
             _retry(self._task(r, cid, payloads.get(cid, {})), attempt), self.global_ref), on_update)
+        retries = dict(self.pool.last_retries)
         if len(reducer.dropped) == len(sampled):
             raise EngineError(f"round {r}: every sampled client failed ({dropped[0][1]})")
         self.global_state = reducer.result(self.global_state)
@@ -169,10 +170,30 @@ class Server:
         return RoundResult(
             round=r, sampled=sampled, dropped=[{"round": r, "client": c, "reason": why} for c, why in dropped],
             metrics=metrics, ledger=ledger.sorted_rows(),
-            clients=[{"client": u.client, "samples": u.num_samples, "train_loss": u.train_loss,
-                      "seconds": u.seconds} for u in results],
+            clients=self._client_rows(r, sampled, updates, dict(dropped), retries, ledger),
             train_loss=float(np.mean([u.train_loss for u in results])), tasks_retried=self.pool.retried,
             seconds_train=seconds_train, seconds_total=time.perf_counter() - t0)
+
+    def _client_rows(self, r: int, sampled: list[int], updates: dict[int, ClientUpdate], dropped: dict[int, str],
+                     retries: dict[int, int], ledger: Ledger) -> list[dict]:
+        """One row per sampled client: what it trained, how long, what crossed
+        the wire (from the round's ledger), its training task's retries, and
+        whether it was dropped."""
+        wire: dict[tuple[int, str], int] = {}
+        for row in ledger.rows:
+            wire[row["client"], row["direction"]] = wire.get((row["client"], row["direction"]), 0) + row["bytes"]
+        sizes = self.split.client_sizes()
+        rows = []
+        for cid in sampled:
+            u = updates.get(cid)
+            rows.append({"round": r, "client": cid, "domain": self.split.client_domains[cid],
+                         "samples": int(u.num_samples if u is not None else sizes[cid]),
+                         "local_steps": u.steps if u is not None else 0,
+                         "train_loss": u.train_loss if u is not None else None,
+                         "seconds": u.seconds if u is not None else None,
+                         "bytes_up": wire.get((cid, "up"), 0), "bytes_down": wire.get((cid, "down"), 0),
+                         "retried": retries.get(cid, 0), "dropped": u is None, "drop_reason": dropped.get(cid)})
+        return rows
 
     def _prepare(self, r: int, sampled: list[int], ledger: Ledger) -> dict[int, dict[str, np.ndarray]]:
         """The method's per-round client phase; every sampled client must
@@ -195,21 +216,38 @@ class Server:
             u.global_eval = GlobalEval(accuracy=correct / max(cnt, 1), loss=loss / max(cnt, 1), samples=cnt)
             ledger.add(u.client, "up", "eval:global_on_client", 16)
 
+    def personalizes(self) -> bool:
+        """Whether clients keep model state that changes their predictions
+        (FedBN, SiloBN, gPerXAN, FedFD on those bases), so that each client's
+        own model is worth evaluating beside the global one."""
+        return bool(self.local_keys) and self.method.local_state_predicts and self.cfg.evaluation.personal
+
     def evaluate(self, r: int) -> list[dict]:
         """The global model on every source domain's validation split and on
-        the target, in chunks spread over the pool."""
+        the target; for a method with client-local state also each client's
+        own model (the global weights with its local state from the client
+        store) on its (main) source domain's validation split, as split
+        ``personal_val`` with the client's id.  Selection reads only
+        ``source_val``, so the personal figures never choose anything.  Chunks
+        are spread over the pool."""
         bs = self.cfg.evaluation.batch_size
-        sets = [("source_val", dom, idx) for dom, idx in self.split.val.items()] + \
-               [("target_test", dom, idx) for dom, idx in self.split.test.items()]
-        jobs = [(name, dom, c0) for name, dom, idx in sets for c0 in range(0, len(idx), EVAL_CHUNK)]
-        index = {(name, dom): idx for name, dom, idx in sets}
+        sets: list[tuple[str, str, int | None, np.ndarray]] = \
+            [("source_val", dom, None, idx) for dom, idx in self.split.val.items()] + \
+            [("target_test", dom, None, idx) for dom, idx in self.split.test.items()]
+        if self.personalizes():
+            doms = self.split.client_domains
+            sets += [("personal_val", doms[c], c, self.split.val[doms[c]]) for c in sorted(self.store.states)
+                     if doms[c] in self.split.val]
+        jobs = [(name, dom, cid, c0) for name, dom, cid, idx in sets for c0 in range(0, len(idx), EVAL_CHUNK)]
+        index = {(name, dom, cid): idx for name, dom, cid, idx in sets}
         out = self.pool.map_all(jobs, lambda w, job, attempt: w.evaluate.remote(
-            self.global_ref, index[job[:2]][job[2]:job[2] + EVAL_CHUNK], bs), f"round {r}: evaluation")
+            self.global_ref, index[job[:3]][job[3]:job[3] + EVAL_CHUNK], bs,
+            None if job[2] is None else self.store.get(job[2])), f"round {r}: evaluation")
         rows = []
-        for name, dom, _ in sets:
-            parts = [out[j] for j in jobs if j[:2] == (name, dom)]
+        for name, dom, cid, _ in sets:
+            parts = [out[j] for j in jobs if j[:3] == (name, dom, cid)]
             correct, loss, cnt = (sum(p[i] for p in parts) for i in range(3))
-            rows.append({"round": r, "split": name, "domain": dom, "accuracy": correct / max(cnt, 1),
+            rows.append({"round": r, "split": name, "domain": dom, "client": cid, "accuracy": correct / max(cnt, 1),
                          "loss": loss / max(cnt, 1), "samples": cnt})
         return rows
 

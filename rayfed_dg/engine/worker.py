@@ -174,8 +174,15 @@ class ClientRunner:
 
             extra = ray.get(extra)
         self.method.round_start(self.model, ctx)
-        stats = dict(self.method.local_train(self.model, lambda: self.batches(task.indices, ctx.generator, extra),
-                                             ctx))
+        steps = 0
+
+        def counted() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+            nonlocal steps
+            for batch in self.batches(task.indices, ctx.generator, extra):
+                steps += 1
+                yield batch
+
+        stats = dict(self.method.local_train(self.model, counted, ctx))
         loss = float(stats.pop("train_loss", float("nan")))
         if not math.isfinite(loss):
             raise DivergedError(f"client {cid} round {rnd}: local training diverged (loss {loss}); "
@@ -187,7 +194,7 @@ class ClientRunner:
             update=to_numpy_state(sd, self.upload_keys, copy=not self.returns_to_ray),
             private=to_numpy_state(sd, sorted(self.private_keys)),
             payload=self.method.upload_payload(self.model, ctx),
-            train_loss=loss, seconds=time.perf_counter() - t0, stats=stats)
+            train_loss=loss, seconds=time.perf_counter() - t0, stats=stats, steps=steps)
 
     def run_client(self, client: int, round: int, indices: np.ndarray, global_state: dict[str, np.ndarray],
                    local_state: dict | None = None, payload: dict | None = None, *, extra: dict | None = None,
@@ -199,8 +206,12 @@ class ClientRunner:
 
     @torch.no_grad()
     def evaluate(self, global_state: dict[str, np.ndarray], indices: np.ndarray,
-                 batch_size: int) -> tuple[int, float, int]:
+                 batch_size: int, local_state: dict[str, np.ndarray] | None = None) -> tuple[int, float, int]:
+        """(correct, summed cross-entropy, samples) of the global model, or of a
+        client's own model when its ``local_state`` is given."""
         self._load(global_state)
+        if local_state:
+            self._load(local_state)
         self.model.eval()
         correct, loss_sum = 0, 0.0
         for s in range(0, len(indices), batch_size):

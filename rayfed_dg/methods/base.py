@@ -96,6 +96,7 @@ class ClientUpdate:
     train_loss: float
     seconds: float
     stats: dict[str, float] = field(default_factory=dict)  # anything else the loop reports
+    steps: int = 0  # mini-batches the local loop drew (optimizer steps for the default loop)
     global_eval: GlobalEval | None = None  # set when ``evaluates_global_on_clients``
 
 
@@ -122,6 +123,9 @@ class Method:
     Params: type[BaseModel] = NoParams
     evaluates_global_on_clients = False
     prepares_round = False  # True: the engine runs ``round_prepare`` on each sampled client first
+    # whether the state in ``local_keys`` changes the model's predictions (then each client's own model
+    # is evaluated beside the global one); False for state only the loss reads (FedSR's reference distribution)
+    local_state_predicts = True
 
     def __init__(self, params: Any, model_cfg, training_cfg):
         self.p = params
