@@ -9,6 +9,7 @@ import json
 import socket
 import tarfile
 import threading
+import time
 import zipfile
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -47,6 +48,7 @@ class Files:
     def __init__(self):
         self.data: dict[str, bytes] = {}
         self.cut_once: dict[str, int] = {}  # path -> bytes sent before dropping the first full response
+        self.stall_once: dict[str, int] = {}  # path -> bytes sent before the first full response stalls
         self.ignore_range = False
         self.log: list[tuple[str, str | None]] = []
         self.sent = 0
@@ -85,6 +87,13 @@ class Handler(BaseHTTPRequestHandler):
         part = body[start:]
         if start == 0 and self.path in f.cut_once:
             part = part[:f.cut_once.pop(self.path)]  # then the connection closes: a lost download
+        if start == 0 and self.path in f.stall_once:
+            part = part[:f.stall_once.pop(self.path)]
+            self.wfile.write(part)
+            self.wfile.flush()
+            f.sent += len(part)
+            time.sleep(2)  # longer than the client's timeout: it gives up on this connection
+            return
         self.wfile.write(part)
         f.sent += len(part)
 
@@ -145,21 +154,26 @@ def test_bad_checksum_is_rejected_and_nothing_is_left_half_extracted(server, tmp
     assert leftovers(root) == [".downloads"]
 
 
-@pytest.mark.parametrize("how", ["connection lost", "earlier run killed", "server ignores Range"])
+@pytest.mark.parametrize("how", ["connection lost", "connection stalls", "earlier run killed",
+                                 "server ignores Range"])
 def test_interrupted_download_is_resumed(server, tmp_path, how):
     body = pacs_zip()
     half = len(body) // 2
     server.data["/PACS.zip"] = body
     root = tmp_path / "data"
+    timeout = 5
     if how == "connection lost":
         server.cut_once["/PACS.zip"] = half
+    elif how == "connection stalls":
+        server.stall_once["/PACS.zip"] = half
+        timeout = 0.5
     else:
         (root / ".downloads").mkdir(parents=True)
         (root / ".downloads" / "PACS.zip.part").write_bytes(body[:half])
         server.ignore_range = how == "server ignores Range"
-    dest = fetch("pacs", root, progress=False, source=pacs_source(server.url + "/PACS.zip", body), timeout=5)
+    dest = fetch("pacs", root, progress=False, source=pacs_source(server.url + "/PACS.zip", body), timeout=timeout)
     assert sorted(p.name for p in dest.iterdir()) == sorted(PACS_DOMAINS)  # the checksum passed
-    if how == "connection lost":
+    if how in ("connection lost", "connection stalls"):
         assert server.log == [("/PACS.zip", None), ("/PACS.zip", f"bytes={half}-")]
         assert server.sent == len(body)  # the second request sent only the rest
     elif how == "earlier run killed":

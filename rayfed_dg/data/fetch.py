@@ -120,7 +120,7 @@ def _download(url: str, part: Path, expected_size: int | None, progress: bool, t
             _say(f"downloading {desc} ({shown}{f', resuming at byte {have}' if have else ''}) from {url}")
             try:
                 with open(part, mode) as f, _bar(total, have, desc, progress) as bar:
-                    while chunk := resp.read(CHUNK):
+                    while chunk := resp.read1(CHUNK):  # what has arrived: a stall loses nothing
                         f.write(chunk)
                         bar.update(len(chunk))
             except (http.client.IncompleteRead, ConnectionError, TimeoutError) as e:
