@@ -92,7 +92,7 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(part)
             self.wfile.flush()
             f.sent += len(part)
-            time.sleep(2)  # longer than the client's timeout: it gives up on this connection
+            time.sleep(6)  # longer than the client's timeout: it gives up on this connection
             return
         self.wfile.write(part)
         f.sent += len(part)
@@ -166,7 +166,7 @@ def test_interrupted_download_is_resumed(server, tmp_path, how):
         server.cut_once["/PACS.zip"] = half
     elif how == "connection stalls":
         server.stall_once["/PACS.zip"] = half
-        timeout = 0.5
+        timeout = 2
     else:
         (root / ".downloads").mkdir(parents=True)
         (root / ".downloads" / "PACS.zip.part").write_bytes(body[:half])
