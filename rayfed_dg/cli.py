@@ -48,6 +48,16 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="the selected round's model (default) or the last round's")
     ev.add_argument("--target", default=None, help="target domain or comma list (default: the run's targets)")
     ev.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    data = sub.add_parser("data", help="fetch the public datasets into the data root ($RAYFED_DG_DATA, ~/data)")
+    dsub = data.add_subparsers(dest="data_command", required=True)
+    fetch = dsub.add_parser("fetch", help="download, verify and unpack a dataset (resumable)")
+    fetch.add_argument("name", help="pacs, office_home, vlcs, domainnet, digits_dg, camelyon17, terra_incognita")
+    fetch.add_argument("--root", default=None, help="data root to install into (default: $RAYFED_DG_DATA or ~/data)")
+    fetch.add_argument("--keep-archives", action="store_true", help="keep the downloaded archives in ROOT/.downloads")
+    fetch.add_argument("--no-progress", action="store_true", help="no progress bar")
+    fetch.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    dlist = dsub.add_parser("list", help="the datasets `data fetch` knows, where they go and whether they are there")
+    dlist.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     rep = sub.add_parser("report", help="target accuracy per method and model-selection rule, mean +- SE over seeds")
     rep.add_argument("run_dirs", nargs="+", help="run directories (a --seeds run, compare runs, or one per seed)")
     rep.add_argument("--format", choices=("md", "csv", "latex", "text"), default="md")
@@ -223,7 +233,22 @@ def _plot(args) -> int:
     return 0
 
 
+def _data(args) -> int:
+    from rayfed_dg.data.fetch import describe, fetch
+    from rayfed_dg.data.sources import DATA_ENV, data_root
+
+    if args.data_command == "list":
+        print(f"data root {data_root()} (${DATA_ENV}, default ~/data); configs name folders relative to it")
+        print(render_table(["name", "data.name", "folder", "archives", "checks", "present", "source"], describe()))
+        return 0
+    dest = fetch(args.name, args.root, progress=not args.no_progress, keep_archives=args.keep_archives)
+    print(dest)
+    return 0
+
+
 def _dispatch(args) -> int:
+    if args.command == "data":
+        return _data(args)
     if args.command == "report":
         return _report(args)
     if args.command == "plot":

@@ -43,11 +43,29 @@ class DataConfig(_Strict):
     # colour normalisation applied on the fly (ImageNet stats by default)
     mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
     std: tuple[float, float, float] = (0.229, 0.224, 0.225)
-    augment: Literal["none", "flip", "flip_jitter"] = "none"
+    # training-time augmentation on the worker, seeded by the client's generator (data/augment.py):
+    # domainbed = random resized crop (scale 0.7-1) + flip + colour jitter 0.3 + grayscale 0.1
+    augment: Literal["none", "flip", "flip_jitter", "domainbed"] = "none"
+    # size images are decoded and cached at; None: the resolution, or resolution * 8/7 for domainbed
+    # (256 -> 224), so the random crop has pixels to take; evaluation resizes to the resolution
+    decode_resolution: int | None = Field(None, ge=8, le=2048)
     domains: list[str] | None = None  # restrict to these domains
     on_corrupt: Literal["fail", "skip"] = "fail"  # an undecodable image: stop, or skip and count
     top_classes: int | None = Field(None, ge=2)  # keep the K most frequent classes (DomainNet)
     limit_per_domain: int | None = Field(None, ge=2)  # use at most this many images per domain
+
+    @property
+    def decode_size(self) -> int:
+        if self.decode_resolution is not None:
+            return self.decode_resolution
+        return round(self.resolution * 8 / 7) if self.augment == "domainbed" else self.resolution
+
+    @model_validator(mode="after")
+    def _decode_not_smaller(self) -> DataConfig:
+        if self.decode_resolution is not None and self.decode_resolution < self.resolution:
+            raise ValueError(f"data.decode_resolution ({self.decode_resolution}) is smaller than data.resolution "
+                             f"({self.resolution})")
+        return self
 
     def loader_options(self) -> dict:
         return {"on_corrupt": self.on_corrupt, "top_classes": self.top_classes,

@@ -220,6 +220,7 @@ def run_sweep(space_name: str, config: str | None, target: str, samples: int, sc
               wandb_project: str | None = None, mlflow_uri: str | None = None) -> dict[str, Any]:
     from ray import tune
 
+    from rayfed_dg.data.sources import resolve_root
     from rayfed_dg.engine import clients_per_round, init_ray, load_data, make_splits, resolve_targets
     from rayfed_dg.engine.plan import ensure_workers
 
@@ -232,8 +233,9 @@ def run_sweep(space_name: str, config: str | None, target: str, samples: int, sc
     config_path = str(Path(config_path).resolve() if Path(config_path).exists() else REPO_ROOT / config_path)
     fixed = list(space.get("set", [])) + list(overrides)
     cfg = load_config(config_path, fixed)
-    if cfg.data.root and not Path(cfg.data.root).is_absolute():
-        fixed.append(f"data.root={Path(cfg.data.root).resolve()}")
+    root = resolve_root(cfg.data.name, cfg.data.root)
+    if root is not None and root != cfg.data.root:  # this machine's data root, for trials on any node
+        fixed.append(f"data.root={root}")
         cfg = load_config(config_path, fixed)
     for key in space["params"]:  # every searched key must be a valid config key
         v = space["params"][key]

@@ -4,8 +4,12 @@
 the in-process engine tests on one shared local Ray); ``python -m pytest -q``
 runs everything, as CI does.  Markers: ``slow`` (CLI subprocesses with their
 own Ray, sweeps, real-data decoding), ``ray`` (uses the session's local
-Ray), ``data`` (reads ../shared/data; skipped when absent), ``cluster``
-(multi-node Ray on this machine).
+Ray), ``data`` (reads the real datasets under the data root; skipped when
+absent), ``cluster`` (multi-node Ray on this machine).
+
+The data root: ``$RAYFED_DG_DATA`` when set, else this checkout's neighbour
+``../shared/data`` when it exists (set here, so that configs naming
+``data.root: PACS`` and subprocesses find it).
 """
 import os
 from pathlib import Path
@@ -14,6 +18,16 @@ import pytest
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 REPO = Path(__file__).resolve().parents[1]
+if not os.environ.get("RAYFED_DG_DATA") and SHARED_DATA.is_dir():
+    os.environ["RAYFED_DG_DATA"] = str(SHARED_DATA)
+DATA_ROOT = Path(os.environ.get("RAYFED_DG_DATA") or Path.home() / "data").expanduser()
+
+
+def needs_data(folder: str):
+    """Skip unless the data root holds ``folder`` (the ``data`` marker goes with it)."""
+    return pytest.mark.skipif(not (DATA_ROOT / folder).is_dir(),
+                              reason=f"{DATA_ROOT / folder} is not present (set RAYFED_DG_DATA or run "
+                                     "`rayfed-dg data fetch`)")
 
 
 def pytest_configure(config):

@@ -51,6 +51,19 @@ def test_two_round_run_writes_the_run_directory(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_normal_run_prints_nothing_that_looks_like_an_error(tmp_path):
+    """Ray's per-worker core_worker line (ObjectRefs in a restartable actor's
+    constructor) and its token-authentication WARNING must not appear; the
+    only stderr lines are the engine's own progress lines."""
+    proc = quick_run(tmp_path / "run", "engine.max_restarts=3")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert lines and all(ln.startswith("== ") for ln in lines), lines
+    for word in ("WARNING", "core_worker", "restart will fail", "Token authentication", "rror"):
+        assert word not in proc.stderr + proc.stdout, word
+
+
+@pytest.mark.slow
 def test_diverging_training_stops_with_one_line_error(tmp_path):
     # a learning rate of 1e9 sends the loss to inf/nan in the first round: the run
     # must stop (exit 1) with the engine's message, not average NaNs for 2 rounds

@@ -1,9 +1,10 @@
 """Folder loaders on small generated trees, the decode cache, and the real data."""
 import csv
+from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import SHARED_DATA
+from conftest import DATA_ROOT, needs_data
 from PIL import Image
 
 from rayfed_dg.data import DataError, load_dataset
@@ -122,16 +123,48 @@ def test_decode_cache_hit_on_second_load_and_invalidated_by_change(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.data
-@pytest.mark.skipif(not (SHARED_DATA / "PACS").is_dir(), reason="../shared/data/PACS is not present")
+@needs_data("PACS")
 def test_real_pacs_counts():
-    ds = load_dataset("pacs", str(SHARED_DATA / "PACS"), 32)
+    ds = load_dataset("pacs", str(DATA_ROOT / "PACS"), 32)
     assert ds.counts() == {"photo": 1670, "art_painting": 2048, "cartoon": 2344, "sketch": 3929}
     assert ds.num_classes == 7 and len(ds.images) == 9991
 
 
 @pytest.mark.slow
 @pytest.mark.data
-@pytest.mark.skipif(not (SHARED_DATA / "digits").is_dir(), reason="../shared/data/digits is not present")
+@needs_data("digits")
 def test_real_digits_counts():
-    ds = load_dataset("digits", str(SHARED_DATA / "digits"), 32)
+    ds = load_dataset("digits", str(DATA_ROOT / "digits"), 32)
     assert ds.counts() == {"mnist": 6000, "mnist_m": 6000, "usps": 6000} and ds.num_classes == 10
+
+
+def test_data_root_resolution(tmp_path, monkeypatch):
+    from rayfed_dg.data.sources import resolve_root
+
+    monkeypatch.setenv("RAYFED_DG_DATA", str(tmp_path / "root"))
+    assert resolve_root("pacs", "PACS") == str(tmp_path / "root" / "PACS")  # relative: under the data root
+    assert resolve_root("pacs", "mine/pacs") == str(tmp_path / "root" / "mine" / "pacs")
+    assert resolve_root("pacs", str(tmp_path / "elsewhere")) == str(tmp_path / "elsewhere")  # absolute: kept
+    assert resolve_root("pacs", "~/x") == str(Path.home() / "x")
+    assert resolve_root("pacs", None) == str(tmp_path / "root" / "PACS")  # unset: where `data fetch` puts it
+    assert resolve_root("office_home", None) == str(tmp_path / "root" / "OfficeHome")
+    assert resolve_root("embedded_digits", None) is None and resolve_root("folder", None) is None
+    monkeypatch.delenv("RAYFED_DG_DATA")
+    assert resolve_root("vlcs", "VLCS") == str(Path.home() / "data" / "VLCS")  # default data root ~/data
+
+
+def test_config_reads_its_dataset_under_the_data_root(tmp_path, monkeypatch):
+    from rayfed_dg.config import load_config
+    from rayfed_dg.engine import load_data
+
+    make_tree(tmp_path / "root" / "PACS", ["photo", "art_painting", "cartoon", "sketch"], ["a", "b"], n=1)
+    monkeypatch.setenv("RAYFED_DG_DATA", str(tmp_path / "root"))
+    for root in ("data.root=PACS", "data.root=null"):
+        ds = load_data(load_config(None, ["data.name=pacs", root, "data.resolution=8"]))
+        assert ds.meta["root"] == str(tmp_path / "root" / "PACS") and len(ds.labels) == 8
+    monkeypatch.setenv("RAYFED_DG_DATA", str(tmp_path / "empty"))
+    with pytest.raises(DataError) as e:
+        load_data(load_config(None, ["data.name=office_home", "data.resolution=8"]))
+    msg = str(e.value)
+    assert msg.startswith(f"data.root {tmp_path}/empty/OfficeHome does not exist") and "\n" not in msg
+    assert f"fetch it with `rayfed-dg data fetch office_home` (writes {tmp_path}/empty/OfficeHome" in msg

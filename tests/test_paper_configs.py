@@ -2,14 +2,14 @@
 random ones, which this machine cannot download), and fail clearly without
 their weights."""
 import pytest
-from conftest import REPO, SHARED_DATA
+from conftest import REPO, needs_data
 
 from rayfed_dg.cli import main
 
 PAPER = REPO / "configs" / "paper"
 CPU = ["--set", "engine.num_gpus_per_worker=0", "--set", "engine.num_cpus_per_worker=1"]
 
-needs_pacs = pytest.mark.skipif(not (SHARED_DATA / "PACS").is_dir(), reason="../shared/data/PACS is not present")
+needs_pacs = needs_data("PACS")  # configs name data.root: PACS, under the data root
 
 
 @needs_pacs
@@ -17,7 +17,6 @@ needs_pacs = pytest.mark.skipif(not (SHARED_DATA / "PACS").is_dir(), reason="../
 @pytest.mark.data
 @pytest.mark.parametrize("name", ["gperxan_pacs", "fedfda_pacs", "stablefdg_pacs"])
 def test_dry_run_builds_and_trains(ray_session, tmp_path, monkeypatch, capsys, name):
-    monkeypatch.chdir(REPO)  # configs name ../shared/data relative to the repository
     code = main(["run", str(PAPER / f"{name}.yaml"), "--dry-run", "--target", "photo", "--no-progress",
                  "--set", "model.pretrained=null", *CPU, "--run-dir", str(tmp_path / "run")])
     out = capsys.readouterr()

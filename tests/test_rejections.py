@@ -41,6 +41,9 @@ def cases(tmp_path):
                                    "partition.num_clients=30", "--set", "partition.alpha=0"], \
         "partition.alpha: Input should be greater than 0"
     yield "unknown target domain", [QS, *TINY, "--target", "textures"], "unknown domain 'textures' (did you mean texture?)"
+    yield "dataset that is not there", [QS, "--set", "compare=null", "--set", "data.name=pacs"], \
+        f"data.root {tmp_path}/dataroot/PACS does not exist or is not a folder; expected <root>/{{photo,art_painting," \
+        "cartoon,sketch}/<class>/<images>; fetch it with `rayfed-dg data fetch pacs`"
     root = pacs_like(tmp_path / "w", wrong=True)
     yield "dataset root with the wrong layout", [QS, "--set", "compare=null", "--set", "data.name=pacs", "--set",
                                                 f"data.root={root}"], "is not a PACS tree: expected domain folders"
@@ -58,6 +61,7 @@ def cases(tmp_path):
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("RAYFED_DG_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("RAYFED_DG_DATA", str(tmp_path / "dataroot"))  # an empty data root
 
 
 def test_each_rejection_is_one_line_exit_2_and_writes_nothing(ray_session, tmp_path, capsys, cache):
@@ -70,7 +74,7 @@ def test_each_rejection_is_one_line_exit_2_and_writes_nothing(ray_session, tmp_p
         assert len(err) == 1 and expect in err[0], (name, err)
         assert not run_dir.exists(), name
         seen += 1
-    assert seen == 13
+    assert seen == 14
 
 
 def test_existing_run_dir_is_refused_and_left_untouched(ray_session, tmp_path, capsys):

@@ -4,7 +4,9 @@ Every loader lists files, checks the layout, then decodes and resizes each
 image once to the run's resolution into a cache (NumPy ``.npy`` in
 ``$RAYFED_DG_CACHE`` or ``~/.cache/rayfed_dg``), keyed by the file list (paths,
 sizes, modification times) and the resolution.  A second run memory-maps the
-cache instead of decoding.  Layouts (``<root>`` is ``data.root``):
+cache instead of decoding.  Layouts (``<root>`` is ``data.root``, a path
+relative to the data root ``$RAYFED_DG_DATA`` unless absolute, see
+``sources.py``; ``rayfed-dg data fetch NAME`` builds each of them):
 
 * ``pacs``        ``<root>/{photo,art_painting,cartoon,sketch}/<class>/*``
 * ``office_home`` ``<root>/{Art,Clipart,Product,Real World}/<class>/*``
@@ -12,10 +14,13 @@ cache instead of decoding.  Layouts (``<root>`` is ``data.root``):
 * ``vlcs``        ``<root>/{Caltech101,LabelMe,SUN09,VOC2007}/<class>/*``
 * ``domainnet``   ``<root>/{clipart,infograph,painting,quickdraw,real,sketch}/<class>/*``;
   ``data.top_classes: K`` keeps the K classes with most images overall
+* ``terra_incognita`` ``<root>/{location_100,location_38,location_43,location_46}/<class>/*``
+  (DomainBed's layout: ten classes, ``empty`` included)
 * ``digits``      ``<root>/<domain>/<class>/*`` for any set of digit domains
-  (``../shared/data/digits``: mnist, mnist_m, usps), and the Digits-DG layout
+  (e.g. mnist, mnist_m, usps), and the Digits-DG layout
   ``<root>/<domain>/{train,val}/<class>/*`` (both parts are pooled; the
   protocol makes its own split)
+* ``digits_dg``   Digits-DG only: ``<root>/{mnist,mnist_m,svhn,syn}/{train,val}/<class>/*``
 * ``camelyon17``  the WILDS v1.0 layout: ``<root>/metadata.csv`` (columns
   patient, node, x_coord, y_coord, tumor, center, ...) and
   ``<root>/patches/patient_<p>_node_<n>/patch_patient_<p>_node_<n>_x_<x>_y_<y>.png``;
@@ -32,7 +37,9 @@ import csv
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -54,7 +61,9 @@ def _need_root(root: str | None, name: str, expected: str) -> Path:
         raise DataError(f"dataset {name} needs data.root: a folder laid out as {expected}")
     p = Path(root).expanduser()
     if not p.is_dir():
-        raise DataError(f"data.root {p} does not exist or is not a folder; expected {expected}")
+        from .sources import fetch_hint
+
+        raise DataError(f"data.root {p} does not exist or is not a folder; expected {expected}{fetch_hint(name)}")
     return p
 
 
@@ -157,9 +166,50 @@ def decode_cached(files: list[Path], resolution: int, on_corrupt: str = "fail",
     return out, keep, {"cache": "miss", "path": str(img_path), **info}
 
 
-def _build(name, root, resolution, domains, aliases=None, on_corrupt="fail", top_classes=None,
-           limit_per_domain=None, **_):
-    files, labels, doms, classes = list_domain_class_tree(root, domains, name, aliases)
+@dataclass
+class Listing:
+    """The files of a dataset tree and what they are, before any decoding."""
+
+    root: Path
+    files: list[Path]
+    labels: np.ndarray  # int64 index into class_names
+    domains: np.ndarray  # int64 index into domain_names
+    domain_names: list[str]
+    class_names: list[str]
+
+    def counts(self) -> dict[str, int]:
+        return {d: int((self.domains == i).sum()) for i, d in enumerate(self.domain_names)}
+
+
+_LISTERS: dict[str, Callable[[str | None], Listing]] = {}
+
+
+def list_layout(name: str, root: str | Path | None) -> Listing:
+    """List (and check) the tree of loader ``name`` without decoding anything:
+    what ``data fetch`` runs on a freshly extracted tree."""
+    return _LISTERS[name](None if root is None else str(root))
+
+
+def _loader(name: str, default_resolution: int):
+    """Register ``name`` as a dataset read by the lister ``fn(root) -> Listing``."""
+
+    def deco(fn: Callable[[str | None], Listing]):
+        _LISTERS[name] = fn
+
+        def load(root=None, resolution=default_resolution, on_corrupt="fail", top_classes=None,
+                 limit_per_domain=None, **_):
+            return _decode(fn(root), resolution, on_corrupt, top_classes, limit_per_domain)
+
+        load.__name__ = load.__qualname__ = name
+        register_dataset(name)(load)
+        return fn
+
+    return deco
+
+
+def _decode(lst: Listing, resolution: int, on_corrupt: str, top_classes: int | None,
+            limit_per_domain: int | None) -> DomainDataset:
+    files, labels, doms, classes = lst.files, lst.labels, lst.domains, lst.class_names
     if top_classes:
         counts = np.bincount(labels, minlength=len(classes))
         keep_c = sorted(np.argsort(-counts, kind="stable")[:top_classes])
@@ -173,37 +223,53 @@ def _build(name, root, resolution, domains, aliases=None, on_corrupt="fail", top
         sel = subsample_indices(labels, doms, limit_per_domain)
         files, labels, doms = [files[i] for i in sel], labels[sel], doms[sel]
     images, keep, info = decode_cached(files, resolution, on_corrupt)
-    return DomainDataset(images=np.asarray(images), labels=labels[keep], domains=doms[keep], domain_names=list(domains),
-                         class_names=classes, meta={"root": str(root), **info})
+    return DomainDataset(images=np.asarray(images), labels=labels[keep], domains=doms[keep],
+                         domain_names=list(lst.domain_names), class_names=classes,
+                         meta={"root": str(lst.root), **info})
+
+
+def _tree(name: str, root: Path, domains: list[str], aliases: dict[str, str] | None = None) -> Listing:
+    files, labels, doms, classes = list_domain_class_tree(root, domains, name, aliases)
+    return Listing(root, files, labels, doms, list(domains), classes)
 
 
 PACS_DOMAINS = ["photo", "art_painting", "cartoon", "sketch"]
 
 
-@register_dataset("pacs")
-def pacs(root=None, resolution=64, **kw):
+@_loader("pacs", 64)
+def pacs(root):
     r = _need_root(root, "pacs", "<root>/{photo,art_painting,cartoon,sketch}/<class>/<images>")
-    return _build("PACS", r, resolution, PACS_DOMAINS, **kw)
+    return _tree("PACS", r, PACS_DOMAINS)
 
 
-@register_dataset("office_home")
-def office_home(root=None, resolution=64, **kw):
+@_loader("office_home", 64)
+def office_home(root):
     r = _need_root(root, "office_home", "<root>/{Art,Clipart,Product,Real World}/<class>/<images>")
-    return _build("Office-Home", r, resolution, ["Art", "Clipart", "Product", "Real World"],
-                  aliases={"Real_World": "Real World", "RealWorld": "Real World"}, **kw)
+    return _tree("Office-Home", r, ["Art", "Clipart", "Product", "Real World"],
+                 aliases={"Real_World": "Real World", "RealWorld": "Real World"})
 
 
-@register_dataset("vlcs")
-def vlcs(root=None, resolution=64, **kw):
+@_loader("vlcs", 64)
+def vlcs(root):
     r = _need_root(root, "vlcs", "<root>/{Caltech101,LabelMe,SUN09,VOC2007}/<class>/<images>")
-    return _build("VLCS", r, resolution, ["Caltech101", "LabelMe", "SUN09", "VOC2007"], **kw)
+    return _tree("VLCS", r, ["Caltech101", "LabelMe", "SUN09", "VOC2007"])
 
 
-@register_dataset("domainnet")
-def domainnet(root=None, resolution=64, **kw):
+@_loader("domainnet", 64)
+def domainnet(root):
     doms = ["clipart", "infograph", "painting", "quickdraw", "real", "sketch"]
     r = _need_root(root, "domainnet", "<root>/{" + ",".join(doms) + "}/<class>/<images>")
-    return _build("DomainNet", r, resolution, doms, **kw)
+    return _tree("DomainNet", r, doms)
+
+
+TERRA_DOMAINS = ["location_100", "location_38", "location_43", "location_46"]
+
+
+@_loader("terra_incognita", 64)
+def terra_incognita(root):
+    """DomainBed's layout: the four camera locations, ten classes (empty included)."""
+    r = _need_root(root, "terra_incognita", "<root>/{" + ",".join(TERRA_DOMAINS) + "}/<class>/<images>")
+    return _tree("TerraIncognita", r, TERRA_DOMAINS)
 
 
 def _root_and_domains(root, name: str, example: str = "") -> tuple[Path, list[str]]:
@@ -214,37 +280,55 @@ def _root_and_domains(root, name: str, example: str = "") -> tuple[Path, list[st
     return r, doms
 
 
-@register_dataset("digits")
-def digits(root=None, resolution=32, **kw):
-    r, doms = _root_and_domains(root, "digits", " (e.g. mnist, mnist_m, usps)")
+def _digits_tree(r: Path, doms: list[str]) -> Listing:
     # Digits-DG nests train/ and val/ inside each domain: pool both parts
-    if all(set(_subdirs(r / d)) >= {"train"} for d in doms):
-        files, labels, dl, classes = [], [], [], None
-        for j, d in enumerate(doms):
-            parts = [p for p in ("train", "val") if (r / d / p).is_dir()]
-            for p in parts:
-                f, lab, _, cls = list_domain_class_tree(r / d, [p], "Digits-DG")
-                if classes is None:
-                    classes = cls
-                elif cls != classes:
-                    raise DataError(f"data.root {r}: {d}/{p} has classes {cls}, expected {classes}")
-                files += f
-                labels.append(lab)
-                dl.append(np.full(len(f), j, np.int64))
-        images, keep, info = decode_cached(files, resolution, kw.get("on_corrupt", "fail"))
-        return DomainDataset(np.asarray(images), np.concatenate(labels)[keep], np.concatenate(dl)[keep], doms,
-                             classes, {"root": str(r), **info})
-    return _build("digits", r, resolution, doms, **kw)
+    if not all(set(_subdirs(r / d)) >= {"train"} for d in doms):
+        return _tree("digits", r, doms)
+    files: list[Path] = []
+    labels, dl = [], []
+    classes: list[str] | None = None
+    for j, d in enumerate(doms):
+        for p in [p for p in ("train", "val") if (r / d / p).is_dir()]:
+            f, lab, _, cls = list_domain_class_tree(r / d, [p], "Digits-DG")
+            if classes is None:
+                classes = cls
+            elif cls != classes:
+                raise DataError(f"data.root {r}: {d}/{p} has classes {cls}, expected {classes}")
+            files += f
+            labels.append(lab)
+            dl.append(np.full(len(f), j, np.int64))
+    return Listing(r, files, np.concatenate(labels), np.concatenate(dl), doms, classes or [])
 
 
-@register_dataset("folder")
-def folder(root=None, resolution=64, **kw):
+@_loader("digits", 32)
+def digits(root):
+    r, doms = _root_and_domains(root, "digits", " (e.g. mnist, mnist_m, usps)")
+    return _digits_tree(r, doms)
+
+
+DIGITS_DG_DOMAINS = ["mnist", "mnist_m", "svhn", "syn"]
+
+
+@_loader("digits_dg", 32)
+def digits_dg(root):
+    """Digits-DG as Dassl ships it: ``<root>/{mnist,mnist_m,svhn,syn}/{train,val}/<class>/*``."""
+    expected = "<root>/{" + ",".join(DIGITS_DG_DOMAINS) + "}/{train,val}/<class>/<images>"
+    r = _need_root(root, "digits_dg", expected)
+    missing = [d for d in DIGITS_DG_DOMAINS if not (r / d / "train").is_dir()]
+    if missing:
+        raise DataError(f"data.root {r} is not a Digits-DG tree: expected {expected}; "
+                        f"missing {', '.join(d + '/train' for d in missing)}")
+    return _digits_tree(r, DIGITS_DG_DOMAINS)
+
+
+@_loader("folder", 64)
+def folder(root):
     r, doms = _root_and_domains(root, "folder")
-    return _build("folder", r, resolution, doms, **kw)
+    return _tree("folder", r, doms)
 
 
-@register_dataset("camelyon17")
-def camelyon17(root=None, resolution=96, on_corrupt="fail", **_):
+@_loader("camelyon17", 96)
+def camelyon17(root):
     expected = "<root>/metadata.csv and <root>/patches/patient_<p>_node_<n>/<png>"
     r = _need_root(root, "camelyon17", expected)
     meta = r / "metadata.csv"
@@ -257,7 +341,7 @@ def camelyon17(root=None, resolution=96, on_corrupt="fail", **_):
     if not rows or not need <= set(rows[0]):
         raise DataError(f"{meta}: expected columns {', '.join(sorted(need))}; "
                         f"found {', '.join(rows[0]) if rows else 'no rows'}")
-    files, labels, doms = [], [], []
+    files, labels, centers = [], [], []
     for row in rows:
         p, n = int(float(row["patient"])), int(float(row["node"]))
         x, y = int(float(row["x_coord"])), int(float(row["y_coord"]))
@@ -266,10 +350,8 @@ def camelyon17(root=None, resolution=96, on_corrupt="fail", **_):
             raise DataError(f"{meta} lists a patch that is missing: {f}")
         files.append(f)
         labels.append(int(float(row["tumor"])))
-        doms.append(int(float(row["center"])))
-    images, keep, info = decode_cached(files, resolution, on_corrupt)
-    centers = sorted(set(doms))
-    remap = {c: i for i, c in enumerate(centers)}
-    return DomainDataset(np.asarray(images), np.array(labels, np.int64)[keep],
-                         np.array([remap[d] for d in doms], np.int64)[keep],
-                         [f"hospital{c + 1}" for c in centers], ["normal", "tumor"], {"root": str(r), **info})
+        centers.append(int(float(row["center"])))
+    present = sorted(set(centers))
+    remap = {c: i for i, c in enumerate(present)}
+    return Listing(r, files, np.array(labels, np.int64), np.array([remap[c] for c in centers], np.int64),
+                   [f"hospital{c + 1}" for c in present], ["normal", "tumor"])

@@ -12,8 +12,13 @@ from rayfed_dg.errors import ConfigError, DataError, ModelError, ResourceError
 
 
 def load_data(cfg: ExperimentConfig) -> DomainDataset:
+    """The config's dataset, decoded at ``data.decode_size`` (the resolution,
+    or larger when a random crop is taken from it); ``data.root`` is resolved
+    against the data root (``$RAYFED_DG_DATA``) unless absolute."""
+    from rayfed_dg.data.sources import resolve_root
+
     d = cfg.data
-    ds = load_dataset(d.name, d.root, d.resolution, d.domains, **d.loader_options())
+    ds = load_dataset(d.name, resolve_root(d.name, d.root), d.decode_size, d.domains, **d.loader_options())
     return ds.subsample(d.limit_per_domain, d.split_seed) if d.limit_per_domain else ds
 
 
