@@ -51,7 +51,8 @@ def evaluate_saved(cfg: ExperimentConfig, ds, targets: list[str], run_dir: Path,
     from .worker import ClientRunner
 
     threads = torch.get_num_threads()
-    runner = ClientRunner(cfg, ds.images, ds.labels, ds.num_classes)
+    # the model of some methods depends on the partition (COPA: one head per client)
+    runner = ClientRunner(cfg, ds.images, ds.labels, ds.num_classes, split_for(cfg, ds, targets[0]).num_clients)
     torch.set_num_threads(threads)  # the runner pins a worker's share; this process may use them all
     expected = set(runner.model.state_dict())
     out = {}
