@@ -76,15 +76,15 @@ def _partition(args) -> int:
 
 
 def _run(args) -> int:
-    from rayfed_dg.config import load_config, method_variants
+    from rayfed_dg.config import load_config
     from rayfed_dg.engine import (
         check_resume_dir,
         format_table,
         load_data,
         make_run_dir,
-        make_splits,
         preflight,
         resolve_targets,
+        resolve_variants,
         run_experiment,
     )
 
@@ -98,9 +98,9 @@ def _run(args) -> int:
     cfg = load_config(args.config, args.overrides + dry)
     ds = load_data(cfg)
     targets = resolve_targets(ds, args.target)
-    variants = method_variants(cfg)
-    splits = make_splits(cfg, ds, targets)  # partition errors surface before anything is written
-    for _, vcfg in variants:
+    # partition errors surface before anything is written; a row with its own partition gets its own splits
+    variants = resolve_variants(cfg, ds, targets)
+    for _, vcfg, splits in variants:
         preflight(vcfg, splits, ds.num_classes)
     if args.resume:
         run_dir = Path(args.resume)
@@ -118,7 +118,7 @@ def _run(args) -> int:
     if not (run_dir / "config.yaml").exists():
         save_config(cfg, run_dir / "config.yaml")
     summaries = {}
-    for label, vcfg in variants:
+    for label, vcfg, splits in variants:
         sub = run_dir if len(variants) == 1 else run_dir / label
         sub.mkdir(parents=True, exist_ok=True)
         print(f"== {label}: {len(targets)} target(s), {vcfg.training.rounds} rounds -> {sub}", file=sys.stderr)
