@@ -114,15 +114,15 @@ def parse_seeds(text: str | None) -> list[int] | None:
 
 
 def _run(args) -> int:
-    from rayfed_dg.config import ConfigError, load_config, method_variants, save_config
+    from rayfed_dg.config import ConfigError, load_config, save_config
     from rayfed_dg.engine import (
         check_resume_dir,
         format_table,
         load_data,
         make_run_dir,
-        make_splits,
         preflight,
         resolve_targets,
+        resolve_variants,
         run_experiment,
     )
 
@@ -140,9 +140,9 @@ def _run(args) -> int:
     cfg = cfgs[0][1]
     ds = load_data(cfg)
     targets = resolve_targets(ds, args.target)
-    variants = method_variants(cfg)
-    splits = make_splits(cfg, ds, targets)  # partition errors surface before anything is written
-    for _, vcfg in variants:
+    # partition errors surface before anything is written; a row with its own partition gets its own splits
+    variants = resolve_variants(cfg, ds, targets)
+    for _, vcfg, splits in variants:
         preflight(vcfg, splits, ds.num_classes)
     if args.resume:
         run_dir = Path(args.resume)
@@ -167,7 +167,8 @@ def _run(args) -> int:
         if not (sdir / "config.yaml").exists():
             save_config(scfg, sdir / "config.yaml")
         summaries = {}
-        for label, vcfg in (variants if s is None else method_variants(scfg)):
+        # the split depends on data.split_seed only, so every seed's rows share the first seed's splits
+        for label, vcfg, splits in (variants if s is None else resolve_variants(scfg, ds, targets)):
             sub = sdir if len(variants) == 1 else sdir / label
             sub.mkdir(parents=True, exist_ok=True)
             what = "" if s is None else f"seed {s}, "

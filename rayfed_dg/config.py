@@ -105,10 +105,19 @@ class _Named(BaseModel):
 
 
 class MethodConfig(_Named):
-    """``name`` plus the method's own parameters (validated by the method)."""
+    """``name`` plus the method's own parameters (validated by the method).
+
+    In a ``compare`` list a row may also carry its own ``partition`` (merged
+    over the config's ``partition`` section for that row only, e.g. the
+    centralized reference ``partition: {strategy: centralized}``) and its own
+    ``stages`` (added to the config's, e.g. ELCFS's amplitude bank), so one
+    comparison holds rows that differ in more than the method; see
+    ``method_variants``."""
 
     name: str = "fedavg"
     label: str | None = None  # row name in comparison tables
+    partition: dict[str, Any] | None = None  # compare rows only: this row's partition settings
+    stages: dict[str, Any] | None = None  # compare rows only: data stages of this row
 
 
 class StageConfig(_Named):
@@ -298,8 +307,16 @@ def validate(tree: dict, source: str = "<config>") -> ExperimentConfig:
             raise ConfigError(f"{source}: stages.{name}: {e.args[0]}") from None
         _typed(sc, scls.Params, f"stages.{name}", source)
         stage_classes.append(scls)
+    if cfg.method.partition is not None or cfg.method.stages is not None:
+        raise ConfigError(f"{source}: method.partition / method.stages: only compare rows carry their own partition "
+                          "or stages; set the top-level partition: / stages: sections instead")
+    mcls = get_method_class(cfg.method.name)
+    missing = [s for s in mcls.stages_needed if cfg.stages.get(s) is None]
+    if missing:
+        raise ConfigError(f"{source}: method {cfg.method.name} needs the data stage(s) {', '.join(missing)}: "
+                          f"add stages: {{{missing[0]}: {{}}}} (in a compare row: stages: {{{missing[0]}: {{}}}})")
     try:
-        get_method_class(cfg.method.name).check(cfg)
+        mcls.check(cfg)
         for scls in stage_classes:
             scls.check(cfg)
     except ConfigError as e:
@@ -316,7 +333,11 @@ def method_variants(cfg: ExperimentConfig) -> list[tuple[str, ExperimentConfig]]
     for m in cfg.compare:
         tree = cfg.to_dict()
         tree["compare"] = None
-        tree["method"] = m.model_dump(mode="json")
+        tree["method"] = m.model_dump(mode="json", exclude={"partition", "stages"})
+        if m.partition is not None:  # this row's own partition, over the comparison's
+            tree["partition"] = _deep_merge(tree["partition"], m.partition)
+        if m.stages is not None:  # this row's data stages, after the comparison's
+            tree["stages"] = {**(tree.get("stages") or {}), **m.stages}
         label = m.label or m.name
         seen[label] = seen.get(label, 0) + 1
         if seen[label] > 1:

@@ -28,6 +28,7 @@ class Stream(IntEnum):
     CLIENT_VAL = 11  # a client's fixed validation subset for client-side selection
     STAGE = 12  # data stages before round 1 (CCST's styles and choices); was 11 before 0.2
     PREPARE = 13  # a client's per-round preparation phase (before training)
+    AMPLITUDE = 14  # the images whose amplitude spectra a client shares (ELCFS's bank, stages/amplitude.py)
 
 
 def _words(parts) -> list[int]:

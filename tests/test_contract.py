@@ -11,7 +11,9 @@ from rayfed_dg.methods import method_names
 
 # methods whose defaults need more than the contract's tiny setup
 # (FedFD-A's paper lambda2 = 4 is for ImageNet weights; from scratch its CAFL gradient dominates: README)
-EXTRA = {"feddg_ga": ["method.val_samples=16"], "fedfda": ["method.lambda2=0.1"], "fedfd": ["method.lambda2=0.1"]}
+# (ELCFS reads the amplitude bank of its data stage; CSAC's 1,800 pre-training steps, its code's default, are cut to 2)
+EXTRA = {"feddg_ga": ["method.val_samples=16"], "fedfda": ["method.lambda2=0.1"], "fedfd": ["method.lambda2=0.1"],
+         "elcfs": ["stages.amplitude={}"], "csac": ["method.pretrain_steps=2"]}
 
 
 def _run(ray, ds, name, workers):
@@ -24,6 +26,7 @@ def _run(ray, ds, name, workers):
     split = leave_one_domain_out(ds, "texture", 0.2, 0)
     server = ray.remote(Server).options(num_cpus=0).remote(
         cfg, split, [ray.put(ds.images), ray.put(ds.labels)], ds.num_classes, workers)
+    ray.get(server.setup.remote())  # the data stages, as run_federation does (ELCFS's amplitude bank)
     outs = [ray.get(server.run_round.remote()) for _ in range(2)]
     state = ray.get(server.get_state.remote())
     keys = ray.get(server.__ray_call__.remote(lambda s: (sorted(s.local_keys), sorted(s.groups))))
@@ -37,7 +40,8 @@ def test_method_contract(ray_session, tiny_ds, name):
     split, outs, state, (local_keys, all_keys) = _run(ray_session, tiny_ds, name, workers=1)
     from rayfed_dg.engine import ClientRunner
 
-    runner = ClientRunner(tiny_cfg(f"method.name={name}"), tiny_ds.images, tiny_ds.labels, 10)
+    runner = ClientRunner(tiny_cfg(f"method.name={name}", *EXTRA.get(name, [])), tiny_ds.images, tiny_ds.labels, 10,
+                          split.num_clients)
     private = runner.private_keys
     sd = runner.model.state_dict()
     for out in outs:

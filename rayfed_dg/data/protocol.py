@@ -204,10 +204,21 @@ def partition_heterogeneity(source_train, labels, num_clients: int, seed: int, h
     return [np.sort(np.concatenate(p)) for p in parts], [names[i % len(names)] for i in range(num_clients)]
 
 
+def partition_centralized(source_train, labels, **_):
+    """The centralized reference (ERM on pooled data, the upper row of the
+    FedDG papers' tables): one client holding every source domain's training
+    data.  Aggregating one client is the identity, so a run is plain SGD on
+    the pooled sources; as a ``compare`` row it trains as many local steps per
+    round as the comparison's clients together (``engine.plan.match_budget``)."""
+    names = list(source_train)
+    return [np.sort(np.concatenate([source_train[d] for d in names]))], ["+".join(names)]
+
+
 PARTITIONS: Registry = Registry("partition.strategy", DataError)
 for _name, _fn in (("per_domain", partition_per_domain), ("single_domain", partition_single_domain),
                    ("dirichlet", partition_dirichlet_domains), ("label_dirichlet", partition_label_dirichlet),
-                   ("explicit", partition_explicit), ("heterogeneity", partition_heterogeneity)):
+                   ("explicit", partition_explicit), ("heterogeneity", partition_heterogeneity),
+                   ("centralized", partition_centralized)):
     PARTITIONS.add(_name, _fn)
 
 
@@ -232,7 +243,7 @@ def leave_one_domain_out(
         idx = np.flatnonzero(ds.domains == j)
         tr, va = stratified_split(idx, ds.labels, val_fraction, seed=int(_seed_for(split_seed, d).generate_state(1)[0]))
         source_train[d], val[d] = tr, va
-    if strategy not in ("per_domain", "explicit") and num_clients is None:
+    if strategy not in ("per_domain", "explicit", "centralized") and num_clients is None:
         raise DataError(f"partition.strategy {strategy} needs partition.num_clients")
     if strategy in ("dirichlet", "label_dirichlet") and alpha is None:
         raise DataError(f"partition.strategy {strategy} needs partition.alpha > 0")

@@ -7,9 +7,11 @@ from .plan import (
                    init_ray,
                    load_data,
                    make_splits,
+                   match_budget,
                    plan_workers,
                    preflight,
                    resolve_targets,
+                   resolve_variants,
                    split_for,
 )
 from .records import ClientStore, ClientTask, Ledger, RoundResult
@@ -20,5 +22,6 @@ from .worker import ClientRunner, Worker
 
 __all__ = ["ClientRunner", "ClientStore", "ClientTask", "EngineError", "Ledger", "OrderedReducer", "ResourceError",
            "RoundResult", "Server", "TargetResult", "Worker", "check_resume_dir", "clients_per_round",
-           "format_table", "init_ray", "load_data", "make_run_dir", "make_splits", "plan_workers", "preflight",
-           "resolve_targets", "run_experiment", "run_federation", "select_round", "split_for"]
+           "format_table", "init_ray", "load_data", "make_run_dir", "make_splits", "match_budget", "plan_workers",
+           "preflight", "resolve_targets", "resolve_variants", "run_experiment", "run_federation", "select_round",
+           "split_for"]

@@ -45,11 +45,13 @@ def run_targets(run_dir: Path) -> list[str]:
     return list(json.loads(summary.read_text())["targets"])
 
 
-def _runner(cfg: ExperimentConfig, ds):
+def _runner(cfg: ExperimentConfig, ds, target: str):
+    from .plan import split_for
     from .worker import ClientRunner
 
     threads = torch.get_num_threads()
-    runner = ClientRunner(cfg, ds.images, ds.labels, ds.num_classes)
+    # the model of some methods depends on the partition (COPA: one head per client)
+    runner = ClientRunner(cfg, ds.images, ds.labels, ds.num_classes, split_for(cfg, ds, target).num_clients)
     torch.set_num_threads(threads)  # the runner pins a worker's share; this process may use them all
     return runner
 
@@ -72,7 +74,7 @@ def evaluate_saved(cfg: ExperimentConfig, ds, targets: list[str], run_dir: Path,
     """{target: {"source_val": acc, "target_test": acc, "domains": {...}}} for the saved models."""
     from .plan import split_for
 
-    runner = _runner(cfg, ds)
+    runner = _runner(cfg, ds, targets[0])
     out = {}
     for t in targets:
         state = _saved_state(runner, run_dir, weights, t)
@@ -99,7 +101,7 @@ def saved_features(cfg: ExperimentConfig, ds, target: str, run_dir: Path, weight
     ``label`` (class indices), ``is_target`` and ``index`` (into the dataset)."""
     from .plan import split_for
 
-    runner = _runner(cfg, ds)
+    runner = _runner(cfg, ds, target)
     runner._load(_saved_state(runner, run_dir, weights, target))
     runner.model.eval()
     split = split_for(cfg, ds, target)

@@ -124,6 +124,63 @@ def ensure_workers(engine_cfg, clients_per_round: int) -> int:
         request_resources(bundles=[])  # the placed workers hold their nodes; let idle ones go
 
 
+def match_budget(base: ExperimentConfig, base_split: FederatedSplit, row: ExperimentConfig,
+                 row_split: FederatedSplit) -> ExperimentConfig:
+    """A ``compare`` row with its own partition (e.g. the centralized
+    reference) trains as many local SGD steps per round, summed over the
+    round's clients, as the comparison's partition, so rows differ in who
+    holds the data, not in compute.
+
+    * ``training.local_steps`` S with K clients per round: the row's clients
+      per round become min(K, its clients) = K' and its local steps
+      ceil(K * S / K') (the centralized client: K * S steps a round).
+    * ``training.local_epochs`` with every client in every round: unchanged:
+      an epoch over the pooled data is the same number of samples as an epoch
+      on every client (the step counts differ only in each client's last
+      partial batch).  With partial participation an epoch budget depends on
+      which clients were sampled, so the row needs ``training.local_steps``.
+    """
+    if row.partition == base.partition:
+        return row
+    t = base.training
+    k_base = clients_per_round(base, base_split)
+    k_row = min(k_base, row_split.num_clients)
+    if t.local_steps is None:
+        if k_base < base_split.num_clients:
+            raise ConfigError(f"compare row {row.method.label or row.method.name}: its own partition with partial "
+                              f"participation ({k_base} of {base_split.num_clients} clients a round) and "
+                              "training.local_epochs has no fixed step budget to match; set training.local_steps")
+        k_row = row_split.num_clients
+        changes = {"clients_per_round": None if k_row == row_split.num_clients else k_row}
+    else:
+        changes = {"clients_per_round": None if k_row == row_split.num_clients else k_row,
+                   "local_steps": -(-k_base * t.local_steps // k_row)}
+    from rayfed_dg.config import validate
+
+    tree = row.to_dict()
+    tree["training"].update(changes)
+    return validate(tree, f"compare row {row.method.label or row.method.name} (budget of {k_base} clients a round)")
+
+
+def resolve_variants(cfg: ExperimentConfig, ds: DomainDataset,
+                     targets: list[str]) -> list[tuple[str, ExperimentConfig, list[FederatedSplit]]]:
+    """(label, config, splits) of every row to run, checked before anything is
+    written: rows with their own partition get their own splits and the
+    comparison's step budget (``match_budget``)."""
+    from rayfed_dg.config import method_variants
+
+    base_splits = make_splits(cfg, ds, targets)
+    out = []
+    for label, vcfg in method_variants(cfg):
+        if vcfg.partition == cfg.partition:
+            out.append((label, vcfg, base_splits if vcfg.stages == cfg.stages else make_splits(vcfg, ds, targets)))
+            continue
+        splits = [split_for(vcfg, ds, t) for t in targets]
+        vcfg = match_budget(cfg, base_splits[0], vcfg, splits[0])
+        out.append((label, vcfg, make_splits(vcfg, ds, targets)))
+    return out
+
+
 def plan_workers(engine_cfg, clients_per_round: int, resources: dict) -> int:
     """How many workers to start; fail up front when the request cannot fit,
     because Ray waits silently forever for resources that never come."""
@@ -190,7 +247,7 @@ def preflight(cfg: ExperimentConfig, splits: list[FederatedSplit], num_classes: 
     from rayfed_dg.stages import build_stages
 
     try:
-        build_method(cfg).build_model(num_classes)
+        build_method(cfg, splits[0].num_clients if splits else None).build_model(num_classes)
     except (ValueError, KeyError) as e:
         if isinstance(e, (ConfigError, ModelError, DataError)):
             raise

@@ -30,6 +30,7 @@ class ClientTask:
     payload: dict[str, np.ndarray] = field(default_factory=dict)  # the method's per-client broadcast
     extra: Any = None  # a data stage's added samples {"images", "labels"} (or an ObjectRef of them), or None
     val_indices: np.ndarray | None = None  # for client-side selection (``client_val_size``)
+    stage_data: dict[str, Any] = field(default_factory=dict)  # data stages' shared arrays (or ObjectRefs), by name
     attempt: int = 0  # retries of this task so far (faults are seeded per attempt)
     fault_p: float = 0.0
 

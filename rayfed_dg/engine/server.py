@@ -12,7 +12,8 @@ One ``run_round`` call is one federated round:
    (``pool.py``: two in flight per worker, retries, drops);
 5. fold updates into the average as they arrive, in client-id order, and
    write each client's local state back into the client store;
-6. put the new global model in the object store and evaluate it on every
+6. let the method set the tensors it assembles itself (``assemble_global``),
+   put the new global model in the object store and evaluate it on every
    source domain's validation split and on the target domain.
 """
 from __future__ import annotations
@@ -51,7 +52,7 @@ class Server:
         self.data_refs = list(data_refs)
         self.cfg = cfg
         self.split = split
-        self.method = build_method(cfg)
+        self.method = build_method(cfg, split.num_clients)
         torch.manual_seed(seed_int(cfg.training.seed, Stream.INIT))
         model = self.method.build_model(num_classes)
         sd = model.state_dict()
@@ -73,13 +74,14 @@ class Server:
         self.data_source: Any = ray.remote(DataSource).options(num_cpus=0, scheduling_strategy=here,
                                                           name=source).remote(self.data_refs)
         remote_worker = ray.remote(Worker)
-        workers: list[Any] = [remote_worker.options(**opts).remote(cfg, source, num_classes)
+        workers: list[Any] = [remote_worker.options(**opts).remote(cfg, source, num_classes, split.num_clients)
                               for _ in range(num_workers)]
         ray.get([w.ping.remote() for w in workers])
         self.pool = WorkerPool(workers, e.max_task_retries)
         self.global_ref = ray.put(self.global_state)
         # client -> its training set after the data stages: (dataset indices, ObjectRef of added samples)
         self.training_sets: dict[int, tuple[np.ndarray, object]] = {}
+        self.stage_data: dict[str, object] = {}  # name -> ObjectRef of arrays a data stage shared with every client
         self._client_val: dict[int, np.ndarray | None] = {}  # client -> its fixed validation indices
 
     # ------------------------------------------------------------ data stages
@@ -115,7 +117,9 @@ class Server:
         source domain, for methods that select their local model on the client."""
         if cid not in self._client_val:
             n = self.method.client_val_size()
-            val = self.split.val[self.split.client_domains[cid]] if n > 0 else None
+            # a multi-domain client ("photo+art_painting", the centralized client) validates on all its domains
+            doms = [d for d in self.split.client_domains[cid].split("+") if d in self.split.val]
+            val = np.sort(np.concatenate([self.split.val[d] for d in doms])) if n > 0 and doms else None
             if val is not None and len(val) > n:
                 val = np.sort(numpy_rng(self.cfg.training.seed, Stream.CLIENT_VAL, cid).choice(val, n, replace=False))
             self._client_val[cid] = val
@@ -124,7 +128,8 @@ class Server:
     def _task(self, r: int, cid: int, payload: dict) -> ClientTask:
         indices, extra = self.training_set(cid)
         return ClientTask(client=cid, round=r, indices=indices, local_state=self.store.get(cid), payload=payload,
-                          extra=extra, val_indices=self.client_val(cid), fault_p=self.cfg.engine.fault_probability)
+                          extra=extra, val_indices=self.client_val(cid), fault_p=self.cfg.engine.fault_probability,
+                          stage_data=dict(self.stage_data))
 
     # --------------------------------------------------------------- round
     def run_round(self) -> RoundResult:
@@ -157,9 +162,10 @@ class Server:
         retries = dict(self.pool.last_retries)
         if len(reducer.dropped) == len(sampled):
             raise EngineError(f"round {r}: every sampled client failed ({dropped[0][1]})")
-        self.global_state = reducer.result(self.global_state)
-        self.global_ref = ray.put(self.global_state)
         results = [updates[c] for c in sorted(updates)]
+        self.global_state = reducer.result(self.global_state)
+        self.global_state.update(self.method.assemble_global(r, results, self.global_state, self.server_state))
+        self.global_ref = ray.put(self.global_state)
         if self.method.evaluates_global_on_clients:
             self._evaluate_on_clients(results, ledger)
         self.method.after_round(r, results, self.server_state)
@@ -289,6 +295,12 @@ class _StageServer:
 
     def set_training_set(self, client_id: int, keep: np.ndarray, images: np.ndarray, labels: np.ndarray) -> None:
         self._server.training_sets[client_id] = (keep, ray.put({"images": images, "labels": labels}))
+
+    def share(self, name: str, arrays: dict[str, np.ndarray]) -> None:
+        """Put ``arrays`` in the object store once; every training task
+        carries the reference and the method reads ``ctx.stage_data[name]``
+        (zero-copy).  What each client receives is the stage's to ledger."""
+        self._server.stage_data[name] = ray.put(dict(arrays))
 
     def ledger(self, client_id: int, direction: str, group: str, nbytes: int, tensors: int = 1) -> None:
         self._ledger.add(client_id, direction, group, nbytes, tensors)

@@ -58,7 +58,8 @@ class ClientRunner:
     # update can be views of the model's tensors (saves a model-sized copy)
     returns_to_ray = False
 
-    def __init__(self, cfg: ExperimentConfig, images: np.ndarray, labels: np.ndarray, num_classes: int):
+    def __init__(self, cfg: ExperimentConfig, images: np.ndarray, labels: np.ndarray, num_classes: int,
+                 num_clients: int | None = None):
         self.cfg = cfg  # validated once, in the driver
         e = self.cfg.engine
         self.threads = max(1, int(e.num_cpus_per_worker))
@@ -72,7 +73,7 @@ class ClientRunner:
         d = self.cfg.data
         self.mean = torch.tensor(d.mean, dtype=torch.float32).view(1, 3, 1, 1).to(self.device)
         self.std = torch.tensor(d.std, dtype=torch.float32).view(1, 3, 1, 1).to(self.device)
-        self.method = build_method(self.cfg)
+        self.method = build_method(self.cfg, num_clients)
         torch.manual_seed(seed_int(self.cfg.training.seed, Stream.INIT))
         self.model: nn.Module = self.method.build_model(num_classes).to(self.device)
         self._state = self.model.state_dict()  # tensors share storage with the model
@@ -151,7 +152,17 @@ class ClientRunner:
         return ClientContext(client_id=task.client, round=task.round, device=self.device, generator=gen,
                              num_samples=len(task.indices), payload=task.payload, indices=task.indices,
                              labels=self.labels[task.indices], fetch=lambda idx: self._tensors(idx, None),
-                             val_indices=task.val_indices)
+                             val_indices=task.val_indices, stage_data=self._resolve(task.stage_data),
+                             pixel_mean=self.mean, pixel_std=self.std)
+
+    @staticmethod
+    def _resolve(stage_data: dict) -> dict:
+        """Data stages' shared arrays: ObjectRefs (in an actor) read zero-copy, or plain dicts (in tests)."""
+        if not stage_data or all(isinstance(v, dict) for v in stage_data.values()):
+            return dict(stage_data)
+        import ray
+
+        return {k: v if isinstance(v, dict) else ray.get(v) for k, v in stage_data.items()}
 
     def prepare(self, task: ClientTask, global_state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The method's per-round client phase, before any client trains."""
@@ -198,11 +209,11 @@ class ClientRunner:
 
     def run_client(self, client: int, round: int, indices: np.ndarray, global_state: dict[str, np.ndarray],
                    local_state: dict | None = None, payload: dict | None = None, *, extra: dict | None = None,
-                   val_indices: np.ndarray | None = None) -> ClientUpdate:
+                   val_indices: np.ndarray | None = None, stage_data: dict | None = None) -> ClientUpdate:
         """One client's training task in this process, without Ray (tests, benches)."""
         return self.train(ClientTask(client=client, round=round, indices=np.asarray(indices),
                                      local_state=local_state or {}, payload=payload or {}, extra=extra,
-                                     val_indices=val_indices), global_state)
+                                     val_indices=val_indices, stage_data=stage_data or {}), global_state)
 
     @torch.no_grad()
     def evaluate(self, global_state: dict[str, np.ndarray], indices: np.ndarray,
@@ -237,7 +248,7 @@ class Worker(ClientRunner):
 
     returns_to_ray = True
 
-    def __init__(self, cfg: ExperimentConfig, data_source: str, num_classes: int):
+    def __init__(self, cfg: ExperimentConfig, data_source: str, num_classes: int, num_clients: int | None = None):
         import ray
 
         # the dataset's references come from the server's named data source actor, not from the constructor's
@@ -245,7 +256,7 @@ class Worker(ClientRunner):
         # references or handles passed to a constructor alive for restarts (it warns about them)
         refs: list = ray.get(ray.get_actor(data_source).refs.remote())
         images, labels = ray.get(refs)
-        super().__init__(cfg, images, labels, num_classes)
+        super().__init__(cfg, images, labels, num_classes, num_clients)
 
     def ping(self) -> int:
         return os.getpid()

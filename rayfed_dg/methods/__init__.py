@@ -1,5 +1,21 @@
 """Federated (DG) methods: one file per method, each registered by name."""
-from . import dsu, fedbn, feddg_ga, fedfd, fedprox, fedsr, gperxan, mixstyle, silobn, stablefdg  # noqa: F401  (register)
+from . import (  # noqa: F401
+                   copa,
+                   csac,
+                   dson,
+                   dsu,
+                   elcfs,
+                   fedbn,
+                   feddg_ga,
+                   fedfd,
+                   fedprox,
+                   fedsr,
+                   gperxan,
+                   mixstyle,
+                   rsc,  # (register)
+                   silobn,
+                   stablefdg,
+)
 from .base import (
                    ClientContext,
                    ClientUpdate,

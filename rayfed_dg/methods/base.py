@@ -7,6 +7,12 @@ overrides nothing; the engine calls hooks and never names a method.
 Config (in the driver, once, when the config is validated):
   ``Params``             the method's typed hyper-parameters
   ``check``              veto a config the method cannot run (``ConfigError``)
+  ``stages_needed``      data stages the method reads (``ctx.stage_data``);
+                         a config without them is rejected (ELCFS: amplitude)
+Everywhere the method is built (driver, server, workers):
+  ``num_clients``        the partition's number of clients, set by the
+                         engine before ``build_model`` (COPA sizes its head
+                         ensemble with it); None where no partition is known
 Client side (inside a worker actor, once per sampled client and round):
   ``build_model``        the network, built identically on server and workers
   ``client_val_size``    validation samples a client gets for local selection
@@ -24,6 +30,10 @@ Server side (in the server actor):
   ``aggregation_weights``  per-client weights of the reduce (default |D_i|)
   ``server_payloads``      extra records to broadcast to each sampled client
                            (given the round's ``round_prepare`` results)
+  ``assemble_global``      tensors of the new global model the method builds
+                           itself from the round's updates instead of the
+                           weighted average (COPA's head ensemble, CSAC's
+                           layer-wise aggregation); default: none
   ``after_round``          update server-side method state from the round's
                            ``ClientUpdate`` records
   ``evaluates_global_on_clients``  when True, the engine evaluates the new
@@ -32,7 +42,9 @@ Server side (in the server actor):
                          the figures as ``result["global_eval"]``
 
 Hooks receive a ``ClientContext`` that carries the round, the client id, the
-seeded generator for all of the client's randomness, the device and a
+seeded generator for all of the client's randomness, the device, the data
+stages' shared arrays (``stage_data``), the colour normalisation of the
+batches (``pixel_mean`` / ``pixel_std``, for methods that work on pixels) and a
 ``scratch`` dict for snapshots that live for one client task.
 """
 from __future__ import annotations
@@ -72,6 +84,11 @@ class ClientContext:
     fetch: Callable[[np.ndarray], tuple[torch.Tensor, torch.Tensor]] | None = None  # (x, y) of indices
     # validation samples of the client's own (main) source domain, when ``client_val_size`` asks for them
     val_indices: np.ndarray | None = None
+    # arrays a data stage shared with the clients before round 1 (``StageServer.share``), by name
+    stage_data: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+    # the batches are (pixels in [0, 1] - pixel_mean) / pixel_std, shape (1, 3, 1, 1)
+    pixel_mean: torch.Tensor | None = None
+    pixel_std: torch.Tensor | None = None
 
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -126,6 +143,8 @@ class Method:
     # whether the state in ``local_keys`` changes the model's predictions (then each client's own model
     # is evaluated beside the global one); False for state only the loss reads (FedSR's reference distribution)
     local_state_predicts = True
+    stages_needed: tuple[str, ...] = ()  # data stages whose shared arrays the method reads
+    num_clients: int | None = None  # the partition's clients, set by ``build_method`` (None: unknown)
 
     def __init__(self, params: Any, model_cfg, training_cfg):
         self.p = params
@@ -214,6 +233,14 @@ class Method:
         ``round_prepare`` results by client (empty unless ``prepares_round``)."""
         return {}
 
+    def assemble_global(self, round: int, results: list[ClientUpdate], global_state: dict[str, np.ndarray],
+                        server_state: dict) -> dict[str, np.ndarray]:
+        """Tensors of the new global model (``global_state`` is the weighted
+        average just computed, the previous round's values for keys nobody
+        uploaded) that the method sets itself from the round's updates; the
+        engine replaces them before broadcasting and evaluating."""
+        return {}
+
     def after_round(self, round: int, results: list[ClientUpdate], server_state: dict) -> None:
         pass
 
@@ -236,9 +263,12 @@ def get_method_class(name: str) -> type[Method]:
     return _REGISTRY.get(name)
 
 
-def build_method(cfg) -> Method:
-    """The configured method with its typed parameters (validated once, with the config)."""
-    return get_method_class(cfg.method.name)(cfg.method.params, cfg.model, cfg.training)
+def build_method(cfg, num_clients: int | None = None) -> Method:
+    """The configured method with its typed parameters (validated once, with
+    the config); ``num_clients``: the partition's clients, where known."""
+    method = get_method_class(cfg.method.name)(cfg.method.params, cfg.model, cfg.training)
+    method.num_clients = num_clients
+    return method
 
 
 __all__ = ["Batch", "ClientContext", "ClientUpdate", "ConfigError", "GlobalEval", "Method", "NoParams",

@@ -5,6 +5,9 @@
          affine parameters.
 ``IBN``  IBN-Net's IBN-a layer (Pan et al., ECCV 2018): InstanceNorm on the
          first half of the channels, BatchNorm on the rest.
+``DSON`` domain-specific optimized normalization (Seo et al., ECCV 2020):
+         one normalization with a learned mix of BN and IN *statistics* and
+         one affine transform (XAN mixes two normalized *outputs*).
 
 Placement names which BatchNorm layers of a backbone are replaced:
 
@@ -104,6 +107,75 @@ class IBN(nn.Module):
         return m
 
 
+class DSON(nn.Module):
+    """x_hat = (x - mu) / sqrt(var + eps),  y = gamma * x_hat + beta, with
+
+        mu  = w_bn * mu_bn  + w_in * mu_in
+        var = w_bn * var_bn + w_in * var_in
+
+    (Seo et al., Eq. 3-5).  mu_in, var_in: each sample's per-channel
+    statistics over (H, W); mu_bn, var_bn: the batch's over (N, H, W) in
+    training (biased variance, as BatchNorm normalises) and the running
+    estimates at evaluation (updated like BatchNorm's, with the unbiased batch
+    variance).  (w_bn, w_in) = softmax(logit_bn, logit_in): one pair per layer,
+    shared by mean and variance (the paper's single mixture weight per layer
+    and domain, kept in [0, 1]; a softmax instead of clipping, initialised
+    equal as XAN's reference code).  In FL a domain is a client: the whole
+    layer (gamma, beta, running statistics, mixture logits) is the
+    domain-specific part (``methods/dson.py``)."""
+
+    running_mean: torch.Tensor
+    running_var: torch.Tensor
+    num_batches_tracked: torch.Tensor
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.1):
+        super().__init__()
+        self.eps, self.momentum = eps, momentum
+        self.weight = nn.Parameter(torch.ones(num_features))
+        self.bias = nn.Parameter(torch.zeros(num_features))
+        self.logit_bn = nn.Parameter(torch.ones(1))
+        self.logit_in = nn.Parameter(torch.ones(1))
+        self.register_buffer("running_mean", torch.zeros(num_features))
+        self.register_buffer("running_var", torch.ones(num_features))
+        self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
+
+    def weights(self) -> torch.Tensor:
+        return torch.softmax(torch.cat([self.logit_bn, self.logit_in]), 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mu_in = x.mean((2, 3), keepdim=True)
+        var_in = x.var((2, 3), unbiased=False, keepdim=True)
+        if self.training:
+            mu_bn = x.mean((0, 2, 3), keepdim=True)
+            var_bn = x.var((0, 2, 3), unbiased=False, keepdim=True)
+            with torch.no_grad():
+                n = x.numel() / x.shape[1]
+                self.running_mean.lerp_(mu_bn.flatten(), self.momentum)
+                self.running_var.lerp_(var_bn.flatten() * n / max(n - 1, 1), self.momentum)
+                self.num_batches_tracked += 1
+        else:
+            mu_bn = self.running_mean.view(1, -1, 1, 1)
+            var_bn = self.running_var.view(1, -1, 1, 1)
+        w = self.weights()
+        mu = w[0] * mu_bn + w[1] * mu_in
+        var = w[0] * var_bn + w[1] * var_in
+        x_hat = (x - mu) / torch.sqrt(var + self.eps)
+        return self.weight.view(1, -1, 1, 1) * x_hat + self.bias.view(1, -1, 1, 1)
+
+    @classmethod
+    def from_bn(cls, bn: nn.BatchNorm2d) -> DSON:
+        """Starts from ``bn``'s affine parameters and running statistics."""
+        m = cls(bn.num_features, bn.eps, bn.momentum if bn.momentum is not None else 0.1)
+        with torch.no_grad():
+            if bn.affine:
+                m.weight.copy_(bn.weight)
+                m.bias.copy_(bn.bias)
+            if bn.running_mean is not None and bn.running_var is not None:
+                m.running_mean.copy_(bn.running_mean)
+                m.running_var.copy_(bn.running_var)
+        return m
+
+
 def _block_prefixes(model: nn.Module) -> list[str]:
     """Residual blocks (or conv-net units) in forward order."""
     from torchvision.models.resnet import BasicBlock, Bottleneck
@@ -148,9 +220,9 @@ def placement_names(model: nn.Module, placement: str) -> list[str]:
 
 def apply_norm(model: nn.Module, placement: str, kind: str) -> list[str]:
     """Replace the BatchNorm2d layers named by ``placement`` with ``kind``
-    (``xan`` or ``ibn``), each initialised from the BN it replaces."""
+    (``xan``, ``ibn`` or ``dson``), each initialised from the BN it replaces."""
     names = set(placement_names(model, placement))
-    make = {"xan": XAN.from_bn, "ibn": IBN.from_bn}[kind]
+    make = {"xan": XAN.from_bn, "ibn": IBN.from_bn, "dson": DSON.from_bn}[kind]
     return replace_norm(model, lambda n, old: make(old) if n in names else None, (nn.BatchNorm2d,))
 
 

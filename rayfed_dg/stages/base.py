@@ -11,7 +11,9 @@ A stage has two halves:
 * server half, ``run(server)``, in the server actor: it drives the stage
   through the ``StageServer`` the engine hands it (``map`` runs a client
   phase on every client through the worker pool, with retries;
-  ``set_training_set`` replaces a client's training set; ``ledger`` records
+  ``set_training_set`` replaces a client's training set; ``share`` hands
+  arrays to every client's training tasks, where the method reads them as
+  ``ctx.stage_data[name]`` (ELCFS's amplitude bank); ``ledger`` records
   what crossed the wire, as round 0) and returns a dict of costs for
   ``summary.json``;
 * client half, methods named ``client_<phase>(client, client_id, indices,
@@ -58,6 +60,8 @@ class StageServer(Protocol):
     def map(self, phase: str, args: dict[int, dict[str, Any]]) -> dict[int, Any]: ...
 
     def set_training_set(self, client_id: int, keep: np.ndarray, images: np.ndarray, labels: np.ndarray) -> None: ...
+
+    def share(self, name: str, arrays: dict[str, np.ndarray]) -> None: ...
 
     def ledger(self, client_id: int, direction: str, group: str, nbytes: int, tensors: int = 1) -> None: ...
 
