@@ -31,7 +31,8 @@ def test_two_round_run_writes_the_run_directory(tmp_path):
             "colour-r00001.parquet", "colour-r00002.parquet"], name
     assert list((run_dir / "tensorboard" / "colour").glob("events.out.tfevents.*"))
     m = pq.read_table(run_dir / "metrics.parquet").to_pylist()
-    assert {r["split"] for r in m} == {"source_val", "target_test"}
+    # FedBN's clients keep their own BN: each client's own model is evaluated too (personal_val)
+    assert {r["split"] for r in m} == {"source_val", "target_test", "personal_val"}
     assert {r["round"] for r in m} == {1, 2}
     assert {r["domain"] for r in m if r["split"] == "source_val"} == {"mono", "negative", "texture"}
     s = json.loads((run_dir / "summary.json").read_text())["targets"]["colour"]
