@@ -83,9 +83,11 @@ class EnsembleHead(nn.Module):
         return torch.einsum("bd,kcd->kbc", f, self.ensemble_w[which]) + self.ensemble_b[which][:, None, :]
 
     def forward(self, f: torch.Tensor) -> torch.Tensor:
-        if self.training:
+        which = self.ensemble_filled > 0
+        # before any head is assembled (a client's copy in round 1) the own classifier is the only one
+        if self.training or not bool(which.any()):
             return self.cls(f)
-        return ensemble_predict(self.heads(f, self.ensemble_filled > 0), self.mode)
+        return ensemble_predict(self.heads(f, which), self.mode)
 
 
 def ensemble_predict(logits: torch.Tensor, mode: str) -> torch.Tensor:
@@ -114,6 +116,10 @@ class COPA(Method):
             apply_norm(model, IBN_PLACEMENT[self.model_cfg.arch], "ibn")
         model.head = EnsembleHead(model.head.in_features, num_classes, self.num_clients, self.p.ensemble)
         return model
+
+    # at test the model predicts with the ensemble the server assembles; a client's stored head and ensemble
+    # copy are not a model of its own worth evaluating (no personal_val rows)
+    local_state_predicts = False
 
     def local_keys(self, model):
         return {k for k in model.state_dict() if k.startswith(OWN)} | set(ENSEMBLE)
