@@ -68,6 +68,22 @@ class _FakeStageServer:
         self.rows.append((client_id, direction, group, nbytes, tensors))
 
 
+def test_amplitude_bank_holds_spectra_at_the_training_resolution(tiny_ds):
+    """Images stored larger than the training crops (data.augment: domainbed): the bank's spectra are of the
+    image resized to the training resolution, so they mix into training batches of that size."""
+    from rayfed_dg.data.augment import resize
+    from rayfed_dg.stages import StageClient
+    from rayfed_dg.stages.amplitude import Amplitude
+
+    big = np.repeat(np.repeat(tiny_ds.images[:8], 2, axis=1), 2, axis=2)[:, :18, :18]  # 18 px stored
+    view = StageClient(images=big, labels=tiny_ds.labels[:8], device=torch.device("cpu"), threads=1, seed=0,
+                       resolution=16)
+    got = Amplitude(Amplitude.Params(fraction=1.0)).client_spectra(view, 0, np.arange(8))
+    x = resize(torch.from_numpy(big.astype(np.float32).transpose(0, 3, 1, 2) / 255.0), 16)
+    assert got.shape == (8, 3, 16, 16)
+    assert np.allclose(got, torch.fft.fft2(x).abs().numpy(), atol=1e-4)
+
+
 def test_amplitude_bank_stage_shares_spectra_and_ledgers_them(tiny_ds):
     from rayfed_dg.stages.amplitude import Amplitude, bank_sample
 
@@ -176,12 +192,15 @@ def test_rsc_batch_percentage_keeps_the_largest_confidence_drops():
     assert rsc_batch_select(before, after, 0.0).tolist() == [False] * 6
 
 
-def test_rsc_loss_is_ce_of_the_muted_feature_map(tiny_ds):
+@pytest.mark.parametrize("spatial", [False, True])
+def test_rsc_loss_is_ce_of_the_muted_feature_map(tiny_ds, spatial):
     """By hand: z before pooling, gradient of the true-class logit, channel
-    mask, batch selection, CE of the head on pool(z * mask)."""
+    (or spatial) mask, batch selection, CE of the head on pool(z * mask); the
+    gradient reaches the body through the unmuted features."""
     from rayfed_dg.methods.rsc import rsc_batch_select, rsc_mask
 
-    cfg = tiny_cfg("method.name=rsc", "method.spatial_p=0", "method.batch_drop=0.5")
+    # width 16: ceil(16 / 3) = 6 channels vs ceil(16 / 3.2) = 5, so swapped drop rates show
+    cfg = tiny_cfg("method.name=rsc", f"method.spatial_p={int(spatial)}", "method.batch_drop=0.5", "model.width=16")
     method = build_method(cfg)
     torch.manual_seed(1)
     model = method.build_model(10).train()
@@ -190,13 +209,15 @@ def test_rsc_loss_is_ce_of_the_muted_feature_map(tiny_ds):
     ctx = ctx_for()
     method.round_start(model, ctx)
     loss = method.loss(model, x, y, ctx)
+    first = next(model.body.parameters())
+    got_grad = torch.autograd.grad(loss, first)[0]
 
     body = model.body
     z = body[:16](x)  # the conv net's body: 4 blocks, then the global pool (index 16)
     zd = z.detach().requires_grad_(True)
     logits = model.head(zd.mean((2, 3)))
     grad = torch.autograd.grad(logits[torch.arange(16), y].sum(), zd)[0]
-    mask = rsc_mask(zd.detach(), grad, False, 1 / 3.2)
+    mask = rsc_mask(zd.detach(), grad, spatial, 1 / 3 if spatial else 1 / 3.2)
     p0 = F.softmax(logits, 1)[torch.arange(16), y]
     p1 = F.softmax(model.head((zd * mask).mean((2, 3))), 1)[torch.arange(16), y]
     keep = rsc_batch_select(p0.detach(), p1.detach(), 0.5)
@@ -205,6 +226,8 @@ def test_rsc_loss_is_ce_of_the_muted_feature_map(tiny_ds):
     expect = F.cross_entropy(model.head((z * mask).mean((2, 3))), y)
     assert torch.allclose(loss, expect, atol=1e-6)
     assert not torch.allclose(loss, F.cross_entropy(model(x), y), atol=1e-4)
+    want_grad = torch.autograd.grad(expect, first)[0]
+    assert want_grad.abs().sum() > 0 and torch.allclose(got_grad, want_grad, atol=1e-6)
 
 
 # --------------------------------------------------------------------------- COPA

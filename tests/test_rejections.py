@@ -54,6 +54,8 @@ def cases(tmp_path):
                                               "partition.num_clients=3000"], "got 0 training samples"
     yield "worker pool that cannot fit", [QS, *TINY, "--set", "engine.num_cpus_per_worker=64"], \
         "one worker needs 64 CPU"
+    yield "method on an unsupported backbone", [QS, *TINY, "--set", "method.name=rsc", "--set",
+                                               "model.arch=densenet121"], "model.arch densenet121 is not supported"
     yield "missing pretrained weights", [QS, *TINY, "--set", "model.arch=resnet18", "--set",
                                          f"model.pretrained={tmp_path}/none.pth"], "weights file"
 
@@ -74,7 +76,7 @@ def test_each_rejection_is_one_line_exit_2_and_writes_nothing(ray_session, tmp_p
         assert len(err) == 1 and expect in err[0], (name, err)
         assert not run_dir.exists(), name
         seen += 1
-    assert seen == 14
+    assert seen == 15
 
 
 def test_existing_run_dir_is_refused_and_left_untouched(ray_session, tmp_path, capsys):

@@ -235,7 +235,7 @@ class ClientRunner:
     def run_stage(self, stage: int, phase: str, client_id: int, indices: np.ndarray, args: dict):
         """A data stage's client half: ``client_<phase>`` of the ``stage``-th configured stage."""
         view = StageClient(images=self.images, labels=self.labels, device=self.device, threads=self.threads,
-                           seed=self.cfg.training.seed)
+                           seed=self.cfg.training.seed, resolution=self.cfg.data.resolution)
         return getattr(self.stages[stage], f"client_{phase}")(view, client_id, indices, **args)
 
 

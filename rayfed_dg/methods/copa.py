@@ -38,6 +38,7 @@ trained are left out of the loss and of the ensemble.  COPA's UDA part
 """
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import numpy as np
@@ -94,7 +95,8 @@ def ensemble_predict(logits: torch.Tensor, mode: str) -> torch.Tensor:
     """(K, B, C) logits of K heads -> (B, C) ensemble logits."""
     if mode == "logit":
         return logits.mean(0)
-    return torch.log(F.softmax(logits, -1).mean(0))
+    # log of the mean probability, in log space: log(mean(softmax)) is -inf once every head gives a class ~0
+    return torch.logsumexp(F.log_softmax(logits, -1), 0) - math.log(logits.shape[0])
 
 
 @register_method

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
+from rayfed_dg.errors import ConfigError
 from rayfed_dg.models import feature_sites
 
 from .base import Method, register_method
@@ -79,6 +80,13 @@ class RSC(Method):
         channel_drop: float = Field(1 / 3.2, gt=0.0, lt=1.0)  # share of channels muted
         batch_drop: float = Field(1 / 3, ge=0.0, le=1.0)  # share of the batch that is muted
         spatial_p: float = Field(0.5, ge=0.0, le=1.0)  # odds of spatial (vs channel) muting per batch
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        # the last feature map is read at the global pooling that feature_sites knows (ResNets, the conv net)
+        if not (cfg.model.arch.startswith("resnet") or cfg.model.arch == "convnet"):
+            raise ConfigError(f"rsc mutes the last feature map of the ResNets and the conv net; model.arch "
+                              f"{cfg.model.arch} is not supported: use resnet18/resnet50 or convnet")
 
     def round_start(self, model, ctx):
         ctx.scratch["pool"] = model.body.get_submodule(feature_sites(model.body)["pool"])

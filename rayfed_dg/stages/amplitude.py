@@ -29,8 +29,10 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from rayfed_dg.data.augment import resize
 from rayfed_dg.errors import ConfigError
 from rayfed_dg.seeding import Stream, numpy_rng
 
@@ -39,10 +41,14 @@ from .base import Stage, StageClient, StageServer, register_stage
 SHARED = "amplitude"  # the name the method reads in ctx.stage_data
 
 
-def amplitude_spectrum(images: np.ndarray) -> np.ndarray:
+def amplitude_spectrum(images: np.ndarray, size: int | None = None) -> np.ndarray:
     """|FFT2| per channel of uint8 (N, H, W, 3) images scaled to [0, 1]:
-    float32 (N, 3, H, W), zero frequency at [0, 0] (unshifted, as np.fft)."""
+    float32 (N, 3, H, W), zero frequency at [0, 0] (unshifted, as np.fft).
+    ``size``: resize to size x size first, the size of the training batches
+    the spectra are mixed into (images stored larger for random crops)."""
     x = images.astype(np.float32).transpose(0, 3, 1, 2) / 255.0
+    if size is not None and x.shape[-2:] != (size, size):
+        x = resize(torch.from_numpy(x), size).numpy()
     return np.abs(np.fft.fft2(x, axes=(-2, -1))).astype(np.float32)
 
 
@@ -68,7 +74,7 @@ class Amplitude(Stage):
     # ------------------------------------------------------------ client half
     def client_spectra(self, client: StageClient, client_id: int, indices: np.ndarray) -> np.ndarray:
         pick = bank_sample(len(indices), self.p.fraction, client.seed, client_id)
-        return amplitude_spectrum(client.images[indices[pick]])
+        return amplitude_spectrum(client.images[indices[pick]], client.resolution)
 
     # ------------------------------------------------------------ server half
     def run(self, server: StageServer) -> dict:

@@ -48,6 +48,7 @@ class StageClient:
     device: torch.device
     threads: int
     seed: int
+    resolution: int | None = None  # the training resolution (stored images may be decoded larger: crops)
 
 
 class StageServer(Protocol):
