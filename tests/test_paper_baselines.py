@@ -279,9 +279,14 @@ def test_copa_local_loss_adds_the_other_frozen_heads():
     f = model.features(x)
     w, b = torch.from_numpy(gs["head.ensemble_w"]), torch.from_numpy(gs["head.ensemble_b"])
     frozen = (F.cross_entropy(f @ w[0].T + b[0], y) + F.cross_entropy(f @ w[2].T + b[2], y)) / 2  # j != 1
-    assert torch.allclose(loss, F.cross_entropy(model.head.cls(f), y) + 0.7 * frozen, atol=1e-5)
-    loss.backward()
-    assert model.head.ensemble_w.grad is None  # frozen
+    expect = F.cross_entropy(model.head.cls(f), y) + 0.7 * frozen
+    assert torch.allclose(loss, expect, atol=1e-5)
+    # the frozen heads' loss trains the extractor (its features must suit every domain's classifier)
+    first = next(model.body.parameters())
+    got, want = torch.autograd.grad(loss, first)[0], torch.autograd.grad(expect, first)[0]
+    own_only = torch.autograd.grad(F.cross_entropy(model.head.cls(model.features(x)), y), first)[0]
+    assert torch.allclose(got, want, atol=1e-5) and not torch.allclose(got, own_only, atol=1e-4)
+    assert not model.head.ensemble_w.requires_grad  # frozen: a buffer, never a parameter
 
 
 def test_copa_server_assembles_each_clients_head_into_its_slot():
