@@ -21,7 +21,7 @@ def test_mixed_statistics_match_eq2_by_hand():
     m.u = torch.tensor([0.25, 0.8])
     m.mode = "mix"
     x = torch.tensor([[[[1.0, 3.0], [5.0, 7.0]], [[0.0, 0.0], [2.0, 2.0]]]])  # (1, 2, 2, 2)
-    y = m(x)
+    y = m(x).detach()
     # channel 0: mu_inst = 4, var_inst = 5 -> sigma_inst = sqrt(5 + 1e-5); sigma_G = sqrt(4 + 1e-5)
     mu = 0.25 * 4 + 0.75 * 1.0
     sig = 0.25 * np.sqrt(5 + 1e-5) + 0.75 * np.sqrt(4 + 1e-5)
