@@ -110,23 +110,13 @@ class ELCFS(Method):
         t = interpolate_amplitude(pixels, amp, lam, self.p.band).clamp(0.0, 1.0)
         return (t - mean) / std
 
-    def local_train(self, model, batches, ctx):
-        opt = self.make_optimizer(model, ctx.round)
-        model.train()
-        names = [n for n, p in model.named_parameters() if p.requires_grad]
-        params = [p for p in model.parameters() if p.requires_grad]
-        total, n_seen = 0.0, 0
-        for x, y in batches():
-            t = self.transformed(x, ctx)
-            loss_inner = F.cross_entropy(model(x), y)
-            grads = torch.autograd.grad(loss_inner, params, retain_graph=True)
-            fast = {n: p - self.p.meta_step * g.clamp(-self.p.clip, self.p.clip)
-                    for n, p, g in zip(names, params, grads)}
-            loss_outer = F.cross_entropy(functional_call(model, fast, (t,), strict=False), y)
-            loss = loss_inner + loss_outer
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            total += float(loss.detach()) * len(y)
-            n_seen += len(y)
-        return {"train_loss": total / max(n_seen, 1), "steps_samples": n_seen}
+    def loss(self, model, x, y, ctx):
+        """L_inn + L_out of one episode; the base loop takes the step (first order: the inner gradients are
+        constants in theta', so d theta' / d theta = I)."""
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        t = self.transformed(x, ctx)
+        loss_inner = F.cross_entropy(model(x), y)
+        grads = torch.autograd.grad(loss_inner, [p for _, p in named], retain_graph=True)
+        fast = {n: p - self.p.meta_step * g.clamp(-self.p.clip, self.p.clip) for (n, p), g in zip(named, grads)}
+        loss_outer = F.cross_entropy(functional_call(model, fast, (t,), strict=False), y)
+        return loss_inner + loss_outer

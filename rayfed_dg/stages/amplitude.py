@@ -36,7 +36,7 @@ from rayfed_dg.data.augment import resize
 from rayfed_dg.errors import ConfigError
 from rayfed_dg.seeding import Stream, numpy_rng
 
-from .base import Stage, StageClient, StageServer, register_stage
+from .base import Stage, StageClient, StageServer, gather_bank, register_stage
 
 SHARED = "amplitude"  # the name the method reads in ctx.stage_data
 
@@ -81,9 +81,7 @@ class Amplitude(Stage):
         t0 = time.perf_counter()
         n = server.num_clients
         self.check_clients(n)
-        spectra = server.map("spectra", {c: {} for c in range(n)})
-        bank = np.concatenate([spectra[c] for c in range(n)])
-        owners = np.concatenate([np.full(len(spectra[c]), c, np.int64) for c in range(n)])
+        spectra, bank, owners = gather_bank(server, "spectra")
         server.share(SHARED, {"bank": bank, "owners": owners})
         row = bank[0].nbytes
         for c in range(n):

@@ -67,6 +67,15 @@ class StageServer(Protocol):
     def ledger(self, client_id: int, direction: str, group: str, nbytes: int, tensors: int = 1) -> None: ...
 
 
+def gather_bank(server: StageServer, phase: str) -> tuple[dict[int, np.ndarray], np.ndarray, np.ndarray]:
+    """Run ``client_<phase>`` on every client and stack the arrays it returns
+    into one bank: (per client, bank, owner of each bank row)."""
+    per = server.map(phase, {c: {} for c in range(server.num_clients)})
+    bank = np.concatenate([per[c] for c in range(server.num_clients)])
+    owners = np.concatenate([np.full(len(per[c]), c, np.int64) for c in range(server.num_clients)])
+    return per, bank, owners
+
+
 class Stage:
     name = "base"
     Params: type[BaseModel] = NoParams
@@ -109,5 +118,5 @@ def build_stages(cfg) -> list[Stage]:
     return [get_stage_class(name)(params) for name, params in cfg.active_stages()]
 
 
-__all__ = ["ConfigError", "NoParams", "Stage", "StageClient", "StageServer", "build_stages", "get_stage_class",
-           "register_stage", "stage_names"]
+__all__ = ["ConfigError", "NoParams", "Stage", "StageClient", "StageServer", "build_stages", "gather_bank",
+           "get_stage_class", "register_stage", "stage_names"]

@@ -46,7 +46,7 @@ from rayfed_dg.errors import ConfigError, EngineError
 from rayfed_dg.seeding import Stream, numpy_rng
 from rayfed_dg.utils import atomic_write_with
 
-from .base import Stage, StageClient, StageServer, register_stage
+from .base import Stage, StageClient, StageServer, gather_bank, register_stage
 
 OWN = -1  # in a choice table: the image's own client, i.e. the original image
 CACHE_VERSION = "3"  # 3: each image stylized on its own canvas
@@ -192,9 +192,7 @@ class CCST(Stage):
         t0 = time.perf_counter()
         n = server.num_clients
         self.check_clients(n)
-        styles = server.map("style", {c: {} for c in range(n)})
-        bank = np.concatenate([styles[i] for i in range(n)])
-        owners = np.concatenate([np.full(len(styles[i]), i) for i in range(n)])
+        styles, bank, owners = gather_bank(server, "style")
         t_style = time.perf_counter() - t0
         info: dict[str, Any] = {"hits": 0, "misses": 0, "images_stylized": 0, "originals_kept": 0,
                                 "stylized_copies": 0}
