@@ -126,7 +126,17 @@ def render_table(header: Sequence[str], rows: Sequence[Sequence[Any]], style: st
     if style == "latex":
         esc = [[c.replace("_", r"\_").replace("%", r"\%").replace("±", r"$\pm$") for c in r] for r in cells]
         body = [" & ".join(r) + r" \\" for r in esc]
-        return "\n".join([r"\begin{tabular}{l" + "r" * (len(header) - 1) + "}", r"\toprule", body[0], r"\midrule",
+
+        def numeric(c: str) -> bool:
+            try:
+                [float(part) for part in c.replace("%", "").split("±") if part.strip()]
+                return True
+            except ValueError:
+                return False
+
+        # text columns left, figures right
+        align = "".join("r" if all(numeric(r[i]) for r in cells[1:]) else "l" for i in range(len(header)))
+        return "\n".join([r"\begin{tabular}{" + align + "}", r"\toprule", body[0], r"\midrule",
                           *body[1:], r"\bottomrule", r"\end{tabular}"])
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     line = lambda r: " | ".join(c.rjust(w) for c, w in zip(r, widths))  # noqa: E731

@@ -254,6 +254,16 @@ def test_terra_incognita_is_arranged_by_location_and_class(server, tmp_path, mon
     assert [p for p in leftovers(root) if not p.startswith("terra_incognita")] == [".downloads"]
 
 
+def test_an_archive_without_a_published_checksum_reports_its_own(server, tmp_path, capsys):
+    body = pacs_zip()
+    server.data["/PACS.zip"] = body
+    fetch("pacs", tmp_path / "data", progress=False, timeout=5,
+          source=pacs_source(server.url + "/PACS.zip", body, sha256=None))
+    err = capsys.readouterr().err
+    assert f"PACS.zip: no published SHA-256 to check against; this file's is {hashlib.sha256(body).hexdigest()} " \
+           f"({len(body)} bytes)" in err
+
+
 def test_archive_members_outside_the_target_are_refused(tmp_path):
     bad = tmp_path / "bad.tar"
     with tarfile.open(bad, "w") as t:

@@ -306,6 +306,7 @@ def test_copa_server_assembles_each_clients_head_into_its_slot():
     assert method.tensor_group("head.cls.weight", True) == "copa_own_head"
 
 
+@pytest.mark.slow
 def test_copa_global_model_carries_the_assembled_heads(ray_session, tiny_ds):
     from conftest import server_rounds
 
@@ -362,7 +363,12 @@ def test_dson_layers_are_client_specific_and_the_regularizer_is_gperxans():
     x, y = torch.randn(4, 3, 16, 16), torch.arange(4)
     f = model.features(x)
     expect = F.cross_entropy(model.head(f), y) + 0.5 * F.cross_entropy(F.linear(f, *ctx.scratch["h_g"]), y)
-    assert torch.allclose(method.loss(model, x, y, ctx), expect, atol=1e-5)
+    loss = method.loss(model, x, y, ctx)
+    assert torch.allclose(loss, expect, atol=1e-5)
+    # and the same gradient: the regularizer reaches the extractor through the features (a detached f fails)
+    params = [p for p in model.parameters() if p.requires_grad]
+    for got, want in zip(torch.autograd.grad(loss, params), torch.autograd.grad(expect, params)):
+        assert torch.allclose(got, want, atol=1e-6)
 
 
 # --------------------------------------------------------------------------- CSAC
@@ -416,8 +422,22 @@ def test_csac_pretrains_once_then_calibrates_to_its_private_model(tiny_ds):
     model.train()
     model.private.eval()
     expect = F.cross_entropy(model(x), y) + 0.6 * mk_mmd(model.private(x), model(x))
-    stats = method.local_train(model, lambda: iter([(x, y)]), ctx_for())  # one step: its loss is reported
-    assert abs(stats["train_loss"] - float(expect)) < 1e-4 and "pretrained" not in stats
+    named = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    assert named and not any(k.startswith("private") for k in named)  # the private model is frozen
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    grads = dict(zip(named, torch.autograd.grad(expect, list(named.values()))))
+    ctx = ctx_for()
+    stats = method.local_train(model, lambda: iter([(x, y)]), ctx)  # one step: its loss is reported
+    assert abs(stats["train_loss"] - expect.item()) < 1e-4 and "pretrained" not in stats
+    # the step is SGD's first (momentum buffer = gradient) on that loss's gradient: the MK-MMD term pulls the
+    # model's logits (a detached one would not), and the private model does not move
+    lr, wd = method.lr_at(ctx.round), cfg.training.weight_decay
+    after = model.state_dict()
+    for k, g in grads.items():
+        assert torch.allclose(after[k], before[k] - lr * (g + wd * before[k]), atol=1e-6), k
+    for k in after:
+        if k.startswith("private"):
+            assert torch.equal(after[k], before[k]), k
 
 
 # --------------------------------------------------------------------------- centralized row

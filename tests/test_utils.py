@@ -51,4 +51,7 @@ def test_render_table_styles():
         "| method | acc |", "|---|---|", "| fedavg | 50.66 |"]
     assert render_table(["a_b", "x"], [["1 ± 2", "3%"]], "latex").splitlines()[2:5] == [
         r"a\_b & x \\", r"\midrule", r"1 $\pm$ 2 & 3\% \\"]
+    # text columns are left-aligned wherever they are, figures right-aligned
+    tab = render_table(["method", "selection", "seeds", "avg"], [["fedavg", "last round", 2, "51.51 ± 3.60"]], "latex")
+    assert tab.splitlines()[0] == r"\begin{tabular}{llrr}"
     assert render_table(["a", "b"], [["x,y", 1]], "csv") == 'a,b\n"x,y",1'

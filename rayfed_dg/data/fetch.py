@@ -162,6 +162,10 @@ def fetch_archive(src: Source, a: Archive, downloads: Path, root: Path, progress
         got = sha256_of(final)
         if got != a.sha256:
             problem = f"SHA-256 {got}, expected {a.sha256}"
+    else:
+        # no published checksum for this archive: say what arrived, so it can be compared and pinned
+        _say(f"{a.filename}: no published SHA-256 to check against; this file's is {sha256_of(final)} "
+             f"({final.stat().st_size} bytes)")
     if problem:
         final.unlink()
         raise DataError(f"{a.filename} from {a.url} is not the published file ({problem}); it was deleted and "
