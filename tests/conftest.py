@@ -73,10 +73,10 @@ def server_rounds(ray, cfg, ds, target="texture", workers=1, rounds=1):
     """Run ``rounds`` rounds on a real server actor; returns (split, [state
     after each round], broadcast state at the end)."""
     from rayfed_dg.data import leave_one_domain_out
-    from rayfed_dg.engine import Server
+    from rayfed_dg.engine import launch_server
 
     split = leave_one_domain_out(ds, target, cfg.data.val_fraction, cfg.data.split_seed)
-    server = ray.remote(Server).options(num_cpus=0).remote(
+    server = launch_server(
         cfg, split, [ray.put(ds.images), ray.put(ds.labels)], ds.num_classes, workers)
     states = []
     for _ in range(rounds):

@@ -102,6 +102,7 @@ def test_fedsr_kl_and_loss_by_hand(tiny_ds):
     assert torch.equal(a, b) and torch.allclose(a.exp().sum(1), torch.ones(8), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_fedsr_reference_distribution_never_leaves_the_client(ray_session, tiny_ds):
     from conftest import server_rounds
 

@@ -100,7 +100,7 @@ def test_overall_style_cache_is_shared_across_seeds_and_k(adain_files, tmp_path)
 def test_engine_stage_grows_training_sets_without_validation_images(ray_session, tiny_ds, tmp_path):
     import ray
 
-    from rayfed_dg.engine import Server, run_federation
+    from rayfed_dg.engine import launch_server, run_federation
 
     cfg = tiny_cfg("stages.ccst.k=2", f"stages.ccst.cache_dir={tmp_path}", "training.rounds=1",
                    "stages.ccst.work_size=32")
@@ -108,7 +108,7 @@ def test_engine_stage_grows_training_sets_without_validation_images(ray_session,
     # 12 training images a client: the ghiasi network restyles one image per 384 px canvas
     split = dataclasses.replace(split, clients=[c[:12] for c in split.clients])
     refs = [ray.put(tiny_ds.images), ray.put(tiny_ds.labels)]
-    server = ray.remote(Server).options(num_cpus=0).remote(cfg, split, refs, 10, 2)
+    server = launch_server(cfg, split, refs, 10, 2)
     info = ray.get(server.setup.remote())
     received = [ray.get(server.training_set.remote(c)) for c in range(split.num_clients)]
     ray.get(server.shutdown.remote())

@@ -73,6 +73,8 @@ def test_diverging_training_stops_with_one_line_error(tmp_path):
     assert proc.returncode == 1, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("rayfed-dg: error: client ") and "round 1: local training diverged" in last, last
+    # the other client's diverged job is fetched too, so Ray prints no "Unhandled error" after ours
+    assert "Unhandled error" not in proc.stderr, proc.stderr[-2000:]
     assert not (run_dir / "summary.json").exists()
 
 
@@ -182,13 +184,13 @@ def test_seeds_give_the_numbers_of_separate_runs(tmp_path):
     proc = quick_run(multi, options=("--seeds", "0,1"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert sorted(p.name for p in multi.iterdir()) == ["seed0", "seed1", "summary.json"]
-    for s in (0, 1):
-        one = tmp_path / f"one{s}"
-        r = quick_run(one, f"training.seed={s}")
-        assert r.returncode == 0, r.stderr[-2000:]
-        assert read_rows(multi / f"seed{s}", "metrics") == read_rows(one, "metrics")
-        a, b = (json.loads((d / "summary.json").read_text())["targets"]["colour"] for d in (multi / f"seed{s}", one))
-        assert a["selected_round"] == b["selected_round"] and a["target_acc"] == b["target_acc"]
+    # the second seed against a run of its own (state carried over from the first seed would show here)
+    one = tmp_path / "one1"
+    r = quick_run(one, "training.seed=1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert read_rows(multi / "seed1", "metrics") == read_rows(one, "metrics")
+    a, b = (json.loads((d / "summary.json").read_text())["targets"]["colour"] for d in (multi / "seed1", one))
+    assert a["selected_round"] == b["selected_round"] and a["target_acc"] == b["target_acc"]
     m0, m1 = (read_rows(multi / f"seed{s}", "metrics") for s in (0, 1))
     assert m0 != m1  # the seeds really differ
     # the final table: mean +- SE over the two seeds, every rule

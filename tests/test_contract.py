@@ -18,13 +18,13 @@ EXTRA = {"feddg_ga": ["method.val_samples=16"], "fedfda": ["method.lambda2=0.1"]
 
 def _run(ray, ds, name, workers):
     from rayfed_dg.data import leave_one_domain_out
-    from rayfed_dg.engine import Server
+    from rayfed_dg.engine import launch_server
 
     cfg = tiny_cfg(f"method.name={name}", "training.local_steps=2", "training.batch_size=16", "training.rounds=2",
                    "data.limit_per_domain=60", *EXTRA.get(name, []))
     ds = ds.subsample(60, 0)
     split = leave_one_domain_out(ds, "texture", 0.2, 0)
-    server = ray.remote(Server).options(num_cpus=0).remote(
+    server = launch_server(
         cfg, split, [ray.put(ds.images), ray.put(ds.labels)], ds.num_classes, workers)
     ray.get(server.setup.remote())  # the data stages, as run_federation does (ELCFS's amplitude bank)
     outs = [ray.get(server.run_round.remote()) for _ in range(2)]

@@ -4,14 +4,14 @@ import pytest
 from conftest import server_rounds, tiny_cfg
 
 from rayfed_dg.data import leave_one_domain_out
-from rayfed_dg.engine import ClientRunner, Server, run_federation
+from rayfed_dg.engine import ClientRunner, launch_server, run_federation
 from rayfed_dg.methods import build_method
 from rayfed_dg.models import BN_TYPES, state_keys_of
 
 
 def start_server(ray, cfg, ds, target="texture", workers=1):
     split = leave_one_domain_out(ds, target, cfg.data.val_fraction, cfg.data.split_seed)
-    server = ray.remote(Server).options(num_cpus=0).remote(
+    server = launch_server(
         cfg, split, [ray.put(ds.images), ray.put(ds.labels)], ds.num_classes, workers)
     return server, split
 
@@ -42,7 +42,8 @@ def test_fedavg_global_equals_weighted_mean_of_client_models(ray_session, tiny_d
     assert g1[nbt] == round(sum(n[i] * ups[i][nbt] for i in range(3)) / n.sum())
 
 
-@pytest.mark.parametrize("method,kinds", [("fedbn", ("param", "buffer")), ("silobn", ("buffer",))])
+@pytest.mark.parametrize("method,kinds", [("fedbn", ("param", "buffer")),
+                                          pytest.param("silobn", ("buffer",), marks=pytest.mark.slow)])
 def test_local_bn_state_survives_broadcast_and_persists(ray_session, tiny_ds, method, kinds):
     ray = ray_session
     cfg = tiny_cfg(f"method.name={method}")
@@ -96,6 +97,7 @@ def test_partial_participation_and_ledger(ray_session, tiny_ds):
     assert set(ups) == {full}
 
 
+@pytest.mark.slow
 def test_fedbn_ledger_sends_less_down_same_up(ray_session, tiny_ds):
     ray = ray_session
     totals = {}

@@ -1,9 +1,10 @@
 """FedDG-GA (CVPR 2023): the generalization adjustment by hand, and on a real Ray server."""
 import numpy as np
+import pytest
 from conftest import tiny_cfg
 
 from rayfed_dg.data import leave_one_domain_out
-from rayfed_dg.engine import ClientRunner, Server
+from rayfed_dg.engine import ClientRunner, launch_server
 from rayfed_dg.methods.feddg_ga import ga_step, ga_update
 
 
@@ -21,11 +22,12 @@ def test_ga_update_and_step_by_hand():
     assert abs(ga_step(6, 10, 0.2) - 0.1) < 1e-12
 
 
+@pytest.mark.slow
 def test_weights_follow_the_gaps_and_drive_the_next_reduce(ray_session, tiny_ds):
     ray = ray_session
     cfg = tiny_cfg("method.name=feddg_ga", "training.rounds=4")
     split = leave_one_domain_out(tiny_ds, "texture", cfg.data.val_fraction, cfg.data.split_seed)
-    server = ray.remote(Server).options(num_cpus=0).remote(
+    server = launch_server(
         cfg, split, [ray.put(tiny_ds.images), ray.put(tiny_ds.labels)], tiny_ds.num_classes, 2)
     g0 = ray.get(server.get_state.remote())["global_state"]
     out1 = ray.get(server.run_round.remote())

@@ -139,6 +139,7 @@ def test_loss_is_ce_plus_lambda_ce_through_global_head(tiny_ds):
     assert abs(float(got) - float(expect)) < 1e-5
 
 
+@pytest.mark.slow
 def test_perxan_bn_side_is_the_clients_own_and_global_averages_it(ray_session, tiny_ds):
     ray = ray_session
     cfg = tiny_cfg("method.name=gperxan")

@@ -18,6 +18,7 @@ def tiny_run(ray_session, tiny_ds, tmp_path_factory):
     return run_dir
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["curves", "clients", "tsne", "pca"])
 def test_plot_writes_a_png(tiny_run, kind, capsys):
     from rayfed_dg.cli import main
@@ -32,6 +33,7 @@ def test_plot_writes_a_png(tiny_run, kind, capsys):
     assert data.startswith(PNG) and len(data) > 10_000
 
 
+@pytest.mark.slow
 def test_features_are_the_saved_models_penultimate_layer(tiny_run, tiny_ds):
     import numpy as np
     import torch

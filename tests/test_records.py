@@ -9,7 +9,7 @@ import pytest
 from conftest import tiny_cfg
 
 from rayfed_dg.data import leave_one_domain_out
-from rayfed_dg.engine import ClientRunner, Server, run_federation
+from rayfed_dg.engine import ClientRunner, launch_server, run_federation
 from rayfed_dg.engine.records import TABLES, RecordTables, read_rows
 from rayfed_dg.engine.tblog import read_scalars
 
@@ -60,6 +60,7 @@ def killed_and_clean(ray_session, tiny_ds, tmp_path_factory):
     return at_kill, killed, clean
 
 
+@pytest.mark.slow
 def test_killed_run_keeps_every_finished_round(killed_and_clean):
     at_kill, _, _ = killed_and_clean
     for name in TABLES:
@@ -75,6 +76,7 @@ def test_killed_run_keeps_every_finished_round(killed_and_clean):
     assert [c.name for c in (at_kill / "checkpoints" / TARGET).glob("*.json")] == ["round_00002.json"]
 
 
+@pytest.mark.slow
 def test_resume_adds_no_duplicate_rows(killed_and_clean):
     _, killed, clean = killed_and_clean
     for name in TABLES:
@@ -83,6 +85,7 @@ def test_resume_adds_no_duplicate_rows(killed_and_clean):
         assert without_seconds(a) == without_seconds(b), name  # same rows, none twice
 
 
+@pytest.mark.slow
 def test_rows_reach_disk_before_the_rounds_checkpoint(ray_session, tiny_ds, tmp_path, monkeypatch):
     # dying while round 2's rows are written must not leave a checkpoint of round 2 behind:
     # the resumed run would start at round 3 and round 2's rows would be missing for good
@@ -125,11 +128,12 @@ def test_clients_table_rows(ray_session, tiny_ds, tmp_path):
             assert r["bytes_up"] > 0 and r["bytes_down"] > 0
 
 
+@pytest.mark.slow
 def test_personalized_evaluation_is_each_clients_own_model(ray_session, tiny_ds):
     ray = ray_session
     cfg = tiny_cfg("training.rounds=1", "method.name=fedbn", "training.local_steps=3")
     split = leave_one_domain_out(tiny_ds, TARGET, cfg.data.val_fraction, cfg.data.split_seed)
-    server = ray.remote(Server).options(num_cpus=0).remote(
+    server = launch_server(
         cfg, split, [ray.put(tiny_ds.images), ray.put(tiny_ds.labels)], tiny_ds.num_classes, 1)
     out = ray.get(server.run_round.remote())
     state = ray.get(server.get_state.remote())
@@ -148,10 +152,11 @@ def test_personalized_evaluation_is_each_clients_own_model(ray_session, tiny_ds)
         assert m["loss"] == pytest.approx(loss / n, rel=1e-5)
         assert abs(m["loss"] - glob[m["domain"]]) > 1e-4  # the client's own BN state, not the global model
     # a method without client state (FedAvg) has no personal rows
-    assert not ray.get(ray.remote(Server).options(num_cpus=0).remote(
+    assert not ray.get(launch_server(
         tiny_cfg(), split, [ray.put(tiny_ds.images), ray.put(tiny_ds.labels)], 10, 1).personalizes.remote())
 
 
+@pytest.mark.slow
 def test_tensorboard_scalars_equal_the_metrics_table(killed_and_clean):
     _, _, clean = killed_and_clean
     logdir = clean / "tensorboard" / TARGET
@@ -174,6 +179,7 @@ def test_tensorboard_scalars_equal_the_metrics_table(killed_and_clean):
     assert all(v > 0 for v in sc["time/round_seconds"].values())
 
 
+@pytest.mark.slow
 def test_tensorboard_after_resume_shows_each_round_once(killed_and_clean):
     _, killed, clean = killed_and_clean
     a, b = (read_scalars(d / "tensorboard" / TARGET) for d in (killed, clean))

@@ -80,12 +80,23 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path):
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-@pytest.mark.slow
-def test_resume_with_a_different_config_is_refused(tmp_path):
-    run = tmp_path / "run"
-    r = subprocess.run(cli("--run-dir", str(run), "--set", "training.rounds=1"), capture_output=True, text=True,
-                       timeout=300)
+@pytest.fixture(scope="module")
+def one_round_run(tmp_path_factory):
+    """A one-round CLI run, made under the most permissive umask a user could have."""
+    run = tmp_path_factory.mktemp("one_round") / "run"
+    old = os.umask(0)
+    try:
+        r = subprocess.run(cli("--run-dir", str(run), "--set", "training.rounds=1"), capture_output=True, text=True,
+                           timeout=300)
+    finally:
+        os.umask(old)
     assert r.returncode == 0, r.stderr[-2000:]
+    return run
+
+
+@pytest.mark.slow
+def test_resume_with_a_different_config_is_refused(one_round_run):
+    run = one_round_run
     before = sorted((p.name, p.stat().st_mtime_ns) for p in run.rglob("*"))
     r = subprocess.run(cli("--resume", str(run), "--set", "training.lr=0.5"), capture_output=True, text=True,
                        timeout=120)
@@ -156,7 +167,7 @@ def test_client_failing_every_retry_is_dropped_and_weights_renormalised(ray_sess
     # the new global model is the mean over clients 0 and 2 only: recompute and compare via evaluation
     import rayfed_dg.engine.server as srv
 
-    server = ray.remote(srv.Server).options(num_cpus=0).remote(
+    server = srv.launch_server(
         cfg, split, [ray.put(tiny_ds.images), ray.put(tiny_ds.labels)], 10, 1)
     g0 = ray.get(server.get_state.remote())["global_state"]
     ray.get(server.run_round.remote())
@@ -170,14 +181,7 @@ def test_client_failing_every_retry_is_dropped_and_weights_renormalised(ray_sess
 
 
 @pytest.mark.slow
-def test_nothing_written_is_world_writable(tmp_path):
-    old = os.umask(0)  # the most permissive umask a user could have
-    try:
-        r = subprocess.run(cli("--run-dir", str(tmp_path / "run"), "--set", "training.rounds=1"),
-                           capture_output=True, text=True, timeout=300)
-    finally:
-        os.umask(old)
-    assert r.returncode == 0, r.stderr[-2000:]
-    paths = list((tmp_path / "run").rglob("*")) + [tmp_path / "run"]
+def test_nothing_written_is_world_writable(one_round_run):
+    paths = list(one_round_run.rglob("*")) + [one_round_run]
     assert len(paths) > 5
     assert all(not (p.stat().st_mode & 0o002) for p in paths), [p for p in paths if p.stat().st_mode & 0o002]

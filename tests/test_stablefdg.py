@@ -166,6 +166,7 @@ def test_stablefdg_client_prepares_a_4c_style_and_trains(tiny_ds):
     assert all(np.array_equal(out.update[k], again.update[k]) for k in out.update)  # seeded
 
 
+@pytest.mark.slow
 def test_styles_travel_through_the_engine_and_ledger(ray_session, tiny_ds):
     from rayfed_dg.data import leave_one_domain_out
     from rayfed_dg.engine import run_federation
@@ -188,7 +189,7 @@ def test_styles_received_in_a_round_come_from_that_rounds_participants_and_model
     participants train when each receives the style that another round-2
     participant computed with round 2's global model."""
     from rayfed_dg.data import leave_one_domain_out
-    from rayfed_dg.engine import ClientTask, Server
+    from rayfed_dg.engine import ClientTask, launch_server
     from rayfed_dg.seeding import Stream, numpy_rng
 
     ray = ray_session
@@ -196,7 +197,7 @@ def test_styles_received_in_a_round_come_from_that_rounds_participants_and_model
                    "partition.strategy=single_domain", "partition.num_clients=6", "training.clients_per_round=3",
                    "training.local_steps=3", "evaluation.every=0", "training.rounds=3")
     split = leave_one_domain_out(tiny_ds, "mono", 0.2, 0, "single_domain", 6)
-    server = ray.remote(Server).options(num_cpus=0).remote(
+    server = launch_server(
         cfg, split, [ray.put(tiny_ds.images), ray.put(tiny_ds.labels)], 10, 2)
     ray.get(server.run_round.remote())
     g1 = ray.get(server.get_state.remote())["global_state"]

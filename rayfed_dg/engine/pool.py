@@ -35,6 +35,17 @@ def retryable(err: Exception) -> bool:
     return isinstance(cause, (InjectedFault, torch.OutOfMemoryError, MemoryError))
 
 
+def _settle(inflight: dict[Any, Any]) -> None:
+    """Fetch, and ignore, the jobs still in flight when ``map`` raises: an
+    error nobody fetched is printed by Ray ("Unhandled error") when its ref is
+    freed, after, and in the way of, the engine's own one-line message."""
+    for ref in inflight:
+        try:
+            ray.get(ref)
+        except Exception:
+            pass
+
+
 class WorkerPool:
     def __init__(self, workers: list[Any], retries: int):
         self.workers = list(workers)
@@ -53,41 +64,45 @@ class WorkerPool:
         inflight: dict[Any, tuple[int, J, int]] = {}
         dropped: list[tuple[J, str]] = []
         self.last_retries = {}
-        while queue or inflight:
-            now = time.monotonic()
-            while free and queue and min(q[2] for q in queue) <= now:
-                job, attempt, _ = queue.pop(next(i for i, q in enumerate(queue) if q[2] <= now))
-                w = free.pop(0)
-                inflight[submit(self.workers[w], job, attempt)] = (w, job, attempt)
-            wait = max(0.0, min(q[2] for q in queue) - now) if queue and free else None
-            if not inflight:
-                time.sleep(wait or 0.0)
-                continue
-            ready, _ = ray.wait(list(inflight), num_returns=1, timeout=wait)
-            if not ready:
-                continue
-            ref = ready[0]
-            w, job, attempt = inflight.pop(ref)
-            free.append(w)
-            try:
-                res = ray.get(ref)
-            except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as err:
-                cause = getattr(err, "cause", None)
-                if isinstance(cause, DivergedError):
-                    raise EngineError(str(cause)) from None
-                if not retryable(err):
-                    raise
-                if attempt < self.retries:
-                    self.retried += 1
-                    self.last_retries[job] = self.last_retries.get(job, 0) + 1
-                    # a lost worker (its process or its node) takes Ray a moment to restart: back off
-                    delay = min(5.0, 0.25 * 2 ** attempt) if isinstance(err, ray.exceptions.RayActorError) else 0.0
-                    queue.insert(0, (job, attempt + 1, time.monotonic() + delay))
-                else:
-                    dropped.append((job, repr(err).splitlines()[0][:200]))
-                    on_result(job, None)
-                continue
-            on_result(job, res)
+        try:
+            while queue or inflight:
+                now = time.monotonic()
+                while free and queue and min(q[2] for q in queue) <= now:
+                    job, attempt, _ = queue.pop(next(i for i, q in enumerate(queue) if q[2] <= now))
+                    w = free.pop(0)
+                    inflight[submit(self.workers[w], job, attempt)] = (w, job, attempt)
+                wait = max(0.0, min(q[2] for q in queue) - now) if queue and free else None
+                if not inflight:
+                    time.sleep(wait or 0.0)
+                    continue
+                ready, _ = ray.wait(list(inflight), num_returns=1, timeout=wait)
+                if not ready:
+                    continue
+                ref = ready[0]
+                w, job, attempt = inflight.pop(ref)
+                free.append(w)
+                try:
+                    res = ray.get(ref)
+                except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as err:
+                    cause = getattr(err, "cause", None)
+                    if isinstance(cause, DivergedError):
+                        raise EngineError(str(cause)) from None
+                    if not retryable(err):
+                        raise
+                    if attempt < self.retries:
+                        self.retried += 1
+                        self.last_retries[job] = self.last_retries.get(job, 0) + 1
+                        # a lost worker (its process or its node) takes Ray a moment to restart: back off
+                        delay = min(5.0, 0.25 * 2 ** attempt) if isinstance(err, ray.exceptions.RayActorError) else 0.0
+                        queue.insert(0, (job, attempt + 1, time.monotonic() + delay))
+                    else:
+                        dropped.append((job, repr(err).splitlines()[0][:200]))
+                        on_result(job, None)
+                    continue
+                on_result(job, res)
+        except Exception:
+            _settle(inflight)
+            raise
         return dropped
 
     def map_all(self, jobs: Sequence[J], submit: Callable[[Any, J, int], Any], what: str) -> dict[J, Any]:

@@ -50,7 +50,7 @@ from .checkpoint import load_latest, save_checkpoint
 from .plan import clients_per_round, ensure_workers, init_ray, make_splits
 from .records import RecordTables, RoundResult
 from .selection import select_round
-from .server import Server
+from .server import launch_server
 
 
 def save_weights(state: dict[str, np.ndarray], path: Path) -> None:
@@ -208,22 +208,13 @@ def _resume(run_dir: Path | None, target: str) -> tuple[TargetResult, dict | Non
 
 
 def _start_server(cfg, split, data_refs, num_classes, n_workers, worker_options, state):
-    opts = {k: v for k, v in (worker_options or {}).items() if k == "scheduling_strategy"}
-    if not opts:
-        # the server lives on the driver's node (the head), beside the dataset the driver owns, so losing
-        # a worker node loses only workers, which the pool restarts and retries
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
-                                                                     soft=False)
-    server = ray.remote(Server).options(num_cpus=0, **opts).remote(cfg, split, list(data_refs), num_classes,
-                                                                   n_workers, worker_options)
+    server = launch_server(cfg, split, list(data_refs), num_classes, n_workers, worker_options)
     try:
         setup = ray.get(server.setup.remote())
         if state is not None:
             ray.get(server.set_state.remote(state["server"]))
     except BaseException:
-        ray.kill(server)
+        ray.kill(server)  # its workers and data source go with their last handle
         raise
     return server, setup
 

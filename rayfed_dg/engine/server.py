@@ -29,6 +29,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rayfed_dg.config import ExperimentConfig
 from rayfed_dg.data.protocol import FederatedSplit
+from rayfed_dg.datasource import DataSource
 from rayfed_dg.errors import EngineError
 from rayfed_dg.methods import ClientUpdate, GlobalEval, build_method
 from rayfed_dg.seeding import Stream, numpy_rng, sample_clients, seed_int
@@ -44,14 +45,12 @@ EVAL_CHUNK = 2048
 
 
 class Server:
-    def __init__(self, cfg: ExperimentConfig, split: FederatedSplit, data_refs: list, num_classes: int,
-                 num_workers: int, worker_options: dict | None = None):
-        # ``data_refs`` = [images_ref, labels_ref] inside a list, so Ray hands the
-        # server the references, not the arrays; the server keeps them alive
-        # because a restarted worker re-runs its constructor with them
-        self.data_refs = list(data_refs)
+    def __init__(self, cfg: ExperimentConfig, split: FederatedSplit, num_classes: int, workers: list,
+                 data_source: Any):
+        # started by launch_server, with the workers and data source it is handed
         self.cfg = cfg
         self.split = split
+        self.data_source = data_source
         self.method = build_method(cfg, split.num_clients)
         torch.manual_seed(seed_int(cfg.training.seed, Stream.INIT))
         model = self.method.build_model(num_classes)
@@ -63,19 +62,6 @@ class Server:
         self.server_state: dict = {}
         self.round = 0
         e = cfg.engine
-        opts = dict(num_cpus=e.num_cpus_per_worker, num_gpus=e.num_gpus_per_worker,
-                    max_restarts=e.max_restarts, max_task_retries=0)
-        opts.update(worker_options or {})
-        # on this node (the head, beside the dataset's owner), holding the references for (re)starting workers
-        # (named: a worker gets the name, a plain string, since Ray warns that references or handles passed
-        # to a restartable actor's constructor need not outlive it)
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        source = f"rayfed_dg_data_{uuid.uuid4().hex}"
-        self.data_source: Any = ray.remote(DataSource).options(num_cpus=0, scheduling_strategy=here,
-                                                          name=source).remote(self.data_refs)
-        remote_worker = ray.remote(Worker)
-        workers: list[Any] = [remote_worker.options(**opts).remote(cfg, source, num_classes, split.num_clients)
-                              for _ in range(num_workers)]
         ray.get([w.ping.remote() for w in workers])
         self.pool = WorkerPool(workers, e.max_task_retries)
         self.global_ref = ray.put(self.global_state)
@@ -262,14 +248,31 @@ class Server:
         ray.kill(self.data_source)
 
 
-class DataSource:
-    """Holds the dataset's object references for the workers of one server."""
-
-    def __init__(self, refs: list):
-        self._refs = list(refs)
-
-    def refs(self) -> list:
-        return self._refs
+def launch_server(cfg: ExperimentConfig, split: FederatedSplit, data_refs: list, num_classes: int, n_workers: int,
+                  worker_options: dict | None = None) -> Any:
+    """Start one federation's actors from the driver and return the server's
+    handle: the server on the driver's node (the head, beside the dataset the
+    driver owns, so losing a worker node loses only workers, which the pool
+    restarts and retries), the workers, and a named actor that hands the
+    workers the dataset's references.  Started together, the workers load
+    torch while the server does.  Workers get that actor's name, a plain
+    string: references or handles passed to a restartable actor's
+    constructor need not outlive it, and a restarted worker asks again."""
+    e = cfg.engine
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    source = f"rayfed_dg_data_{uuid.uuid4().hex}"
+    data_source = ray.remote(DataSource).options(num_cpus=0, scheduling_strategy=here, name=source) \
+        .remote(list(data_refs))
+    opts = dict(num_cpus=e.num_cpus_per_worker, num_gpus=e.num_gpus_per_worker,
+                max_restarts=e.max_restarts, max_task_retries=0)
+    opts.update(worker_options or {})
+    remote_worker = ray.remote(Worker)
+    workers = [remote_worker.options(**opts).remote(cfg, source, num_classes, split.num_clients)
+               for _ in range(n_workers)]
+    # a Tune trial's placement group places the server too
+    server_opts = {k: v for k, v in (worker_options or {}).items() if k == "scheduling_strategy"}
+    return ray.remote(Server).options(num_cpus=0, **{"scheduling_strategy": here, **server_opts}) \
+        .remote(cfg, split, num_classes, workers, data_source)
 
 
 def _retry(task: ClientTask, attempt: int) -> ClientTask:

