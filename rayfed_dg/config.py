@@ -326,8 +326,8 @@ def validate(tree: dict, source: str = "<config>") -> ExperimentConfig:
 
 def method_variants(cfg: ExperimentConfig) -> list[tuple[str, ExperimentConfig]]:
     """(label, config) for each method to run: ``compare`` if given, else ``method``."""
-    if not cfg.compare:
-        return [(cfg.method.name, cfg)]
+    if not cfg.compare:  # a single method's label names its row too (variants of one method, reported together)
+        return [(cfg.method.label or cfg.method.name, cfg)]
     out: list[tuple[str, ExperimentConfig]] = []
     seen: dict[str, int] = {}
     for m in cfg.compare:

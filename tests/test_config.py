@@ -54,6 +54,9 @@ def test_compare_variants():
     v = method_variants(cfg)
     assert [label for label, _ in v] == ["fedavg", "prox"]
     assert v[1][1].method.raw_params() == {"mu": 0.2} and v[1][1].compare is None
+    # without compare, the method's own label names its row (two CCST variants of fedavg stay two rows)
+    assert [label for label, _ in method_variants(load_config(None, ["method.label=ccst-k1"]))] == ["ccst-k1"]
+    assert [label for label, _ in method_variants(load_config(None, []))] == ["fedavg"]
 
 
 def test_cli_bad_config_exits_2_with_one_line(tmp_path):
