@@ -125,8 +125,10 @@ def main() -> None:
     # round 1 of each repetition runs in fresh worker processes (first-iteration kernel set-up), which the
     # plain loop pays once per process: the ratio without those rounds is the per-round cost alone
     steady = [i for i in range(len(out["plain"])) if i % args.rounds]
-    sp, se = float(np.mean([out["plain"][i] for i in steady])), float(np.mean([out["engine"][i] for i in steady]))
-    print(f"ratio without each repetition's round 1: {se / sp:.3f}")
+    if steady:
+        sp = float(np.mean([out["plain"][i] for i in steady]))
+        se = float(np.mean([out["engine"][i] for i in steady]))
+        print(f"ratio without each repetition's round 1: {se / sp:.3f}")
 
 
 if __name__ == "__main__":

@@ -128,6 +128,8 @@ def render_table(header: Sequence[str], rows: Sequence[Sequence[Any]], style: st
         body = [" & ".join(r) + r" \\" for r in esc]
 
         def numeric(c: str) -> bool:
+            if c.strip() in ("", "-"):  # a missing value does not make a figures column text
+                return True
             try:
                 [float(part) for part in c.replace("%", "").split("±") if part.strip()]
                 return True

@@ -54,4 +54,7 @@ def test_render_table_styles():
     # text columns are left-aligned wherever they are, figures right-aligned
     tab = render_table(["method", "selection", "seeds", "avg"], [["fedavg", "last round", 2, "51.51 ± 3.60"]], "latex")
     assert tab.splitlines()[0] == r"\begin{tabular}{llrr}"
+    # a missing value ("-") in a figures column keeps it right-aligned
+    tab = render_table(["method", "photo", "avg"], [["fedavg", "-", "51.51 ± 3.60"], ["copa", "40.00", "-"]], "latex")
+    assert tab.splitlines()[0] == r"\begin{tabular}{lrr}"
     assert render_table(["a", "b"], [["x,y", 1]], "csv") == 'a,b\n"x,y",1'

@@ -35,11 +35,19 @@ def retryable(err: Exception) -> bool:
     return isinstance(cause, (InjectedFault, torch.OutOfMemoryError, MemoryError))
 
 
+SETTLE_S = 30.0  # how long a failing ``map`` waits for its other jobs before raising anyway
+
+
 def _settle(inflight: dict[Any, Any]) -> None:
     """Fetch, and ignore, the jobs still in flight when ``map`` raises: an
     error nobody fetched is printed by Ray ("Unhandled error") when its ref is
-    freed, after, and in the way of, the engine's own one-line message."""
-    for ref in inflight:
+    freed, after, and in the way of, the engine's own one-line message.  The
+    wait is bounded (a job may hang, or wait for a worker Ray cannot place
+    again): the real error must surface either way."""
+    if not inflight:
+        return
+    done, _ = ray.wait(list(inflight), num_returns=len(inflight), timeout=SETTLE_S)
+    for ref in done:
         try:
             ray.get(ref)
         except Exception:

@@ -240,9 +240,9 @@ class ClientRunner:
 
 
 class Worker(ClientRunner):
-    """The Ray actor (wrapped with ``ray.remote`` by the server).
+    """The Ray actor (wrapped with ``ray.remote`` by ``launch_server``).
 
-    The dataset's references come from the server's ``DataSource`` actor and
+    The dataset's references come from the federation's ``DataSource`` actor and
     are resolved here (zero-copy views of the object store); a restarted
     worker asks again."""
 
