@@ -208,7 +208,7 @@ def _resume(run_dir: Path | None, target: str) -> tuple[TargetResult, dict | Non
 
 
 def _start_server(cfg, split, data_refs, num_classes, n_workers, worker_options, state):
-    server = launch_server(cfg, split, list(data_refs), num_classes, n_workers, worker_options)
+    server = launch_server(cfg, split, data_refs, num_classes, n_workers, worker_options)
     try:
         setup = ray.get(server.setup.remote())
         if state is not None:
