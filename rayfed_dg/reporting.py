@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from rayfed_dg.data import DomainDataset, FederatedSplit
+from rayfed_dg.errors import ConfigError
 from rayfed_dg.utils import render_table
 
 
@@ -189,23 +190,46 @@ def _cell(values: list[float]) -> str:
     return f"{m:.2f}" if se is None else f"{m:.2f} ± {se:.2f}"
 
 
+def _per_seed(label: str, runs: list[RunRecord]) -> list[dict[str, dict[str, float | None]]]:
+    """One ``rule_accuracies`` per seed: runs of one label and seed that
+    hold different targets (one run directory per target) are one seed's
+    figures.  Runs whose summary names no seed count as a seed each."""
+
+    merged: dict[object, dict[str, dict[str, float | None]]] = {}
+    where: dict[tuple[object, str], Path] = {}
+    for i, run in enumerate(runs):
+        seed = run.summary.get("seed")
+        key = ("seed", seed) if seed is not None else ("run", i)
+        accs = rule_accuracies(run, list(run.summary["targets"]))
+        into = merged.setdefault(key, {rule: {} for rule in accs})
+        for t in run.summary["targets"]:
+            if (key, t) in where:
+                raise ConfigError(f"report: {label} seed {seed} has target {t} in two runs ({where[key, t]} and "
+                                  f"{run.path}); pass only one of them")
+            where[key, t] = run.path
+            for rule, by_target in accs.items():
+                into[rule][t] = by_target[t]
+    return list(merged.values())
+
+
 def seeds_table(run_dirs: list[Path], fmt: str = "md") -> str:
     """Target accuracy (%) per method and model-selection rule (DomainBed's:
     training-domain validation, last round, test-domain oracle as an upper
-    bound), mean ± standard error over the runs (seeds) of each method."""
+    bound), mean ± standard error over the seeds of each method.  The
+    targets are those of every run, in the order first seen."""
     from rayfed_dg.engine.selection import RULES
 
     runs = collect_runs(run_dirs)
     if not runs:
         return "(no finished runs found)"
-    targets = list(next(iter(runs.values()))[0].summary["targets"])
+    targets = list(dict.fromkeys(t for rs in runs.values() for r in rs for t in r.summary["targets"]))
     rows = []
     for label, rs in runs.items():
-        per_run = [rule_accuracies(r, targets) for r in rs]
+        per_seed = _per_seed(label, rs)
         for rule in RULES:
-            cells = [_cell([v for a in per_run if (v := a[rule.name].get(t)) is not None]) for t in targets]
-            # a run's average over targets, then mean ± SE over runs; only runs with every target count
-            avgs = [float(np.mean([a[rule.name][t] for t in targets])) for a in per_run
+            cells = [_cell([v for a in per_seed if (v := a[rule.name].get(t)) is not None]) for t in targets]
+            # a seed's average over targets, then mean ± SE over seeds; only seeds with every target count
+            avgs = [float(np.mean([a[rule.name][t] for t in targets])) for a in per_seed
                     if all(a[rule.name].get(t) is not None for t in targets)]
-            rows.append([label, rule.label, len(rs)] + cells + [_cell(avgs)])
+            rows.append([label, rule.label, len(per_seed)] + cells + [_cell(avgs)])
     return render_table(["method", "selection", "seeds"] + targets + ["avg"], rows, fmt)

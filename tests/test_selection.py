@@ -126,3 +126,30 @@ def test_report_puts_the_three_rules_side_by_side_with_se_over_seeds(tmp_path, c
     assert main(["report", str(tmp_path / "run"), "--format", "latex"]) == 0
     tex = capsys.readouterr().out
     assert r"\begin{tabular}" in tex and r"60.00 $\pm$ 15.28" in tex and tex.startswith("% ")
+
+
+def test_report_joins_one_directory_per_target_into_one_seed(tmp_path, capsys):
+    from rayfed_dg.cli import main
+
+    # seeds 0 and 1 of one variant, each target run into its own directory, plus a seed holding both targets
+    tgt = {0: {"x": 0.40, "y": 0.60}, 1: {"x": 0.50, "y": 0.90}, 2: {"x": 0.70, "y": 0.80}}
+    dirs = []
+    for s in (0, 1):
+        for t in ("x", "y"):
+            dirs.append(tmp_path / f"{t}-s{s}")
+            make_run(dirs[-1], "ccst", s, {t: (SRC, {1: 0.1, 2: tgt[s][t], 3: 0.1, 4: 0.1})})
+    dirs.append(tmp_path / "both-s2")
+    make_run(dirs[-1], "ccst", 2, {t: (SRC, {1: 0.1, 2: tgt[2][t], 3: 0.1, 4: 0.1}) for t in ("x", "y")})
+    assert main(["report", "--format", "csv"] + [str(d) for d in dirs]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == "method,selection,seeds,x,y,avg"
+    row = lines[1].split(",")
+    # three seeds, not five runs; each seed's average over x and y, then mean ± SE over the seeds
+    assert row[:3] == ["ccst", "training-domain validation", "3"]
+    assert row[3] == "53.33 ± 8.82" and row[4] == "76.67 ± 8.82"  # by hand: (40, 50, 70) and (60, 90, 80)
+    assert row[5] == "65.00 ± 7.64"  # seed averages 50, 70, 75: sd sqrt(350 / 2), over sqrt(3)
+    # the same seed and target twice is an error, not a third seed
+    make_run(tmp_path / "x-s0-again", "ccst", 0, {"x": (SRC, {1: 0.1, 2: 0.9, 3: 0.1, 4: 0.1})})
+    assert main(["report", str(dirs[0]), str(tmp_path / "x-s0-again")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "ccst seed 0 has target x in two runs" in err
