@@ -194,21 +194,20 @@ def _per_seed(label: str, runs: list[RunRecord]) -> list[dict[str, dict[str, flo
     """One ``rule_accuracies`` per seed: runs of one label and seed that
     hold different targets (one run directory per target) are one seed's
     figures.  Runs whose summary names no seed count as a seed each."""
-
     merged: dict[object, dict[str, dict[str, float | None]]] = {}
     where: dict[tuple[object, str], Path] = {}
     for i, run in enumerate(runs):
         seed = run.summary.get("seed")
         key = ("seed", seed) if seed is not None else ("run", i)
-        accs = rule_accuracies(run, list(run.summary["targets"]))
-        into = merged.setdefault(key, {rule: {} for rule in accs})
         for t in run.summary["targets"]:
             if (key, t) in where:
                 raise ConfigError(f"report: {label} seed {seed} has target {t} in two runs ({where[key, t]} and "
                                   f"{run.path}); pass only one of them")
             where[key, t] = run.path
-            for rule, by_target in accs.items():
-                into[rule][t] = by_target[t]
+        accs = rule_accuracies(run, list(run.summary["targets"]))
+        into = merged.setdefault(key, {rule: {} for rule in accs})
+        for rule, by_target in accs.items():
+            into[rule].update(by_target)
     return list(merged.values())
 
 
