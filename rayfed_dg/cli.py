@@ -114,17 +114,9 @@ def parse_seeds(text: str | None) -> list[int] | None:
 
 
 def _run(args) -> int:
-    from rayfed_dg.config import ConfigError, load_config, save_config
-    from rayfed_dg.engine import (
-        check_resume_dir,
-        format_table,
-        load_data,
-        make_run_dir,
-        preflight,
-        resolve_targets,
-        resolve_variants,
-        run_experiment,
-    )
+    from rayfed_dg.config import ConfigError, ExperimentConfig, load_config
+    from rayfed_dg.engine import check_resume_dir, format_table, load_data, make_run_dir, resolve_targets
+    from rayfed_dg.engine.experiment import plan_experiment, run_planned
 
     seeds = parse_seeds(args.seeds)
     dry = []
@@ -135,15 +127,13 @@ def _run(args) -> int:
                f"data.limit_per_domain={max(24, 6 * clients)}", "partition.min_size=1",
                "evaluation.batch_size=8", "output.checkpoint_every=1"]
     # one config per seed (--seeds: training.seed set last, so it wins over --set)
-    cfgs = [(None, load_config(args.config, args.overrides + dry))] if seeds is None else \
+    cfgs: list[tuple[int | None, ExperimentConfig]] = \
+        [(None, load_config(args.config, args.overrides + dry))] if seeds is None else \
         [(s, load_config(args.config, args.overrides + dry + [f"training.seed={s}"])) for s in seeds]
     cfg = cfgs[0][1]
     ds = load_data(cfg)
     targets = resolve_targets(ds, args.target)
-    # partition errors surface before anything is written; a row with its own partition gets its own splits
-    variants = resolve_variants(cfg, ds, targets)
-    for _, vcfg, splits in variants:
-        preflight(vcfg, splits, ds.num_classes)
+    exp = plan_experiment(cfgs, ds, targets)  # every check passes before anything is written
     if args.resume:
         run_dir = Path(args.resume)
         for s, scfg in cfgs:
@@ -160,25 +150,7 @@ def _run(args) -> int:
         run_dir = make_run_dir(cfg, tmp.name)
     else:
         run_dir = make_run_dir(cfg, args.run_dir)
-    by_seed = {}
-    for s, scfg in cfgs:
-        sdir = run_dir if s is None else run_dir / f"seed{s}"
-        sdir.mkdir(parents=True, exist_ok=True)
-        if not (sdir / "config.yaml").exists():
-            save_config(scfg, sdir / "config.yaml")
-        summaries = {}
-        # the split depends on data.split_seed only, so every seed's rows share the first seed's splits
-        for label, vcfg, splits in (variants if s is None else resolve_variants(scfg, ds, targets)):
-            sub = sdir if len(variants) == 1 else sdir / label
-            sub.mkdir(parents=True, exist_ok=True)
-            what = "" if s is None else f"seed {s}, "
-            print(f"== {label}: {what}{len(targets)} target(s), {vcfg.training.rounds} rounds -> {sub}",
-                  file=sys.stderr)
-            summaries[label] = run_experiment(vcfg, ds, targets, sub, progress=not args.no_progress, splits=splits,
-                                              label=label)
-        if len(variants) > 1:
-            write_text(json.dumps(summaries, indent=2), sdir / "summary.json")
-        by_seed[s] = summaries
+    by_seed = run_planned(exp, run_dir, progress=not args.no_progress)
     if seeds is None:
         print(f"\nTarget accuracy (%) at the round selected by mean source-validation accuracy; run dir {run_dir}")
         print(format_table(by_seed[None]))

@@ -146,7 +146,12 @@ class EngineConfig(_Strict):
     ray_address: str | None = None  # None: start or join a local Ray
     include_dashboard: bool = False  # when on, bound to 127.0.0.1
     max_restarts: int = Field(3, ge=0)  # Ray restarts of a dead worker actor
-    max_task_retries: int = Field(2, ge=0)  # re-submissions of a failed client task
+    # re-runs of a client task that failed by its own fault; a worker death it only shared costs none (pool.py)
+    max_task_retries: int = Field(2, ge=0)
+    # dispatch a round's clients largest first (less idle time at the round's end), or in client-id order
+    schedule: Literal["largest_first", "in_order"] = "largest_first"
+    # a worker whose process died gets this long to be restarted by Ray (a lost cloud node: minutes)
+    worker_restart_timeout_s: float = Field(300.0, gt=0.0)
     fault_probability: float = Field(0.0, ge=0.0, le=1.0)  # seeded fault injection per task
     fault_mode: Literal["exception", "kill"] = "exception"  # kill: the worker process exits
     fault_clients: list[int] = []  # clients whose every task fails (to test dropping)

@@ -1,4 +1,4 @@
-"""The actor that holds a server's dataset references for its workers.
+"""The actor that holds an experiment's dataset references for its workers.
 
 Outside ``rayfed_dg.engine`` on purpose: an actor's process imports the
 module its class lives in, and the engine imports torch (2-3 s of CPU per
@@ -8,10 +8,19 @@ from __future__ import annotations
 
 
 class DataSource:
-    """Holds the dataset's object references for the workers of one server."""
+    """Holds the dataset's object references for an experiment's workers, and
+    what each federation of the experiment is (config, classes, clients), so
+    that a worker, restarted or not, builds the federation a task names."""
 
     def __init__(self, refs: list):
         self._refs = list(refs)
+        self._federations: dict[int, tuple] = {}
 
     def refs(self) -> list:
         return self._refs
+
+    def register(self, federation: int, spec: tuple) -> None:
+        self._federations = {federation: spec}  # one federation runs at a time: keep only it
+
+    def federation(self, federation: int) -> tuple:
+        return self._federations[federation]

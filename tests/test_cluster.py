@@ -124,12 +124,14 @@ def test_losing_a_worker_node_mid_run_gives_the_clean_result_with_retries(cluste
     lost = pq.read_table(tmp_path / "lost" / "metrics.parquet").to_pylist()
     clean_rows = pq.read_table(tmp_path / "clean" / "metrics.parquet").to_pylist()
     summary = json.loads((tmp_path / "lost" / "summary.json").read_text())["targets"]["colour"]
-    print(f"\nnode killed: its raylet and {n_workers} workers; tasks retried {summary['tasks_retried']}")
+    print(f"\nnode killed: its raylet and {n_workers} workers; tasks retried {summary['tasks_retried']}, "
+          f"re-run uncharged {summary['tasks_rerun']}")
     print("round | split | domain | accuracy (node killed) | accuracy (clean, local)")
     for a, b in zip(lost, clean_rows):
         print(f"{a['round']} | {a['split']} | {a['domain']} | {a['accuracy']:.4f} | {b['accuracy']:.4f}")
     assert lost == clean_rows
-    assert summary["tasks_retried"] >= 1 and summary["clients_dropped"] == 0
+    # the node's tasks ran again: charged when one ran alone on its worker, uncharged when it shared it (pool.py)
+    assert summary["tasks_retried"] + summary["tasks_rerun"] >= 1 and summary["clients_dropped"] == 0
 
 
 def test_local_and_cloud_cluster_configs_differ_only_in_the_provider():

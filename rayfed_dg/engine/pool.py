@@ -1,20 +1,45 @@
 """The worker pool: dispatch jobs to worker actors, retry, drop.
 
 Jobs run on whichever worker is free, at most two in flight per worker (the
-next one starts while the server is still folding in the previous result).
-A job that fails with a retryable error (a dead worker, an injected fault,
-out of memory) is re-submitted up to ``retries`` times, after Ray restarted
-a dead worker (a lost worker backs off 0.25, 0.5, 1, ... up to 5 s per
-attempt, so a lost node's workers have time to come back elsewhere); one
-that keeps failing is reported as dropped.  A client
-whose training diverged stops the run (a retry would diverge again: training
-is seeded); any other exception in client code is a bug and is raised with
-its traceback.
+next one starts while the server is still folding in the previous result),
+in the order given, or largest first when the caller gives each job a cost
+(longest-processing-time-first list scheduling: a large client dispatched
+last would leave the other workers idle at the end of the round).
+
+Retry accounting that no timing can change.  A job's *attempt* number seeds
+what it does (fault injection is drawn per attempt), and its retry budget
+(``retries``) decides whether it is dropped, so both may only count failures
+the job itself caused:
+
+* an error raised by the job's own code (an injected fault, out of memory)
+  is the job's: charged, and re-submitted with the next attempt number;
+* a worker process that dies fails every job in flight on it, and which jobs
+  shared the dying worker is a matter of timing.  A job that was alone on
+  its worker from submission to failure caused the death: charged.  A job
+  that shared the worker re-runs alone ("solo": no other job is sent to that
+  worker meanwhile) with the *same* attempt number and no budget spent; if it
+  was the culprit it kills the worker again, alone, and is charged then.
+
+So each job's sequence of attempts, and whether it is dropped, depends only
+on its own seeded draws: exactly what the same job in exception mode, on one
+worker, on a quiet machine would do.  Uncharged re-runs are counted apart
+(``reruns``): like seconds, they describe the scheduling, not the result.
+
+A worker whose process died is not sent anything until Ray has restarted it
+(pinged every half second until it answers), waiting at most
+``restart_timeout_s``, whatever the load: a restart is minutes on a lost
+cloud node, seconds on a busy laptop, and counting attempts cannot tell
+the two apart.  A worker past ``max_restarts`` is dead for good: it leaves
+the pool and its jobs run on the others (no budget spent); with no worker
+left the run stops.  A client whose training diverged stops the run (a
+retry would diverge again: training is seeded); any other exception in
+client code is a bug and is raised with its traceback.
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import ray
@@ -28,9 +53,8 @@ IN_FLIGHT_PER_WORKER = 2
 J = TypeVar("J", bound=Hashable)  # a job: a client id, or an evaluation chunk's key
 
 
-def retryable(err: Exception) -> bool:
-    if isinstance(err, ray.exceptions.RayActorError):
-        return True
+def own_fault(err: Exception) -> bool:
+    """An error the job's own code raised that a re-run may not repeat."""
     cause = getattr(err, "cause", None)
     return isinstance(cause, (InjectedFault, torch.OutOfMemoryError, MemoryError))
 
@@ -38,7 +62,7 @@ def retryable(err: Exception) -> bool:
 SETTLE_S = 30.0  # how long a failing ``map`` waits for its other jobs before raising anyway
 
 
-def _settle(inflight: dict[Any, Any]) -> None:
+def _settle(inflight: Mapping[Any, Any]) -> None:
     """Fetch, and ignore, the jobs still in flight when ``map`` raises: an
     error nobody fetched is printed by Ray ("Unhandled error") when its ref is
     freed, after, and in the way of, the engine's own one-line message.  The
@@ -54,66 +78,174 @@ def _settle(inflight: dict[Any, Any]) -> None:
             pass
 
 
+@dataclass
+class _Queued:
+    job: Any
+    attempt: int
+    solo: bool = False  # re-run alone on its worker (it shared a worker that died)
+
+
+@dataclass
+class _Recovery:
+    deadline: float
+    next_ping: float = 0.0
+    ping: Any = None  # the ObjectRef of the ping in flight
+    died_once: bool = False  # a ping found the actor dead; a second one confirms it
+
+
+@dataclass
+class _Running:
+    worker: int
+    job: Any
+    attempt: int
+    solo: bool
+    alone: bool  # no other job was on its worker at any time while it was in flight
+
+
 class WorkerPool:
-    def __init__(self, workers: list[Any], retries: int):
+    def __init__(self, workers: list[Any], retries: int, restart_timeout_s: float = 300.0):
         self.workers = list(workers)
         self.retries = retries
-        self.retried = 0  # failed attempts that were retried, over the pool's life
-        self.last_retries: dict[Any, int] = {}  # job -> its retries in the latest ``map``
+        self.restart_timeout_s = restart_timeout_s
+        self.dead: set[int] = set()  # workers past their restarts, out of the pool for good
+        self.recovering: dict[int, _Recovery] = {}  # worker -> its restart, kept across maps
+        self.retried = 0  # charged failures that were retried, over the pool's life
+        self.reruns = 0  # uncharged re-runs (a shared worker died, a worker left the pool): scheduling only
+        self.last_retries: dict[Any, int] = {}  # job -> its charged retries in the latest ``map``
 
+    # ------------------------------------------------------------- workers
+    PING_EVERY_S = 0.5  # while a worker restarts; a ping to a restarting actor fails at once
+
+    def _usable(self, w: int) -> bool:
+        return w not in self.dead and w not in self.recovering
+
+    def _recover(self, w: int) -> None:
+        """Send no job to ``w`` until a ping says Ray has restarted it."""
+        if w not in self.dead and w not in self.recovering:
+            self.recovering[w] = _Recovery(deadline=time.monotonic() + self.restart_timeout_s)
+
+    def _poll_recovering(self) -> None:
+        """Ping each restarting worker that has no ping out and is due."""
+        now = time.monotonic()
+        for w, rec in self.recovering.items():
+            if now > rec.deadline:
+                raise EngineError(f"worker {w} did not come back within {self.restart_timeout_s:g} s after its "
+                                  "process died (engine.worker_restart_timeout_s); is its node gone for good?")
+            if rec.ping is None and now >= rec.next_ping:
+                rec.ping = self.workers[w].ping.remote()
+
+    def _pinged(self, w: int) -> None:
+        rec = self.recovering[w]
+        ref, rec.ping = rec.ping, None
+        try:
+            ray.get(ref)
+        except ray.exceptions.ActorUnavailableError:  # still restarting (or not placed yet): ask again soon
+            rec.next_ping = time.monotonic() + self.PING_EVERY_S
+            return
+        except ray.exceptions.RayActorError as err:  # past max_restarts: dead for good (asked twice to be sure)
+            if not rec.died_once:
+                rec.died_once, rec.next_ping = True, time.monotonic() + self.PING_EVERY_S
+                return
+            del self.recovering[w]
+            self.dead.add(w)
+            if len(self.dead) == len(self.workers):
+                raise EngineError("every worker died and none can be restarted (engine.max_restarts exhausted): "
+                                  f"{repr(err).splitlines()[0][:200]}") from None
+            return
+        del self.recovering[w]
+
+    def _next_wake(self) -> float | None:
+        """Seconds until a restarting worker is due a ping or past its deadline."""
+        times = [t for rec in self.recovering.values() for t in ((rec.deadline,) if rec.ping else
+                                                                 (rec.deadline, rec.next_ping))]
+        return max(0.0, min(times) - time.monotonic()) + 0.01 if times else None
+
+    def _pick(self, load: list[int], solo_on: set[int], solo: bool) -> int | None:
+        """The least-loaded usable worker with room (lowest index on ties)."""
+        room = [w for w in range(len(self.workers)) if self._usable(w) and w not in solo_on
+                and load[w] < (1 if solo else IN_FLIGHT_PER_WORKER) and (not solo or load[w] == 0)]
+        return min(room, key=lambda w: (load[w], w)) if room else None
+
+    # ---------------------------------------------------------------- jobs
     def map(self, jobs: Sequence[J], submit: Callable[[Any, J, int], Any],
-            on_result: Callable[[J, Any], None]) -> list[tuple[J, str]]:
+            on_result: Callable[[J, Any], None], cost: Mapping[J, float] | None = None) -> list[tuple[J, str]]:
         """Run every job: ``submit(worker, job, attempt)`` returns an ObjectRef;
         ``on_result(job, result)`` is called as results arrive (in completion
-        order), with ``None`` for a job dropped after its retries.  Returns the
-        dropped jobs with a one-line reason."""
-        queue: list[tuple[J, int, float]] = [(job, 0, 0.0) for job in jobs]  # (job, attempt, not before)
-        free = [w for _ in range(IN_FLIGHT_PER_WORKER) for w in range(len(self.workers))]
-        inflight: dict[Any, tuple[int, J, int]] = {}
+        order), with ``None`` for a job dropped after its retries.  ``cost``
+        (e.g. a client's sample count) dispatches the largest jobs first.
+        Returns the dropped jobs with a one-line reason."""
+        order = list(jobs) if cost is None else sorted(jobs, key=lambda j: -cost[j])  # stable: ties keep order
+        queue = [_Queued(job, 0) for job in order]
+        load = [0] * len(self.workers)
+        solo_on: set[int] = set()
+        inflight: dict[Any, _Running] = {}
         dropped: list[tuple[J, str]] = []
         self.last_retries = {}
         try:
             while queue or inflight:
-                now = time.monotonic()
-                while free and queue and min(q[2] for q in queue) <= now:
-                    job, attempt, _ = queue.pop(next(i for i, q in enumerate(queue) if q[2] <= now))
-                    w = free.pop(0)
-                    inflight[submit(self.workers[w], job, attempt)] = (w, job, attempt)
-                wait = max(0.0, min(q[2] for q in queue) - now) if queue and free else None
-                if not inflight:
-                    time.sleep(wait or 0.0)
+                # first in, first out; a solo job at the head waits for an idle worker and holds the queue
+                while queue:
+                    w = self._pick(load, solo_on, queue[0].solo)
+                    if w is None:
+                        break
+                    q = queue.pop(0)
+                    for run in inflight.values():
+                        if run.worker == w:
+                            run.alone = False
+                    inflight[submit(self.workers[w], q.job, q.attempt)] = _Running(w, q.job, q.attempt, q.solo,
+                                                                                    alone=load[w] == 0)
+                    load[w] += 1
+                    if q.solo:
+                        solo_on.add(w)
+                if not inflight and not self.recovering:
+                    raise EngineError("no worker left in the pool")
+                self._poll_recovering()
+                pings = {rec.ping: w for w, rec in self.recovering.items() if rec.ping is not None}
+                waiting = list(inflight) + list(pings)
+                if not waiting:  # every worker restarting, none due a ping yet
+                    time.sleep(self._next_wake() or 0.0)
                     continue
-                ready, _ = ray.wait(list(inflight), num_returns=1, timeout=wait)
+                ready, _ = ray.wait(waiting, num_returns=1, timeout=self._next_wake())
                 if not ready:
                     continue
                 ref = ready[0]
-                w, job, attempt = inflight.pop(ref)
-                free.append(w)
+                if ref in pings:
+                    self._pinged(pings[ref])
+                    continue
+                run = inflight.pop(ref)
+                load[run.worker] -= 1
+                solo_on.discard(run.worker)
                 try:
                     res = ray.get(ref)
                 except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as err:
                     cause = getattr(err, "cause", None)
                     if isinstance(cause, DivergedError):
                         raise EngineError(str(cause)) from None
-                    if not retryable(err):
+                    if isinstance(err, ray.exceptions.RayActorError):
+                        self._recover(run.worker)
+                        if not (run.alone and run.worker not in self.dead):
+                            # it shared the worker that died (or the worker left the pool): not its failure
+                            self.reruns += 1
+                            queue.insert(0, _Queued(run.job, run.attempt, solo=run.worker not in self.dead))
+                            continue
+                    elif not own_fault(err):
                         raise
-                    if attempt < self.retries:
+                    if run.attempt < self.retries:
                         self.retried += 1
-                        self.last_retries[job] = self.last_retries.get(job, 0) + 1
-                        # a lost worker (its process or its node) takes Ray a moment to restart: back off
-                        delay = min(5.0, 0.25 * 2 ** attempt) if isinstance(err, ray.exceptions.RayActorError) else 0.0
-                        queue.insert(0, (job, attempt + 1, time.monotonic() + delay))
+                        self.last_retries[run.job] = self.last_retries.get(run.job, 0) + 1
+                        queue.insert(0, _Queued(run.job, run.attempt + 1))
                     else:
-                        dropped.append((job, repr(err).splitlines()[0][:200]))
-                        on_result(job, None)
+                        dropped.append((run.job, repr(err).splitlines()[0][:200]))
+                        on_result(run.job, None)
                     continue
-                on_result(job, res)
+                on_result(run.job, res)
         except Exception:
             _settle(inflight)
             raise
         return dropped
 
-    def map_all(self, jobs: Sequence[J], submit: Callable[[Any, J, int], Any], what: str) -> dict[J, Any]:
+    def map_all(self, jobs: Sequence[J], submit: Callable[[Any, J, int], Any], what: str,
+                cost: Mapping[J, float] | None = None) -> dict[J, Any]:
         """``map`` where every job must succeed: {job: result}, or EngineError."""
         out: dict[J, Any] = {}
 
@@ -122,9 +254,10 @@ class WorkerPool:
                 raise EngineError(f"{what} failed for {job} after {self.retries} retries")
             out[job] = res
 
-        self.map(jobs, submit, on_result)
+        self.map(jobs, submit, on_result, cost)
         return out
 
     def shutdown(self) -> None:
         for w in self.workers:
             ray.kill(w)
+

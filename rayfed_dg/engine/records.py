@@ -46,9 +46,10 @@ class RoundResult:
     # bytes_up, bytes_down, retried, dropped, drop_reason (a dropped client: train_loss etc. None)
     clients: list[dict]
     train_loss: float
-    tasks_retried: int  # over the run so far
+    tasks_retried: int  # over the run so far: failures the tasks caused themselves (seeded, so reproducible)
     seconds_train: float
     seconds_total: float
+    tasks_rerun: int = 0  # over the run so far: re-runs after a shared worker died (scheduling, like seconds)
 
 
 class Ledger:

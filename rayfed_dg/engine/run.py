@@ -47,10 +47,10 @@ from rayfed_dg.data import DomainDataset, FederatedSplit
 from rayfed_dg.utils import atomic_write_with, render_table, write_text
 
 from .checkpoint import load_latest, save_checkpoint
+from .host import EngineHost, HostPool, actor_key
 from .plan import clients_per_round, ensure_workers, init_ray, make_splits
 from .records import RecordTables, RoundResult
 from .selection import select_round
-from .server import launch_server
 
 
 def save_weights(state: dict[str, np.ndarray], path: Path) -> None:
@@ -80,12 +80,13 @@ class TargetResult:
     selected_target_acc: float | None = None
     rounds_done: int = 0
     tasks_retried: int = 0
+    tasks_rerun: int = 0
     setup_info: dict = field(default_factory=dict)
 
     def add_round(self, out: RoundResult) -> bool:
         """Fold one round's records in; True when it is the new selected round."""
         t = self.target
-        self.rounds_done, self.tasks_retried = out.round, out.tasks_retried
+        self.rounds_done, self.tasks_retried, self.tasks_rerun = out.round, out.tasks_retried, out.tasks_rerun
         self.seconds_per_round.append(out.seconds_total)
         rec = round_records(t, out)
         rows = rec["metrics"]
@@ -110,6 +111,8 @@ class TargetResult:
                 "final_target_acc": next((m["accuracy"] for m in reversed(self.metrics)
                                           if m["split"] == "target_test"), None),
                 "clients_dropped": len(self.dropped), "tasks_retried": self.tasks_retried,
+                # uncharged re-runs after a worker that other tasks shared died: depends on timing, like seconds
+                "tasks_rerun": self.tasks_rerun,
                 "setup": self.setup_info,
                 "mean_seconds_per_round": float(np.mean(self.seconds_per_round)) if self.seconds_per_round else None}
 
@@ -207,15 +210,11 @@ def _resume(run_dir: Path | None, target: str) -> tuple[TargetResult, dict | Non
     return (TargetResult(target) if state is None else TargetResult(**state["result"])), state
 
 
-def _start_server(cfg, split, data_refs, num_classes, n_workers, worker_options, state):
-    server = launch_server(cfg, split, data_refs, num_classes, n_workers, worker_options)
-    try:
-        setup = ray.get(server.setup.remote())
-        if state is not None:
-            ray.get(server.set_state.remote(state["server"]))
-    except BaseException:
-        ray.kill(server)  # its workers and data source go with their last handle
-        raise
+def _open(host: EngineHost, cfg, split, num_classes, state):
+    server = host.open(cfg, split, num_classes)
+    setup = ray.get(server.setup.remote())
+    if state is not None:
+        ray.get(server.set_state.remote(state["server"]))
     return server, setup
 
 
@@ -223,19 +222,29 @@ def run_federation(cfg: ExperimentConfig, split: FederatedSplit, images_ref, lab
                    run_dir: Path | None = None, progress: bool = True, worker_options: dict | None = None,
                    on_round: Callable[[RoundResult, TargetResult], None] | None = None,
                    stop_after: int | None = None, pool_workers: int | None = None,
-                   tensorboard: Path | None = None) -> TargetResult:
+                   tensorboard: Path | None = None, host: EngineHost | None = None) -> TargetResult:
     """Run one federation (one target domain) to the end, resuming from the
     newest valid checkpoint in ``run_dir`` if there is one.  ``stop_after``
-    ends early after that round (tests of resume use it).  ``pool_workers``
-    fixes the pool size when the resources are already reserved (a Tune
-    trial's placement group); otherwise it is planned against the cluster.
-    TensorBoard scalars go to ``tensorboard/<target>`` (default, with
+    ends early after that round (tests of resume use it).  ``host``: the
+    experiment's running actors (``host.py``); without one, the federation
+    starts its own and ends them.  ``pool_workers`` fixes that pool's size
+    when the resources are already reserved (a Tune trial's placement
+    group); otherwise it is planned against the cluster.  TensorBoard
+    scalars go to ``tensorboard/<target>`` (default, with
     ``output.tensorboard``: ``run_dir/tensorboard``)."""
-    n_workers = pool_workers or ensure_workers(cfg.engine, clients_per_round(cfg, split))
     res, state = _resume(run_dir, split.target)
     if res.rounds_done >= cfg.training.rounds:
         return res
-    server, setup = _start_server(cfg, split, (images_ref, labels_ref), num_classes, n_workers, worker_options, state)
+    own = host is None
+    if host is None:
+        n_workers = pool_workers or ensure_workers(cfg.engine, clients_per_round(cfg, split))
+        host = EngineHost(cfg.engine, [images_ref, labels_ref], n_workers, worker_options)
+    try:
+        server, setup = _open(host, cfg, split, num_classes, state)
+    except BaseException:
+        if own:
+            host.close()
+        raise
     if state is None:
         res.ledger += [dict(x, target=split.target) for x in setup["ledger"]]
         if run_dir is not None:
@@ -265,10 +274,8 @@ def run_federation(cfg: ExperimentConfig, split: FederatedSplit, images_ref, lab
     finally:
         for cb in callbacks:
             cb.close()
-        try:
-            ray.get(server.shutdown.remote())
-        finally:
-            ray.kill(server)
+        if own:
+            host.close()
     return res
 
 
@@ -310,18 +317,28 @@ def check_resume_dir(cfg: ExperimentConfig, run_dir: Path) -> None:
 
 
 def run_experiment(cfg: ExperimentConfig, ds: DomainDataset, targets: list[str], run_dir: Path,
-                   progress: bool = True, splits: list[FederatedSplit] | None = None, label: str | None = None) -> dict:
+                   progress: bool = True, splits: list[FederatedSplit] | None = None, label: str | None = None,
+                   hosts: HostPool | None = None) -> dict:
     """Leave-one-domain-out over ``targets``; writes (or resumes) ``run_dir``.
-    ``label``: the method's row name in tables (a compare entry's label)."""
+    ``label``: the method's row name in tables (a compare entry's label).
+    ``hosts``: the experiment's running actors (``experiment.py``); without
+    them, this row starts its own and ends them."""
     splits = splits or make_splits(cfg, ds, targets)
     init_ray(cfg)
     if not (run_dir / "config.yaml").exists():
         save_config(cfg, run_dir / "config.yaml")
-    images_ref, labels_ref = ray.put(ds.images), ray.put(ds.labels)
+    own = hosts is None
+    if hosts is None:
+        n = max(ensure_workers(cfg.engine, clients_per_round(cfg, s)) for s in splits)
+        hosts = HostPool([ray.put(ds.images), ray.put(ds.labels)], {actor_key(cfg.engine): n})
     summary: dict = {"targets": {}}
-    for split in splits:  # each round's rows are written as it ends (RecordWriter)
-        res = run_federation(cfg, split, images_ref, labels_ref, ds.num_classes, run_dir, progress)
-        summary["targets"][split.target] = res.summary()
+    try:
+        for split in splits:  # each round's rows are written as it ends (RecordWriter)
+            res = run_federation(cfg, split, None, None, ds.num_classes, run_dir, progress, host=hosts.host(cfg))
+            summary["targets"][split.target] = res.summary()
+    finally:
+        if own:
+            hosts.close()
     accs = [v["target_acc"] for v in summary["targets"].values() if v["target_acc"] is not None]
     summary["average_target_acc"] = float(np.mean(accs)) if accs else None
     summary["method"] = cfg.method.name

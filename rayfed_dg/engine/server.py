@@ -1,4 +1,4 @@
-"""The server actor: client sampling, broadcast, in-order reduce, evaluation.
+"""The server actor: client sampling, broadcast, in-order reduce; evaluation in ``evaluation.py``.
 
 One ``run_round`` call is one federated round:
 
@@ -9,7 +9,7 @@ One ``run_round`` call is one federated round:
    preparation phase with this global model, and the server hands the
    results to the method's ``server_payloads``;
 4. dispatch one training task per sampled client to the worker pool
-   (``pool.py``: two in flight per worker, retries, drops);
+   (``pool.py``: largest first, two in flight per worker, retries, drops);
 5. fold updates into the average as they arrive, in client-id order, and
    write each client's local state back into the client store;
 6. let the method set the tensors it assembles itself (``assemble_global``),
@@ -19,38 +19,44 @@ One ``run_round`` call is one federated round:
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any
 
 import numpy as np
 import ray
 import torch
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rayfed_dg.config import ExperimentConfig
 from rayfed_dg.data.protocol import FederatedSplit
-from rayfed_dg.datasource import DataSource
 from rayfed_dg.errors import EngineError
-from rayfed_dg.methods import ClientUpdate, GlobalEval, build_method
+from rayfed_dg.methods import ClientUpdate, build_method
 from rayfed_dg.seeding import Stream, numpy_rng, sample_clients, seed_int
 from rayfed_dg.stages import build_stages
 
 from .aggregate import OrderedReducer
+from .evaluation import evaluate_global, evaluate_on_clients
 from .plan import clients_per_round
 from .pool import WorkerPool
 from .records import ClientStore, ClientTask, Ledger, RoundResult
-from .worker import Worker, to_numpy_state
-
-EVAL_CHUNK = 2048
+from .stagehost import StageHost
+from .worker import to_numpy_state
 
 
 class Server:
-    def __init__(self, cfg: ExperimentConfig, split: FederatedSplit, num_classes: int, workers: list,
-                 data_source: Any):
-        # started by launch_server, with the workers and data source it is handed
+    """One experiment's server actor: it keeps the worker pool for the
+    experiment and runs one federation at a time (``start``)."""
+
+    def __init__(self, workers: list, data_source: Any):
+        # started by EngineHost, with the workers and data source it is handed
+        self.data_source = data_source
+        ray.get([w.ping.remote() for w in workers])
+        self.pool = WorkerPool(workers, 0)
+        self.federation = 0
+
+    def start(self, cfg: ExperimentConfig, split: FederatedSplit, num_classes: int, federation: int) -> None:
+        """Begin a federation (its workers build its model on their first task)."""
         self.cfg = cfg
         self.split = split
-        self.data_source = data_source
+        self.federation = federation
         self.method = build_method(cfg, split.num_clients)
         torch.manual_seed(seed_int(cfg.training.seed, Stream.INIT))
         model = self.method.build_model(num_classes)
@@ -62,8 +68,8 @@ class Server:
         self.server_state: dict = {}
         self.round = 0
         e = cfg.engine
-        ray.get([w.ping.remote() for w in workers])
-        self.pool = WorkerPool(workers, e.max_task_retries)
+        self.pool.retries, self.pool.restart_timeout_s = e.max_task_retries, e.worker_restart_timeout_s
+        self.pool.retried = self.pool.reruns = 0
         self.global_ref = ray.put(self.global_state)
         # client -> its training set after the data stages: (dataset indices, ObjectRef of added samples)
         self.training_sets: dict[int, tuple[np.ndarray, object]] = {}
@@ -77,7 +83,7 @@ class Server:
         cached, so they are simply run again on resume."""
         ledger, info = Ledger(0), {}
         for i, stage in enumerate(build_stages(self.cfg)):
-            info[stage.name] = stage.run(_StageServer(self, i, ledger))
+            info[stage.name] = stage.run(StageHost(self, i, ledger))
         return {"ledger": ledger.rows, "info": info}
 
     def training_set(self, cid: int) -> tuple[np.ndarray, object]:
@@ -143,8 +149,9 @@ class Server:
             ledger.add_state(cid, "down", bcast, self.groups.__getitem__)
             ledger.add_payload(cid, "down", payloads.get(cid, {}))
 
-        dropped = self.pool.map(sampled, lambda w, cid, attempt: w.train.remote(
-            _retry(self._task(r, cid, payloads.get(cid, {})), attempt), self.global_ref), on_update)
+        dropped = self.pool.map(sampled, lambda w, cid, attempt: w.train_in.remote(
+            self.federation, _retry(self._task(r, cid, payloads.get(cid, {})), attempt), self.global_ref), on_update,
+            cost=dict(zip(sampled, sizes.tolist())) if self.cfg.engine.schedule == "largest_first" else None)
         retries = dict(self.pool.last_retries)
         if len(reducer.dropped) == len(sampled):
             raise EngineError(f"round {r}: every sampled client failed ({dropped[0][1]})")
@@ -164,6 +171,7 @@ class Server:
             metrics=metrics, ledger=ledger.sorted_rows(),
             clients=self._client_rows(r, sampled, updates, dict(dropped), retries, ledger),
             train_loss=float(np.mean([u.train_loss for u in results])), tasks_retried=self.pool.retried,
+            tasks_rerun=self.pool.reruns,
             seconds_train=seconds_train, seconds_total=time.perf_counter() - t0)
 
     def _client_rows(self, r: int, sampled: list[int], updates: dict[int, ClientUpdate], dropped: dict[int, str],
@@ -190,23 +198,16 @@ class Server:
     def _prepare(self, r: int, sampled: list[int], ledger: Ledger) -> dict[int, dict[str, np.ndarray]]:
         """The method's per-round client phase; every sampled client must
         answer (what it computes decides what the others receive)."""
-        out = self.pool.map_all(sampled, lambda w, cid, attempt: w.prepare.remote(
-            _retry(self._task(r, cid, {}), attempt), self.global_ref), f"round {r}: the preparation phase")
+        out = self.pool.map_all(sampled, lambda w, cid, attempt: w.prepare_in.remote(
+            self.federation, _retry(self._task(r, cid, {}), attempt), self.global_ref),
+            f"round {r}: the preparation phase")
         for cid in sorted(out):  # the global model it used is the round's one broadcast (counted with training)
             ledger.add_payload(cid, "up", out[cid], prefix="prepare")
         return out
 
     def _evaluate_on_clients(self, results: list[ClientUpdate], ledger: Ledger) -> None:
-        """The new global model on each participant's validation samples (e.g.
-        FedDG-GA's generalization gaps): one task per client on the worker pool;
-        what leaves the client is its loss and accuracy, two float64."""
-        bs = self.cfg.evaluation.batch_size
-        out = self.pool.map_all([u.client for u in results], lambda w, cid, attempt: w.evaluate.remote(
-            self.global_ref, self.client_val(cid), bs), "evaluating the global model on a client")
-        for u in results:
-            correct, loss, cnt = out[u.client]
-            u.global_eval = GlobalEval(accuracy=correct / max(cnt, 1), loss=loss / max(cnt, 1), samples=cnt)
-            ledger.add(u.client, "up", "eval:global_on_client", 16)
+        evaluate_on_clients(self.pool, self.federation, self.global_ref, results, self.client_val,
+                            self.cfg.evaluation.batch_size, ledger)
 
     def personalizes(self) -> bool:
         """Whether clients keep model state that changes their predictions
@@ -215,33 +216,9 @@ class Server:
         return bool(self.local_keys) and self.method.local_state_predicts and self.cfg.evaluation.personal
 
     def evaluate(self, r: int) -> list[dict]:
-        """The global model on every source domain's validation split and on
-        the target; for a method with client-local state also each client's
-        own model (the global weights with its local state from the client
-        store) on its (main) source domain's validation split, as split
-        ``personal_val`` with the client's id.  Selection reads only
-        ``source_val``, so the personal figures never choose anything.  Chunks
-        are spread over the pool."""
-        bs = self.cfg.evaluation.batch_size
-        sets: list[tuple[str, str, int | None, np.ndarray]] = \
-            [("source_val", dom, None, idx) for dom, idx in self.split.val.items()] + \
-            [("target_test", dom, None, idx) for dom, idx in self.split.test.items()]
-        if self.personalizes():
-            doms = self.split.client_domains
-            sets += [("personal_val", doms[c], c, self.split.val[doms[c]]) for c in sorted(self.store.states)
-                     if doms[c] in self.split.val]
-        jobs = [(name, dom, cid, c0) for name, dom, cid, idx in sets for c0 in range(0, len(idx), EVAL_CHUNK)]
-        index = {(name, dom, cid): idx for name, dom, cid, idx in sets}
-        out = self.pool.map_all(jobs, lambda w, job, attempt: w.evaluate.remote(
-            self.global_ref, index[job[:3]][job[3]:job[3] + EVAL_CHUNK], bs,
-            None if job[2] is None else self.store.get(job[2])), f"round {r}: evaluation")
-        rows = []
-        for name, dom, cid, _ in sets:
-            parts = [out[j] for j in jobs if j[:3] == (name, dom, cid)]
-            correct, loss, cnt = (sum(p[i] for p in parts) for i in range(3))
-            rows.append({"round": r, "split": name, "domain": dom, "client": cid, "accuracy": correct / max(cnt, 1),
-                         "loss": loss / max(cnt, 1), "samples": cnt})
-        return rows
+        own = {c: self.store.get(c) for c in sorted(self.store.states)} if self.personalizes() else {}
+        return evaluate_global(self.pool, self.federation, self.global_ref, self.split, own,
+                               self.cfg.evaluation.batch_size, r)
 
     def shutdown(self) -> None:
         self.pool.shutdown()
@@ -250,60 +227,16 @@ class Server:
 
 def launch_server(cfg: ExperimentConfig, split: FederatedSplit, data_refs: list, num_classes: int, n_workers: int,
                   worker_options: dict | None = None) -> Any:
-    """Start one federation's actors from the driver and return the server's
-    handle: the server on the driver's node (the head, beside the dataset the
-    driver owns, so losing a worker node loses only workers, which the pool
-    restarts and retries), the workers, and a named actor that hands the
-    workers the dataset's references.  Started together, the workers load
-    torch while the server does.  Workers get that actor's name, a plain
-    string: references or handles passed to a restartable actor's
-    constructor need not outlive it, and a restarted worker asks again."""
-    e = cfg.engine
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    source = f"rayfed_dg_data_{uuid.uuid4().hex}"
-    data_source = ray.remote(DataSource).options(num_cpus=0, scheduling_strategy=here, name=source) \
-        .remote(list(data_refs))
-    opts = dict(num_cpus=e.num_cpus_per_worker, num_gpus=e.num_gpus_per_worker,
-                max_restarts=e.max_restarts, max_task_retries=0)
-    opts.update(worker_options or {})
-    remote_worker = ray.remote(Worker)
-    workers = [remote_worker.options(**opts).remote(cfg, source, num_classes, split.num_clients)
-               for _ in range(n_workers)]
-    # a Tune trial's placement group places the server too
-    server_opts = {k: v for k, v in (worker_options or {}).items() if k == "scheduling_strategy"}
-    return ray.remote(Server).options(num_cpus=0, **{"scheduling_strategy": here, **server_opts}) \
-        .remote(cfg, split, num_classes, workers, data_source)
+    """A one-federation experiment's server, started (``EngineHost``) and
+    holding ``split``'s federation; ``shutdown`` ends its actors.  For tests
+    and tools that drive a server round by round."""
+    from .host import EngineHost
+
+    host = EngineHost(cfg.engine, data_refs, n_workers, worker_options)
+    host.open(cfg, split, num_classes)
+    return host.server
 
 
 def _retry(task: ClientTask, attempt: int) -> ClientTask:
     task.attempt = attempt
     return task
-
-
-class _StageServer:
-    """The engine side of a data stage (``stages.base.StageServer``)."""
-
-    def __init__(self, server: Server, index: int, ledger: Ledger):
-        self._server, self._index, self._ledger = server, index, ledger
-        self.num_clients = server.split.num_clients
-        self.seed = server.cfg.training.seed
-
-    def training_set(self, client_id: int) -> np.ndarray:
-        return self._server.training_set(client_id)[0]
-
-    def map(self, phase: str, args: dict[int, dict]) -> dict[int, object]:
-        s = self._server
-        return s.pool.map_all(sorted(args), lambda w, cid, attempt: w.run_stage.remote(
-            self._index, phase, cid, self.training_set(cid), args[cid]), f"data stage phase {phase!r}")
-
-    def set_training_set(self, client_id: int, keep: np.ndarray, images: np.ndarray, labels: np.ndarray) -> None:
-        self._server.training_sets[client_id] = (keep, ray.put({"images": images, "labels": labels}))
-
-    def share(self, name: str, arrays: dict[str, np.ndarray]) -> None:
-        """Put ``arrays`` in the object store once; every training task
-        carries the reference and the method reads ``ctx.stage_data[name]``
-        (zero-copy).  What each client receives is the stage's to ledger."""
-        self._server.stage_data[name] = ray.put(dict(arrays))
-
-    def ledger(self, client_id: int, direction: str, group: str, nbytes: int, tensors: int = 1) -> None:
-        self._ledger.add(client_id, direction, group, nbytes, tensors)

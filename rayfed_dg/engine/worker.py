@@ -13,6 +13,7 @@ import os
 import time
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -60,6 +61,14 @@ class ClientRunner:
 
     def __init__(self, cfg: ExperimentConfig, images: np.ndarray, labels: np.ndarray, num_classes: int,
                  num_clients: int | None = None):
+        self.images = images  # zero-copy view of the object store
+        self.labels = labels
+        self.bind(cfg, num_classes, num_clients)
+
+    def bind(self, cfg: ExperimentConfig, num_classes: int, num_clients: int | None = None) -> None:
+        """Build one federation's model, method and stages: what a fresh
+        process would build, so that a worker serving federation after
+        federation computes exactly what a new one would."""
         self.cfg = cfg  # validated once, in the driver
         e = self.cfg.engine
         self.threads = max(1, int(e.num_cpus_per_worker))
@@ -68,8 +77,6 @@ class ClientRunner:
         if self.device.type == "cuda" and e.num_gpus_per_worker > 0:
             # fractional num_gpus caps nothing in Ray: bound memory ourselves
             torch.cuda.set_per_process_memory_fraction(min(1.0, e.num_gpus_per_worker))
-        self.images = images  # zero-copy view of the object store
-        self.labels = labels
         d = self.cfg.data
         self.mean = torch.tensor(d.mean, dtype=torch.float32).view(1, 3, 1, 1).to(self.device)
         self.std = torch.tensor(d.std, dtype=torch.float32).view(1, 3, 1, 1).to(self.device)
@@ -240,26 +247,56 @@ class ClientRunner:
 
 
 class Worker(ClientRunner):
-    """The Ray actor (wrapped with ``ray.remote`` by ``launch_server``).
+    """The Ray actor (started by ``host.EngineHost``), serving every federation
+    of an experiment in turn.
 
-    The dataset's references come from the federation's ``DataSource`` actor and
-    are resolved here (zero-copy views of the object store); a restarted
-    worker asks again."""
+    The dataset's references, and the federation each task names, come from
+    the experiment's ``DataSource`` actor and are resolved here (the dataset
+    as zero-copy views of the object store).  A worker builds a federation's
+    model and method on its first task of that federation; a restarted
+    worker (``max_restarts``) starts with none and builds it again on its
+    next task, so a task is always safe to repeat."""
 
     returns_to_ray = True
 
-    def __init__(self, cfg: ExperimentConfig, data_source: str, num_classes: int, num_clients: int | None = None):
+    def __init__(self, data_source: str):
         import ray
 
-        # the dataset's references come from the server's named data source actor, not from the constructor's
-        # arguments: a restarted worker (max_restarts) re-runs this and asks again, and Ray need not keep
-        # references or handles passed to a constructor alive for restarts (it warns about them)
-        refs: list = ray.get(ray.get_actor(data_source).refs.remote())
-        images, labels = ray.get(refs)
-        super().__init__(cfg, images, labels, num_classes, num_clients)
+        # the dataset's references come from the named data source actor, not from the constructor's
+        # arguments: a restarted worker re-runs this and asks again, and Ray need not keep references or
+        # handles passed to a constructor alive for restarts (it warns about them)
+        self._source = ray.get_actor(data_source)
+        refs: list = ray.get(self._source.refs.remote())
+        self.images, self.labels = ray.get(refs)
+        self.federation: int | None = None
         # torch.optim's first optimizer imports torch._dynamo (about 2 s of CPU): a start-up cost of the
         # process, paid here while the pool starts rather than inside round 1's time
         import torch._dynamo  # noqa: F401
+
+    def _serve(self, federation: int) -> None:
+        if self.federation != federation:
+            import ray
+
+            spec: Any = ray.get(self._source.federation.remote(federation))  # (config, classes, clients)
+            self.federation = None  # half-built until bind returns
+            self.bind(*spec)
+            self.federation = federation
+
+    def train_in(self, federation: int, task: ClientTask, global_state: dict[str, np.ndarray]) -> ClientUpdate:
+        self._serve(federation)
+        return self.train(task, global_state)
+
+    def prepare_in(self, federation: int, task: ClientTask, global_state: dict[str, np.ndarray]):
+        self._serve(federation)
+        return self.prepare(task, global_state)
+
+    def evaluate_in(self, federation: int, *args):
+        self._serve(federation)
+        return self.evaluate(*args)
+
+    def run_stage_in(self, federation: int, *args):
+        self._serve(federation)
+        return self.run_stage(*args)
 
     def ping(self) -> int:
         return os.getpid()

@@ -24,7 +24,9 @@ Client side (inside a worker actor, once per sampled client and round):
                          the server may redistribute (``prepares_round``)
   ``round_start``        snapshot what the loss needs (e.g. the global weights)
   ``loss``               the local objective for one batch
-  ``local_train``        escape hatch owning the whole local loop
+  ``local_train``        escape hatch owning the whole local loop (it can
+                         still run the shared step loop, ``train_steps``,
+                         with its own loss and per-step hook)
   ``upload_payload``     extra small records to upload (named numpy arrays)
 Server side (in the server actor):
   ``aggregation_weights``  per-client weights of the reduce (default |D_i|)
@@ -132,6 +134,35 @@ def evaluate_on_val(model: nn.Module, ctx: ClientContext, batch_size: int = 256)
     return correct / n, loss / n
 
 
+def train_steps(opt: torch.optim.Optimizer, batches: Callable[[], Iterator[Batch]],
+                loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], steps: int | None = None,
+                after_step: Callable[[torch.Tensor, torch.Tensor, int], None] | None = None) -> dict[str, float]:
+    """The local step loop, the default ``local_train``'s and that of the
+    methods owning their loop: per batch, one step of ``opt`` on
+    ``loss_fn(x, y)``, then ``after_step(x, y, i)`` (i: steps taken so far,
+    from 1).  One pass of ``batches()`` (the worker already caps it at the
+    round's budget), or exactly ``steps`` steps, drawing ``batches()`` again
+    as often as that takes.  Returns the loop's stats: ``train_loss``, the
+    sample-weighted mean of the losses stepped on, and ``steps_samples``,
+    the samples drawn."""
+    total, n, done = 0.0, 0, 0
+    while True:
+        for x, y in batches():
+            loss = loss_fn(x, y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            total += float(loss.detach()) * len(y)
+            n += len(y)
+            done += 1
+            if after_step is not None:
+                after_step(x, y, done)
+            if steps is not None and done >= steps:
+                break
+        if steps is None or done >= steps:
+            return {"train_loss": total / max(n, 1), "steps_samples": n}
+
+
 class Method:
     """FedAvg (McMahan et al., 2017): local SGD on cross-entropy, weighted
     averaging of all weights by client sample counts (gPerXAN paper Eq. 1)."""
@@ -208,15 +239,7 @@ class Method:
         cross-device federation holds no optimizer state between rounds)."""
         opt = self.make_optimizer(model, ctx.round)
         model.train()
-        total, n = 0.0, 0
-        for x, y in batches():
-            loss = self.loss(model, x, y, ctx)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            total += float(loss.detach()) * len(y)
-            n += len(y)
-        return {"train_loss": total / max(n, 1), "steps_samples": n}
+        return train_steps(opt, batches, lambda x, y: self.loss(model, x, y, ctx))
 
     def upload_payload(self, model: nn.Module, ctx: ClientContext) -> dict[str, np.ndarray]:
         return {}
@@ -272,4 +295,4 @@ def build_method(cfg, num_clients: int | None = None) -> Method:
 
 
 __all__ = ["Batch", "ClientContext", "ClientUpdate", "ConfigError", "GlobalEval", "Method", "NoParams",
-           "build_method", "evaluate_on_val", "get_method_class", "method_names", "register_method"]
+           "build_method", "evaluate_on_val", "get_method_class", "method_names", "register_method", "train_steps"]

@@ -50,7 +50,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
-from .base import Method, register_method
+from .base import Method, register_method, train_steps
 
 KERNEL_ALPHAS = tuple(3.0 ** u for u in range(-3, 2))
 PRIVATE = "private."
@@ -107,34 +107,17 @@ class CSAC(Method):
     def tensor_group(self, key, is_local):
         return "csac_private" if is_local else "shared"
 
-    def _steps(self, model, batches, opt, loss_fn, steps: int | None):
-        total, n, done = 0.0, 0, 0
-        while True:
-            for x, y in batches():
-                loss = loss_fn(x, y)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                total += float(loss.detach()) * len(y)
-                n += len(y)
-                done += 1
-                if steps is not None and done >= steps:
-                    return total, n
-            if steps is None:
-                return total, n
-
     def local_train(self, model, batches, ctx):
         opt = self.make_optimizer(model, ctx.round)  # the private model's parameters are frozen
         model.train()
         private: nn.Module = model.private
         if float(getattr(model, READY)) == 0:  # local semantic acquisition (pre-training)
-            total, n = self._steps(model, batches, opt, lambda x, y: F.cross_entropy(model(x), y),
-                                   self.p.pretrain_steps)
+            stats = train_steps(opt, batches, lambda x, y: F.cross_entropy(model(x), y), self.p.pretrain_steps)
             with torch.no_grad():
                 src = {k: v for k, v in model.state_dict().items() if not k.startswith(PRIVATE) and k != READY}
                 private.load_state_dict(src)
                 getattr(model, READY).fill_(1.0)
-            return {"train_loss": total / max(n, 1), "steps_samples": n, "pretrained": 1.0}
+            return {**stats, "pretrained": 1.0}
         private.eval()
 
         def loss_fn(x, y):
@@ -143,8 +126,7 @@ class CSAC(Method):
                 fixed = private(x)
             return F.cross_entropy(logits, y) + self.p.lam * mk_mmd(fixed, logits)
 
-        total, n = self._steps(model, batches, opt, loss_fn, None)
-        return {"train_loss": total / max(n, 1), "steps_samples": n}
+        return train_steps(opt, batches, loss_fn)
 
     def assemble_global(self, round, results, global_state, server_state):
         if self.p.aggregation == "fedavg" or len(results) < 2:

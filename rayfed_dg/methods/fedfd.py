@@ -56,7 +56,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rayfed_dg.models import BN_TYPES, modules_of_type, replace_norm, state_keys_of
 
-from .base import Method, evaluate_on_val, register_method
+from .base import Method, evaluate_on_val, register_method, train_steps
 
 
 class FDBN(nn.BatchNorm2d):
@@ -254,17 +254,17 @@ class FedFD(Method):
         # the adapter's own optimiser; make_optimizer skips frozen tensors, so build it unfrozen
         opt_a = self.make_optimizer(model, ctx.round, adapter) if adapter else None
         model.train()
-        total, n = 0.0, 0
         every = self.p.select_every if ctx.val_indices is not None and len(ctx.val_indices) else None
         best = (-1.0, 0, None)  # (validation accuracy, iteration, state)
         it = 0
-        for x, y in batches():
+
+        def main_step_loss(x, y):  # the main network's step, adapter frozen
             for p in adapter:
                 p.requires_grad_(False)
-            loss = self.main_loss(model, x, y, ctx)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+            return self.main_loss(model, x, y, ctx)
+
+        def after_main_step(x, y, i):
+            nonlocal best, it
             for p in adapter:
                 p.requires_grad_(True)
             if opt_a is not None:
@@ -279,12 +279,11 @@ class FedFD(Method):
                 for p in main:
                     p.requires_grad_(True)
             set_mode(model, "plain")
-            total += float(loss.detach()) * len(y)
-            n += len(y)
-            it += 1
+            it = i
             if every and it % every == 0:
                 best = self._keep_best(model, ctx, it, best)
-        stats = {"train_loss": total / max(n, 1), "steps_samples": n}
+
+        stats = train_steps(opt, batches, main_step_loss, after_step=after_main_step)
         if every:
             if it % every:  # the round's last iterate is always a candidate
                 best = self._keep_best(model, ctx, it, best)

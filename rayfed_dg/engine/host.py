@@ -1,0 +1,96 @@
+"""The actors of an experiment, started once and reused by every federation.
+
+An experiment (every target, every ``compare`` row, every ``--seeds`` seed)
+runs its federations one after another on one set of actors: a named
+``DataSource`` that holds the dataset's references and the current
+federation's spec, the worker pool, and the server.  Starting them costs
+seconds (each process imports torch); opening a federation on running
+actors costs a registration and the server's model build.
+
+Rows whose workers need other resources (``engine.num_cpus_per_worker``,
+``num_gpus_per_worker``, ``max_restarts``, ``device``) cannot share actors:
+``HostPool`` starts one host per distinct set and keeps them for the
+experiment.  A Tune trial keeps a host of its own (its placement group
+reserves the workers).
+"""
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from rayfed_dg.config import EngineConfig, ExperimentConfig
+from rayfed_dg.data.protocol import FederatedSplit
+from rayfed_dg.datasource import DataSource
+
+from .server import Server
+from .worker import Worker
+
+
+def actor_key(e: EngineConfig) -> tuple:
+    """What a worker actor is started with: rows that differ here need their own."""
+    return (e.num_cpus_per_worker, e.num_gpus_per_worker, e.max_restarts, e.device)
+
+
+class EngineHost:
+    """Start the actors from the driver: the server on the driver's node (the
+    head, beside the dataset the driver owns, so losing a worker node loses
+    only workers, which the pool restarts and retries), the workers, and the
+    named data source.  Started together, the workers load torch while the
+    server does.  Workers get the data source's name, a plain string:
+    references or handles passed to a restartable actor's constructor need
+    not outlive it, and a restarted worker asks again."""
+
+    def __init__(self, engine: EngineConfig, data_refs: list, n_workers: int, worker_options: dict | None = None):
+        self.key, self.n_workers = actor_key(engine), n_workers
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        name = f"rayfed_dg_data_{uuid.uuid4().hex}"
+        self.data_source: Any = ray.remote(DataSource).options(num_cpus=0, scheduling_strategy=here, name=name) \
+            .remote(list(data_refs))
+        opts = dict(num_cpus=engine.num_cpus_per_worker, num_gpus=engine.num_gpus_per_worker,
+                    max_restarts=engine.max_restarts, max_task_retries=0)
+        opts.update(worker_options or {})
+        remote_worker = ray.remote(Worker)
+        self.workers = workers = [remote_worker.options(**opts).remote(name) for _ in range(n_workers)]
+        # a Tune trial's placement group places the server too
+        server_opts = {k: v for k, v in (worker_options or {}).items() if k == "scheduling_strategy"}
+        self.server: Any = ray.remote(Server).options(num_cpus=0, **{"scheduling_strategy": here, **server_opts}) \
+            .remote(workers, self.data_source)
+        self.federations = 0
+
+    def open(self, cfg: ExperimentConfig, split: FederatedSplit, num_classes: int) -> Any:
+        """Make ``split``'s federation the server's current one; returns the server."""
+        if actor_key(cfg.engine) != self.key:
+            raise ValueError(f"a federation needing workers {actor_key(cfg.engine)} on a host of {self.key}")
+        self.federations += 1
+        ray.get(self.data_source.register.remote(self.federations, (cfg, num_classes, split.num_clients)))
+        ray.get(self.server.start.remote(cfg, split, num_classes, self.federations))
+        return self.server
+
+    def close(self) -> None:
+        try:
+            ray.get(self.server.shutdown.remote())
+        finally:
+            ray.kill(self.server)
+
+
+class HostPool:
+    """One ``EngineHost`` per distinct worker resources, started on first use
+    with as many workers as the largest federation planned for it needs."""
+
+    def __init__(self, data_refs: list, workers: dict[tuple, int]):
+        self.data_refs, self.workers = list(data_refs), dict(workers)
+        self.hosts: dict[tuple, EngineHost] = {}
+
+    def host(self, cfg: ExperimentConfig) -> EngineHost:
+        key = actor_key(cfg.engine)
+        if key not in self.hosts:
+            self.hosts[key] = EngineHost(cfg.engine, self.data_refs, self.workers[key])
+        return self.hosts[key]
+
+    def close(self) -> None:
+        for h in self.hosts.values():
+            h.close()
+        self.hosts = {}

@@ -1,0 +1,47 @@
+"""One set of actors per experiment: a worker that served other federations
+computes exactly what fresh actors compute, and its process never restarts."""
+import numpy as np
+import pytest
+from conftest import tiny_cfg
+
+from rayfed_dg.data import leave_one_domain_out
+from rayfed_dg.engine import run_federation
+from rayfed_dg.engine.host import HostPool, actor_key
+
+# rows whose clients compute differently: another model (gPerXAN's XAN layers), another loss (FedProx), another
+# seed; FedBN's client-local state must be its own federation's
+ROWS = [(["method.name=fedavg"], "colour"), (["method.name=fedbn"], "colour"),
+        (["method.name=gperxan"], "negative"), (["method.name=fedprox", "method.mu=0.5"], "negative"),
+        (["method.name=fedavg", "training.seed=1"], "negative")]
+
+
+def _no_time(rows):
+    return [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
+
+
+@pytest.mark.slow
+def test_one_host_serves_every_federation_with_the_numbers_of_fresh_actors(ray_session, tiny_ds):
+    ray = ray_session
+    runs = [(tiny_cfg("training.rounds=2", "training.local_steps=2", *m), leave_one_domain_out(tiny_ds, t, 0.2, 0))
+            for m, t in ROWS]
+    refs = [ray.put(tiny_ds.images), ray.put(tiny_ds.labels)]
+    # today's way: every federation starts its own actors (here one worker)
+    fresh = [run_federation(cfg, split, *refs, 10, progress=False, pool_workers=1) for cfg, split in runs]
+    hosts = HostPool(refs, {actor_key(runs[0][0].engine): 2})
+    try:
+        host = hosts.host(runs[0][0])
+        pids = ray.get([w.ping.remote() for w in host.workers])
+        shared = [run_federation(cfg, split, None, None, 10, progress=False, host=host) for cfg, split in runs]
+        assert ray.get([w.ping.remote() for w in host.workers]) == pids  # the same processes served every row
+        assert host.federations == len(runs)
+        assert len({tuple(r.metrics[-1].values()) for r in shared}) == len(runs)  # the rows differ
+    finally:
+        hosts.close()
+    for (m, t), a, b in zip(ROWS, fresh, shared):
+        assert a.metrics == b.metrics, (m, t)
+        assert a.ledger == b.ledger and _no_time(a.clients) == _no_time(b.clients), (m, t)
+        assert a.selected_round == b.selected_round and a.selected_target_acc == b.selected_target_acc
+    # fedbn's personal rows prove the client store was the federation's own, not the previous one's
+    personal = [m for m in shared[1].metrics if m["split"] == "personal_val"]
+    assert len(personal) == 2 * 3 and len({m["loss"] for m in personal}) == len(personal)
+    assert np.isfinite([m["loss"] for m in personal]).all()
