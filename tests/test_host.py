@@ -45,3 +45,33 @@ def test_one_host_serves_every_federation_with_the_numbers_of_fresh_actors(ray_s
     personal = [m for m in shared[1].metrics if m["split"] == "personal_val"]
     assert len(personal) == 2 * 3 and len({m["loss"] for m in personal}) == len(personal)
     assert np.isfinite([m["loss"] for m in personal]).all()
+
+
+@pytest.mark.slow
+def test_workers_killed_in_one_federation_are_replaced_before_the_next_with_the_same_numbers(ray_session, tiny_ds):
+    """Injected worker deaths in every federation of one host: each federation
+    equals its fault-free run, and the next one starts on fresh workers (a
+    whole engine.max_restarts budget), not on the spent ones."""
+    ray = ray_session
+    base = ["training.rounds=2", "method.name=fedavg", "training.local_steps=2"]
+    faults = ["engine.fault_probability=0.35", "engine.fault_mode=kill", "engine.max_task_retries=8",
+              "engine.max_restarts=20"]
+    splits = [leave_one_domain_out(tiny_ds, t, 0.2, 0) for t in ("colour", "negative")]
+    refs = [ray.put(tiny_ds.images), ray.put(tiny_ds.labels)]
+    clean = [run_federation(tiny_cfg(*base), s, *refs, 10, progress=False, pool_workers=2) for s in splits]
+    cfg = tiny_cfg(*base, *faults)
+    hosts = HostPool(refs, {actor_key(cfg.engine): 2})
+    try:
+        host = hosts.host(cfg)
+        faulty, handles = [], []
+        for s in splits:
+            faulty.append(run_federation(cfg, s, None, None, 10, progress=False, host=host))
+            handles.append(list(host.workers))
+        replaced_after_first = [a != b for a, b in zip(handles[0], handles[1])]
+    finally:
+        hosts.close()
+    for a, b in zip(clean, faulty):
+        assert a.metrics == b.metrics and b.dropped == []
+    assert faulty[0].tasks_retried >= 1  # seeded: round 1 kills client 0's and client 1's first attempts
+    # the second federation's open replaced every worker whose process the first one killed
+    assert any(replaced_after_first)

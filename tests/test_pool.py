@@ -13,6 +13,11 @@ from rayfed_dg.errors import EngineError
 def _actor_class(ray):
     @ray.remote(num_cpus=0)
     class Job:
+        def ping(self):
+            import os
+
+            return os.getpid()
+
         def run(self, what: str, seconds: float = 0.0):
             from rayfed_dg.engine.worker import DivergedError
 

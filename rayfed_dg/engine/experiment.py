@@ -65,8 +65,8 @@ def plan_experiment(cfgs: list[tuple[int | None, ExperimentConfig]], ds: DomainD
 
 def start_hosts(exp: Experiment) -> HostPool:
     """One host per distinct worker resources, sized for the largest
-    federation that will run on it (more workers than a round's clients
-    would sit idle, so each federation's own plan bounds it)."""
+    federation that will run on it (a federation with fewer clients a round
+    leaves the extra workers idle, which costs them nothing)."""
     need: dict[tuple, int] = {}
     for row in exp.rows:
         k = actor_key(row.cfg.engine)

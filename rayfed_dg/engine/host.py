@@ -9,8 +9,8 @@ actors costs a registration and the server's model build.
 
 Rows whose workers need other resources (``engine.num_cpus_per_worker``,
 ``num_gpus_per_worker``, ``max_restarts``, ``device``) cannot share actors:
-``HostPool`` starts one host per distinct set and keeps them for the
-experiment.  A Tune trial keeps a host of its own (its placement group
+``HostPool`` starts a host for each distinct set when a row needs it, ending
+the one before (each is sized to what the cluster fits).  A Tune trial keeps a host of its own (its placement group
 reserves the workers).
 """
 from __future__ import annotations
@@ -52,8 +52,8 @@ class EngineHost:
         opts = dict(num_cpus=engine.num_cpus_per_worker, num_gpus=engine.num_gpus_per_worker,
                     max_restarts=engine.max_restarts, max_task_retries=0)
         opts.update(worker_options or {})
-        remote_worker = ray.remote(Worker)
-        self.workers = workers = [remote_worker.options(**opts).remote(name) for _ in range(n_workers)]
+        self._new_worker = lambda: ray.remote(Worker).options(**opts).remote(name)
+        self.workers = workers = [self._new_worker() for _ in range(n_workers)]
         # a Tune trial's placement group places the server too
         server_opts = {k: v for k, v in (worker_options or {}).items() if k == "scheduling_strategy"}
         self.server: Any = ray.remote(Server).options(num_cpus=0, **{"scheduling_strategy": here, **server_opts}) \
@@ -65,15 +65,26 @@ class EngineHost:
         if actor_key(cfg.engine) != self.key:
             raise ValueError(f"a federation needing workers {actor_key(cfg.engine)} on a host of {self.key}")
         self.federations += 1
+        # a worker that died during an earlier federation used up Ray restarts: each federation starts with
+        # whole budgets (engine.max_restarts), as it did on actors of its own
+        gone = ray.get(self.server.retire_restarted.remote())
+        if gone:
+            fresh = {w: self._new_worker() for w in gone}
+            ray.get(self.server.replace_workers.remote(fresh))
+            for w, actor in fresh.items():
+                self.workers[w] = actor
         ray.get(self.data_source.register.remote(self.federations, (cfg, num_classes, split.num_clients)))
         ray.get(self.server.start.remote(cfg, split, num_classes, self.federations))
         return self.server
 
     def close(self) -> None:
-        try:
-            ray.get(self.server.shutdown.remote())
-        finally:
-            ray.kill(self.server)
+        """End every actor from the driver, whatever state the server is in
+        (busy with a round after Ctrl-C, or dead)."""
+        for actor in [self.server, *self.workers, self.data_source]:
+            try:
+                ray.kill(actor)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
 
 
 class HostPool:
@@ -87,10 +98,12 @@ class HostPool:
     def host(self, cfg: ExperimentConfig) -> EngineHost:
         key = actor_key(cfg.engine)
         if key not in self.hosts:
+            # each host is sized to what the cluster fits: another one still running could leave it unplaceable
+            self.close()
             self.hosts[key] = EngineHost(cfg.engine, self.data_refs, self.workers[key])
         return self.hosts[key]
 
     def close(self) -> None:
-        for h in self.hosts.values():
+        hosts, self.hosts = list(self.hosts.values()), {}
+        for h in hosts:
             h.close()
-        self.hosts = {}

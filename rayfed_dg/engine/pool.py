@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import ray
@@ -91,6 +91,8 @@ class _Recovery:
     next_ping: float = 0.0
     ping: Any = None  # the ObjectRef of the ping in flight
     died_once: bool = False  # a ping found the actor dead; a second one confirms it
+    # jobs that failed alone on this worker: charged if its process really died (a new pid), else re-run
+    verdicts: list = field(default_factory=list)
 
 
 @dataclass
@@ -100,59 +102,90 @@ class _Running:
     attempt: int
     solo: bool
     alone: bool  # no other job was on its worker at any time while it was in flight
+    error: str = ""
 
 
 class WorkerPool:
+    PING_EVERY_S = 0.5  # while a worker restarts; a ping to a restarting actor fails at once
+
     def __init__(self, workers: list[Any], retries: int, restart_timeout_s: float = 300.0):
         self.workers = list(workers)
+        self.pids: list[int] = ray.get([w.ping.remote() for w in self.workers])  # every worker up
         self.retries = retries
         self.restart_timeout_s = restart_timeout_s
-        self.dead: set[int] = set()  # workers past their restarts, out of the pool for good
+        self.dead: set[int] = set()  # workers past their restarts (or not back in time), out of the pool
         self.recovering: dict[int, _Recovery] = {}  # worker -> its restart, kept across maps
+        self.restarted: set[int] = set()  # workers whose process died since ``replace`` last renewed them
         self.retried = 0  # charged failures that were retried, over the pool's life
         self.reruns = 0  # uncharged re-runs (a shared worker died, a worker left the pool): scheduling only
         self.last_retries: dict[Any, int] = {}  # job -> its charged retries in the latest ``map``
 
     # ------------------------------------------------------------- workers
-    PING_EVERY_S = 0.5  # while a worker restarts; a ping to a restarting actor fails at once
+    def replace(self, fresh: dict[int, Any]) -> None:
+        """Put new actors in place of workers that died or restarted (their
+        Ray restart budget is spent), so every federation of an experiment
+        starts with whole budgets, as it did with actors of its own."""
+        for w, actor in fresh.items():
+            self.workers[w] = actor
+            self.dead.discard(w)
+            self.recovering.pop(w, None)
+        if fresh:
+            for w, pid in zip(fresh, ray.get([self.workers[w].ping.remote() for w in fresh])):
+                self.pids[w] = pid
+        self.restarted -= set(fresh)
 
     def _usable(self, w: int) -> bool:
         return w not in self.dead and w not in self.recovering
 
-    def _recover(self, w: int) -> None:
+    def _recover(self, w: int) -> _Recovery | None:
         """Send no job to ``w`` until a ping says Ray has restarted it."""
-        if w not in self.dead and w not in self.recovering:
+        if w in self.dead:
+            return None
+        if w not in self.recovering:
             self.recovering[w] = _Recovery(deadline=time.monotonic() + self.restart_timeout_s)
+        return self.recovering[w]
 
-    def _poll_recovering(self) -> None:
-        """Ping each restarting worker that has no ping out and is due."""
+    def _poll_recovering(self, judge: Callable[[_Running, bool], None]) -> None:
+        """Ping each restarting worker that has no ping out and is due; one
+        past its deadline leaves the pool (its jobs run on the others)."""
         now = time.monotonic()
-        for w, rec in self.recovering.items():
-            if now > rec.deadline:
-                raise EngineError(f"worker {w} did not come back within {self.restart_timeout_s:g} s after its "
-                                  "process died (engine.worker_restart_timeout_s); is its node gone for good?")
-            if rec.ping is None and now >= rec.next_ping:
+        for w, rec in list(self.recovering.items()):
+            if now > rec.deadline and rec.ping is None:
+                self._leave(w, judge)
+            elif rec.ping is None and now >= rec.next_ping:
                 rec.ping = self.workers[w].ping.remote()
 
-    def _pinged(self, w: int) -> None:
+    def _leave(self, w: int, judge: Callable[[_Running, bool], None]) -> None:
+        rec = self.recovering.pop(w)
+        self.dead.add(w)
+        self.restarted.add(w)
+        for run in rec.verdicts:
+            judge(run, True)  # it was alone on a worker that died
+        if len(self.dead) == len(self.workers):
+            raise EngineError(f"every worker died and none came back (engine.max_restarts, "
+                              f"engine.worker_restart_timeout_s={self.restart_timeout_s:g})")
+
+    def _pinged(self, w: int, judge: Callable[[_Running, bool], None]) -> None:
         rec = self.recovering[w]
         ref, rec.ping = rec.ping, None
         try:
-            ray.get(ref)
+            pid = ray.get(ref)
         except ray.exceptions.ActorUnavailableError:  # still restarting (or not placed yet): ask again soon
             rec.next_ping = time.monotonic() + self.PING_EVERY_S
             return
-        except ray.exceptions.RayActorError as err:  # past max_restarts: dead for good (asked twice to be sure)
+        except ray.exceptions.RayActorError:  # past max_restarts: dead for good (asked twice to be sure)
             if not rec.died_once:
                 rec.died_once, rec.next_ping = True, time.monotonic() + self.PING_EVERY_S
                 return
-            del self.recovering[w]
-            self.dead.add(w)
-            if len(self.dead) == len(self.workers):
-                raise EngineError("every worker died and none can be restarted (engine.max_restarts exhausted): "
-                                  f"{repr(err).splitlines()[0][:200]}") from None
+            self._leave(w, judge)
             return
         del self.recovering[w]
+        died = pid != self.pids[w]
+        self.pids[w] = pid
+        if died:
+            self.restarted.add(w)
+        for run in rec.verdicts:
+            judge(run, died)  # a worker that answers with its old pid never died: the job was not at fault
 
     def _next_wake(self) -> float | None:
         """Seconds until a restarting worker is due a ping or past its deadline."""
@@ -181,13 +214,38 @@ class WorkerPool:
         inflight: dict[Any, _Running] = {}
         dropped: list[tuple[J, str]] = []
         self.last_retries = {}
+
+        def judge(run: _Running, charged: bool) -> None:
+            """A failed job's fate: charged (next attempt, or dropped past the
+            budget) or re-run alone with the same attempt."""
+            if not charged:
+                self.reruns += 1
+                queue.insert(0, _Queued(run.job, run.attempt, solo=True))
+            elif run.attempt < self.retries:
+                self.retried += 1
+                self.last_retries[run.job] = self.last_retries.get(run.job, 0) + 1
+                queue.insert(0, _Queued(run.job, run.attempt + 1))
+            else:
+                dropped.append((run.job, run.error))
+                on_result(run.job, None)
+
+        def waiting_verdict() -> bool:
+            return any(rec.verdicts for rec in self.recovering.values())
+
         try:
-            while queue or inflight:
+            # pings of an earlier map that answered meanwhile: read them before judging any deadline
+            earlier = {r.ping: w for w, r in self.recovering.items() if r.ping is not None}
+            if earlier:
+                done, _ = ray.wait(list(earlier), num_returns=len(earlier), timeout=0)
+                for ref in done:
+                    self._pinged(earlier[ref], judge)
+            while queue or inflight or waiting_verdict():
                 # first in, first out; a solo job at the head waits for an idle worker and holds the queue
                 while queue:
-                    w = self._pick(load, solo_on, queue[0].solo)
-                    if w is None:
+                    pick = self._pick(load, solo_on, queue[0].solo)
+                    if pick is None:
                         break
+                    w = pick
                     q = queue.pop(0)
                     for run in inflight.values():
                         if run.worker == w:
@@ -199,7 +257,7 @@ class WorkerPool:
                         solo_on.add(w)
                 if not inflight and not self.recovering:
                     raise EngineError("no worker left in the pool")
-                self._poll_recovering()
+                self._poll_recovering(judge)
                 pings = {rec.ping: w for w, rec in self.recovering.items() if rec.ping is not None}
                 waiting = list(inflight) + list(pings)
                 if not waiting:  # every worker restarting, none due a ping yet
@@ -210,7 +268,7 @@ class WorkerPool:
                     continue
                 ref = ready[0]
                 if ref in pings:
-                    self._pinged(pings[ref])
+                    self._pinged(pings[ref], judge)
                     continue
                 run = inflight.pop(ref)
                 load[run.worker] -= 1
@@ -221,22 +279,17 @@ class WorkerPool:
                     cause = getattr(err, "cause", None)
                     if isinstance(cause, DivergedError):
                         raise EngineError(str(cause)) from None
+                    run.error = repr(err).splitlines()[0][:200]
                     if isinstance(err, ray.exceptions.RayActorError):
-                        self._recover(run.worker)
-                        if not (run.alone and run.worker not in self.dead):
-                            # it shared the worker that died (or the worker left the pool): not its failure
-                            self.reruns += 1
-                            queue.insert(0, _Queued(run.job, run.attempt, solo=run.worker not in self.dead))
-                            continue
-                    elif not own_fault(err):
-                        raise
-                    if run.attempt < self.retries:
-                        self.retried += 1
-                        self.last_retries[run.job] = self.last_retries.get(run.job, 0) + 1
-                        queue.insert(0, _Queued(run.job, run.attempt + 1))
+                        rec = self._recover(run.worker)
+                        if rec is not None and run.alone:
+                            rec.verdicts.append(run)  # judged when the worker answers: did its process die?
+                        else:  # it shared the worker that died (or the worker left the pool): not its failure
+                            judge(run, False)
+                    elif own_fault(err):
+                        judge(run, True)
                     else:
-                        dropped.append((run.job, repr(err).splitlines()[0][:200]))
-                        on_result(run.job, None)
+                        raise
                     continue
                 on_result(run.job, res)
         except Exception:
@@ -260,4 +313,3 @@ class WorkerPool:
     def shutdown(self) -> None:
         for w in self.workers:
             ray.kill(w)
-

@@ -218,33 +218,8 @@ def _open(host: EngineHost, cfg, split, num_classes, state):
     return server, setup
 
 
-def run_federation(cfg: ExperimentConfig, split: FederatedSplit, images_ref, labels_ref, num_classes: int,
-                   run_dir: Path | None = None, progress: bool = True, worker_options: dict | None = None,
-                   on_round: Callable[[RoundResult, TargetResult], None] | None = None,
-                   stop_after: int | None = None, pool_workers: int | None = None,
-                   tensorboard: Path | None = None, host: EngineHost | None = None) -> TargetResult:
-    """Run one federation (one target domain) to the end, resuming from the
-    newest valid checkpoint in ``run_dir`` if there is one.  ``stop_after``
-    ends early after that round (tests of resume use it).  ``host``: the
-    experiment's running actors (``host.py``); without one, the federation
-    starts its own and ends them.  ``pool_workers`` fixes that pool's size
-    when the resources are already reserved (a Tune trial's placement
-    group); otherwise it is planned against the cluster.  TensorBoard
-    scalars go to ``tensorboard/<target>`` (default, with
-    ``output.tensorboard``: ``run_dir/tensorboard``)."""
-    res, state = _resume(run_dir, split.target)
-    if res.rounds_done >= cfg.training.rounds:
-        return res
-    own = host is None
-    if host is None:
-        n_workers = pool_workers or ensure_workers(cfg.engine, clients_per_round(cfg, split))
-        host = EngineHost(cfg.engine, [images_ref, labels_ref], n_workers, worker_options)
-    try:
-        server, setup = _open(host, cfg, split, num_classes, state)
-    except BaseException:
-        if own:
-            host.close()
-        raise
+def _rounds(host, cfg, split, num_classes, state, res, run_dir, progress, on_round, stop_after, tensorboard):
+    server, setup = _open(host, cfg, split, num_classes, state)
     if state is None:
         res.ledger += [dict(x, target=split.target) for x in setup["ledger"]]
         if run_dir is not None:
@@ -274,6 +249,32 @@ def run_federation(cfg: ExperimentConfig, split: FederatedSplit, images_ref, lab
     finally:
         for cb in callbacks:
             cb.close()
+
+
+def run_federation(cfg: ExperimentConfig, split: FederatedSplit, images_ref, labels_ref, num_classes: int,
+                   run_dir: Path | None = None, progress: bool = True, worker_options: dict | None = None,
+                   on_round: Callable[[RoundResult, TargetResult], None] | None = None,
+                   stop_after: int | None = None, pool_workers: int | None = None,
+                   tensorboard: Path | None = None, host: EngineHost | None = None) -> TargetResult:
+    """Run one federation (one target domain) to the end, resuming from the
+    newest valid checkpoint in ``run_dir`` if there is one.  ``stop_after``
+    ends early after that round (tests of resume use it).  ``host``: the
+    experiment's running actors (``host.py``); without one, the federation
+    starts its own and ends them.  ``pool_workers`` fixes that pool's size
+    when the resources are already reserved (a Tune trial's placement
+    group); otherwise it is planned against the cluster.  TensorBoard
+    scalars go to ``tensorboard/<target>`` (default, with
+    ``output.tensorboard``: ``run_dir/tensorboard``)."""
+    res, state = _resume(run_dir, split.target)
+    if res.rounds_done >= cfg.training.rounds:
+        return res
+    own = host is None
+    if host is None:
+        n_workers = pool_workers or ensure_workers(cfg.engine, clients_per_round(cfg, split))
+        host = EngineHost(cfg.engine, [images_ref, labels_ref], n_workers, worker_options)
+    try:
+        _rounds(host, cfg, split, num_classes, state, res, run_dir, progress, on_round, stop_after, tensorboard)
+    finally:
         if own:
             host.close()
     return res

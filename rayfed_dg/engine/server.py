@@ -48,9 +48,20 @@ class Server:
     def __init__(self, workers: list, data_source: Any):
         # started by EngineHost, with the workers and data source it is handed
         self.data_source = data_source
-        ray.get([w.ping.remote() for w in workers])
-        self.pool = WorkerPool(workers, 0)
+        self.pool = WorkerPool(workers, 0)  # waits until every worker is up
         self.federation = 0
+
+    def retire_restarted(self) -> list[int]:
+        """End the workers whose process died since they were started (their
+        Ray restart budget is spent, or they left the pool); returns their
+        places for ``replace_workers``."""
+        gone = sorted(self.pool.restarted)
+        for w in gone:
+            ray.kill(self.pool.workers[w])
+        return gone
+
+    def replace_workers(self, fresh: dict[int, Any]) -> None:
+        self.pool.replace(fresh)
 
     def start(self, cfg: ExperimentConfig, split: FederatedSplit, num_classes: int, federation: int) -> None:
         """Begin a federation (its workers build its model on their first task)."""
