@@ -222,7 +222,7 @@ def run_sweep(space_name: str, config: str | None, target: str, samples: int, sc
 
     from rayfed_dg.data.sources import resolve_root
     from rayfed_dg.engine import clients_per_round, init_ray, load_data, make_splits, resolve_targets
-    from rayfed_dg.engine.plan import ensure_workers
+    from rayfed_dg.engine.resources import ensure_workers
 
     space = load_space(space_name, space_dir)
     callbacks = logger_callbacks(space_name, wandb_project, mlflow_uri)  # a missing package fails before any trial

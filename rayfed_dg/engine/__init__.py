@@ -4,17 +4,16 @@ from rayfed_dg.errors import EngineError, ResourceError
 from .aggregate import OrderedReducer
 from .plan import (
                    clients_per_round,
-                   init_ray,
                    load_data,
                    make_splits,
                    match_budget,
-                   plan_workers,
                    preflight,
                    resolve_targets,
                    resolve_variants,
                    split_for,
 )
 from .records import ClientStore, ClientTask, Ledger, RoundResult
+from .resources import init_ray, plan_workers
 from .run import TargetResult, check_resume_dir, format_table, make_run_dir, run_experiment, run_federation
 from .selection import select_round
 from .server import Server, launch_server

@@ -22,7 +22,8 @@ from rayfed_dg.data import DomainDataset, FederatedSplit
 from rayfed_dg.utils import write_text
 
 from .host import HostPool, actor_key
-from .plan import clients_per_round, ensure_workers, preflight, resolve_variants
+from .plan import clients_per_round, preflight, resolve_variants
+from .resources import ensure_workers
 from .run import run_experiment
 
 

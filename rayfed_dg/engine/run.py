@@ -48,8 +48,9 @@ from rayfed_dg.utils import atomic_write_with, render_table, write_text
 
 from .checkpoint import load_latest, save_checkpoint
 from .host import EngineHost, HostPool, actor_key
-from .plan import clients_per_round, ensure_workers, init_ray, make_splits
+from .plan import clients_per_round, make_splits
 from .records import RecordTables, RoundResult
+from .resources import ensure_workers, init_ray
 from .selection import select_round
 
 
