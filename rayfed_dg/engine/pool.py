@@ -15,7 +15,10 @@ the job itself caused:
   is the job's: charged, and re-submitted with the next attempt number;
 * a worker process that dies fails every job in flight on it, and which jobs
   shared the dying worker is a matter of timing.  A job that was alone on
-  its worker from submission to failure caused the death: charged.  A job
+  its worker from submission to failure caused the death: charged, once a
+  ping shows the worker's process was really replaced (a new pid; an
+  unreachable worker that answers with its old pid was no death, and the
+  job re-runs uncharged).  A job
   that shared the worker re-runs alone ("solo": no other job is sent to that
   worker meanwhile) with the *same* attempt number and no budget spent; if it
   was the culprit it kills the worker again, alone, and is charged then.
