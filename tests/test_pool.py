@@ -57,3 +57,53 @@ def test_a_diverged_job_raises_after_settling_the_others_and_a_hung_one_is_not_a
             ray.kill(h)
         if "c" in locals():
             ray.kill(c)
+
+
+def test_a_worker_not_back_in_time_leaves_the_pool_and_its_lone_job_is_charged_once(ray_session, tmp_path):
+    ray = ray_session
+    marker = str(tmp_path / "started")
+
+    @ray.remote(num_cpus=0, max_restarts=1, max_task_retries=0)
+    class Slow:
+        def __init__(self, marker: str):
+            import os
+
+            if os.path.exists(marker):  # a restart: far slower than the pool's timeout
+                time.sleep(60)
+            open(marker, "w").close()
+
+        def ping(self):
+            import os
+
+            return os.getpid()
+
+        def run(self, job: int, attempt: int):
+            import os
+
+            if job == 0 and attempt == 0:
+                os._exit(1)  # the job's own first attempt kills its worker
+            return job, attempt
+
+    @ray.remote(num_cpus=0)
+    class Fine:
+        def ping(self):
+            import os
+
+            return os.getpid()
+
+        def run(self, job: int, attempt: int):
+            time.sleep(0.2)
+            return job, attempt
+
+    slow, fine = Slow.remote(marker), Fine.remote()
+    try:
+        pool = WorkerPool([slow, fine], retries=2, restart_timeout_s=3.0)
+        got = {}
+        t0 = time.monotonic()
+        dropped = pool.map([0], lambda w, j, attempt: w.run.remote(j, attempt), got.__setitem__)
+        assert dropped == [] and got == {0: (0, 1)}  # charged once: its second attempt ran on the other worker
+        assert pool.dead == {0} and pool.retried == 1 and pool.reruns == 0
+        assert time.monotonic() - t0 < 30  # it left at the timeout, not after the 60 s restart
+    finally:
+        for h in (slow, fine):
+            ray.kill(h)

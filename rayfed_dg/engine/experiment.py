@@ -21,9 +21,8 @@ from rayfed_dg.config import ExperimentConfig, save_config
 from rayfed_dg.data import DomainDataset, FederatedSplit
 from rayfed_dg.utils import write_text
 
-from .host import HostPool, actor_key
-from .plan import clients_per_round, preflight, resolve_variants
-from .resources import ensure_workers
+from .host import HostPool
+from .plan import preflight, resolve_variants
 from .run import run_experiment
 
 
@@ -64,24 +63,12 @@ def plan_experiment(cfgs: list[tuple[int | None, ExperimentConfig]], ds: DomainD
     return Experiment(ds, targets, dict(cfgs), rows)
 
 
-def start_hosts(exp: Experiment) -> HostPool:
-    """One host per distinct worker resources, sized for the largest
-    federation that will run on it (a federation with fewer clients a round
-    leaves the extra workers idle, which costs them nothing)."""
-    need: dict[tuple, int] = {}
-    for row in exp.rows:
-        k = actor_key(row.cfg.engine)
-        n = max(ensure_workers(row.cfg.engine, clients_per_round(row.cfg, s)) for s in row.splits)
-        need[k] = max(need.get(k, 0), n)
-    return HostPool([ray.put(exp.ds.images), ray.put(exp.ds.labels)], need)
-
-
 def run_planned(exp: Experiment, run_dir: Path, progress: bool = True) -> dict[int | None, dict[str, dict]]:
     """Run every row into ``run_dir`` (``seed<S>/`` per seed, ``<label>/`` per
     row when there are several); returns {seed: {label: summary}}."""
     many = len(exp.labels) > 1
     by_seed: dict[int | None, dict[str, dict]] = {}
-    hosts = start_hosts(exp)
+    hosts = HostPool.planned([ray.put(exp.ds.images), ray.put(exp.ds.labels)], [(r.cfg, r.splits) for r in exp.rows])
     try:
         for row in exp.rows:
             sdir = run_dir if row.seed is None else run_dir / f"seed{row.seed}"

@@ -25,6 +25,8 @@ from rayfed_dg.config import EngineConfig, ExperimentConfig
 from rayfed_dg.data.protocol import FederatedSplit
 from rayfed_dg.datasource import DataSource
 
+from .plan import clients_per_round
+from .resources import ensure_workers
 from .server import Server
 from .worker import Worker
 
@@ -94,6 +96,17 @@ class HostPool:
     def __init__(self, data_refs: list, workers: dict[tuple, int]):
         self.data_refs, self.workers = list(data_refs), dict(workers)
         self.hosts: dict[tuple, EngineHost] = {}
+
+    @classmethod
+    def planned(cls, data_refs: list, rows: list[tuple[ExperimentConfig, list[FederatedSplit]]]) -> HostPool:
+        """Sized for the largest federation of ``rows`` on each set of worker
+        resources (a federation with fewer clients a round leaves the extra
+        workers idle, which costs them nothing)."""
+        need: dict[tuple, int] = {}
+        for cfg, splits in rows:
+            n = max(ensure_workers(cfg.engine, clients_per_round(cfg, s)) for s in splits)
+            need[actor_key(cfg.engine)] = max(need.get(actor_key(cfg.engine), 0), n)
+        return cls(data_refs, need)
 
     def host(self, cfg: ExperimentConfig) -> EngineHost:
         key = actor_key(cfg.engine)

@@ -150,11 +150,16 @@ class WorkerPool:
 
     def _poll_recovering(self, judge: Callable[[_Running, bool], None]) -> None:
         """Ping each restarting worker that has no ping out and is due; one
-        past its deadline leaves the pool (its jobs run on the others)."""
+        past its deadline leaves the pool (its jobs run on the others), unless
+        its answer already arrived (read it first: it may be from before a
+        long pause between two maps)."""
         now = time.monotonic()
         for w, rec in list(self.recovering.items()):
-            if now > rec.deadline and rec.ping is None:
-                self._leave(w, judge)
+            if now > rec.deadline:
+                if rec.ping is not None and ray.wait([rec.ping], timeout=0)[0]:
+                    self._pinged(w, judge)
+                if w in self.recovering and now > self.recovering[w].deadline:
+                    self._leave(w, judge)
             elif rec.ping is None and now >= rec.next_ping:
                 rec.ping = self.workers[w].ping.remote()
 
@@ -236,12 +241,6 @@ class WorkerPool:
             return any(rec.verdicts for rec in self.recovering.values())
 
         try:
-            # pings of an earlier map that answered meanwhile: read them before judging any deadline
-            earlier = {r.ping: w for w, r in self.recovering.items() if r.ping is not None}
-            if earlier:
-                done, _ = ray.wait(list(earlier), num_returns=len(earlier), timeout=0)
-                for ref in done:
-                    self._pinged(earlier[ref], judge)
             while queue or inflight or waiting_verdict():
                 # first in, first out; a solo job at the head waits for an idle worker and holds the queue
                 while queue:

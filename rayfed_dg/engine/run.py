@@ -47,7 +47,7 @@ from rayfed_dg.data import DomainDataset, FederatedSplit
 from rayfed_dg.utils import atomic_write_with, render_table, write_text
 
 from .checkpoint import load_latest, save_checkpoint
-from .host import EngineHost, HostPool, actor_key
+from .host import EngineHost, HostPool
 from .plan import clients_per_round, make_splits
 from .records import RecordTables, RoundResult
 from .resources import ensure_workers, init_ray
@@ -331,8 +331,7 @@ def run_experiment(cfg: ExperimentConfig, ds: DomainDataset, targets: list[str],
         save_config(cfg, run_dir / "config.yaml")
     own = hosts is None
     if hosts is None:
-        n = max(ensure_workers(cfg.engine, clients_per_round(cfg, s)) for s in splits)
-        hosts = HostPool([ray.put(ds.images), ray.put(ds.labels)], {actor_key(cfg.engine): n})
+        hosts = HostPool.planned([ray.put(ds.images), ray.put(ds.labels)], [(cfg, splits)])
     summary: dict = {"targets": {}}
     try:
         for split in splits:  # each round's rows are written as it ends (RecordWriter)
