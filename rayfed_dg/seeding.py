@@ -49,6 +49,16 @@ def torch_generator(*parts: int, device: str | torch.device = "cpu") -> torch.Ge
     return g
 
 
+def seed_torch(seed: int, device: torch.device) -> None:
+    """``torch.manual_seed`` for the generators a client on ``device`` uses.
+    ``torch.manual_seed`` itself also queues lazy seeds for every accelerator
+    backend (CUDA, XPU, MTIA) with a formatted stack trace each, about 0.7 ms
+    per call on the CPU; the CPU generator's state is the same either way."""
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.manual_seed_all(seed)
+
+
 def sample_clients(seed: int, round: int, num_clients: int, per_round: int) -> list[int]:
     if per_round >= num_clients:
         return list(range(num_clients))

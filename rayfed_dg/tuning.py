@@ -36,14 +36,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import yaml
 
-from rayfed_dg.config import ConfigError, load_config
+from rayfed_dg.config import ConfigError, ExperimentConfig, load_config
+from rayfed_dg.engine.records import Split
+from rayfed_dg.errors import EngineError
 from rayfed_dg.utils import did_you_mean, render_table, write_table, write_text
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -88,19 +92,15 @@ def overrides_of(trial_config: dict) -> list[str]:
 
 
 def trainable(trial_config: dict, *, config_path: str, fixed: list[str]) -> None:
-    """One Tune trial: a complete federation for ``trial_config['target']``."""
+    """One Tune trial: a complete federation for ``trial_config['target']``
+    (``engine.experiment.run_trial``, on actors in the trial's placement group)."""
     import ray
     from ray import tune
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from rayfed_dg.engine import load_data, run_federation, split_for
+    from rayfed_dg.engine.experiment import run_trial
 
     cfg = load_config(config_path, fixed + overrides_of(trial_config) + ["output.save_best_checkpoint=false"])
-    ds = load_data(cfg)
-    split = split_for(cfg, ds, trial_config["target"])
-    pg = ray.util.get_current_placement_group()
-    opts = {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg)} if pg is not None else None
-    workers = len(pg.bundle_specs) - 1 if pg is not None else None
+    target = trial_config["target"]
     # the engine's own resumable checkpoints (every output.checkpoint_every rounds) travel through Tune's
     # checkpoint API, so a restored trial continues from its last one instead of round 1
     work = Path(tempfile.mkdtemp(prefix="rayfed-dg-trial-"))
@@ -115,27 +115,25 @@ def trainable(trial_config: dict, *, config_path: str, fixed: list[str]) -> None
 
     def report(out, res):
         if out.metrics:
-            last["src_val"] = float(np.mean([m["accuracy"] for m in out.metrics if m["split"] == "source_val"]))
-            last["target_acc"] = float(np.mean([m["accuracy"] for m in out.metrics if m["split"] == "target_test"]))
+            last["src_val"] = float(np.mean([m["accuracy"] for m in out.metrics if m["split"] == Split.SOURCE_VAL]))
+            last["target_acc"] = float(np.mean([m["accuracy"] for m in out.metrics if m["split"] == Split.TARGET_TEST]))
         if "src_val" not in last:
             return
         metrics = {"round": out.round, **last, "selected_round": res.selected_round,
                    "selected_src_val": res.selected_val, "selected_target_acc": res.selected_target_acc}
-        saved = work / "checkpoints" / split.target / f"round_{out.round:05d}.pt"
+        saved = work / "checkpoints" / target / f"round_{out.round:05d}.pt"
         if not saved.is_file():
             tune.report(metrics)
             return
         snap = Path(tempfile.mkdtemp(prefix="rayfed-dg-ckpt-"))
-        (snap / "checkpoints" / split.target).mkdir(parents=True)
+        (snap / "checkpoints" / target).mkdir(parents=True)
         for f in (saved, saved.with_suffix(".json")):
-            shutil.copy2(f, snap / "checkpoints" / split.target / f.name)
+            shutil.copy2(f, snap / "checkpoints" / target / f.name)
         tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(str(snap)))
         shutil.rmtree(snap, ignore_errors=True)
 
     try:
-        run_federation(cfg, split, ray.put(ds.images), ray.put(ds.labels), ds.num_classes, run_dir=work,
-                       progress=False, worker_options=opts, on_round=report, pool_workers=workers,
-                       tensorboard=tb)
+        run_trial(cfg, target, work, ray.util.get_current_placement_group(), on_round=report, tensorboard=tb)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -172,33 +170,38 @@ def placement(cfg, workers: int):
     return tune.PlacementGroupFactory([{"CPU": 0}] + [dict(bundle) for _ in range(workers)])
 
 
-def select_value(records: list[dict], params: list[str]) -> tuple[dict, list[dict]]:
+def select_value(records: list[dict], params: list[str]) -> tuple[dict | None, list[dict]]:
     """Training-domain validation over trial records.
 
     ``records``: one per trial with the searched ``params``, ``target``,
-    ``selected_round``, ``selected_src_val``, ``selected_target_acc``.
-    Returns (the chosen value assignment, one table row per value with the
-    target accuracy at each target's selected round).  Target accuracy is
-    carried into the table but never read to choose."""
+    ``selected_round``, ``selected_src_val``, ``selected_target_acc`` and
+    ``finished`` (False: the trial was interrupted or failed; it is shown,
+    marked, and never chosen).  Returns (the chosen value assignment, or None
+    when no value has every target's trial finished, and one table row per
+    value with the target accuracy at each target's selected round).  Target
+    accuracy is carried into the table but never read to choose."""
     groups: dict[tuple, list[dict]] = {}
     for r in records:
         groups.setdefault(tuple(r[p] for p in params), []).append(r)
     rows = []
+    targets = {r["target"] for r in records}
     for key, rs in sorted(groups.items(), key=lambda kv: str(kv[0])):
         row = dict(zip(params, key))
         for r in sorted(rs, key=lambda r: r["target"]):
             row[f"{r['target']}"] = r["selected_target_acc"]
             row[f"{r['target']}_round"] = r["selected_round"]
-        row["mean_src_val"] = float(np.mean([r["selected_src_val"] for r in rs]))
-        row["_n"] = len(rs)
+            row[f"{r['target']}_finished"] = r.get("finished", True)
+        done = [r for r in rs if r.get("finished", True) and r["selected_src_val"] is not None]
+        row["mean_src_val"] = float(np.mean([r["selected_src_val"] for r in done])) if done else None
+        row["_n"] = len({r["target"] for r in done})
         rows.append(row)
-    full = max(r["_n"] for r in rows)
     # only values with every target finished compete; ties go to the first listed value
-    best = max((r for r in rows if r["_n"] == full), key=lambda r: r["mean_src_val"])
+    complete = [r for r in rows if r["_n"] == len(targets)]
+    best = max(complete, key=lambda r: r["mean_src_val"]) if complete else None
     for r in rows:
         r["chosen"] = r is best
         del r["_n"]
-    return {p: best[p] for p in params}, rows
+    return ({p: best[p] for p in params} if best is not None else None), rows
 
 
 def markdown_table(rows: list[dict], targets: list[str], params: list[str]) -> str:
@@ -207,29 +210,56 @@ def markdown_table(rows: list[dict], targets: list[str], params: list[str]) -> s
     for r in rows:
         accs = [r.get(t) for t in targets]
         avg = np.mean([a for a in accs if a is not None]) if any(a is not None for a in accs) else None
-        cells = [str(r[p]) for p in params] + [f"{100 * a:.2f} (r{r.get(t + '_round')})" if a is not None else "-"
-                                               for t, a in zip(targets, accs)]
-        cells += [f"{100 * avg:.2f}" if avg is not None else "-", f"{100 * r['mean_src_val']:.2f}",
+        cells = [str(r[p]) for p in params]
+        for t, a in zip(targets, accs):
+            mark = "" if r.get(f"{t}_finished", True) else ", unfinished"
+            cells.append(f"{100 * a:.2f} (r{r.get(t + '_round')}{mark})" if a is not None else
+                         ("-" if not mark else "unfinished"))
+        cells += [f"{100 * avg:.2f}" if avg is not None else "-",
+                  f"{100 * r['mean_src_val']:.2f}" if r["mean_src_val"] is not None else "-",
                   "**yes**" if r["chosen"] else ""]
         body.append(cells)
     return render_table(head, body, "md")
 
 
-def run_sweep(space_name: str, config: str | None, target: str, samples: int, scheduler: str, resume: bool,
-              overrides: list[str], storage: str, space_dir: Path = SPACE_DIR, verbose: int = 1,
-              wandb_project: str | None = None, mlflow_uri: str | None = None) -> dict[str, Any]:
-    from ray import tune
+@dataclass
+class Sweep:
+    """A sweep, resolved and checked before any trial starts."""
+    space: dict
+    name: str
+    config_path: str  # absolute: trials run in folders of their own
+    fixed: list[str]  # the space's ``set`` and the command line's overrides (and this machine's data root)
+    cfg: ExperimentConfig
+    targets: list[str]
+    workers: int  # per trial
+    storage: str  # a local folder (absolute) or a URI
+    scheduler: str
+    samples: int
 
+    @property
+    def remote(self) -> bool:
+        return "://" in self.storage
+
+    @property
+    def where(self) -> str:
+        return f"{self.storage.rstrip('/')}/{self.name}"
+
+
+def plan_sweep(space_name: str, config: str | None, target: str, samples: int, scheduler: str,
+               overrides: list[str], storage: str, space_dir: Path = SPACE_DIR) -> Sweep:
+    """Every check a sweep can fail before its first trial: the space, the
+    config with each searched key, the data, the targets, and the trials'
+    worker pools (``engine.experiment.plan_experiment``: the model builds,
+    the pool fits the cluster)."""
     from rayfed_dg.data.sources import resolve_root
-    from rayfed_dg.engine import clients_per_round, init_ray, load_data, make_splits, resolve_targets
+    from rayfed_dg.engine import clients_per_round, load_data, resolve_targets
+    from rayfed_dg.engine.experiment import plan_experiment
     from rayfed_dg.engine.resources import ensure_workers
 
     space = load_space(space_name, space_dir)
-    callbacks = logger_callbacks(space_name, wandb_project, mlflow_uri)  # a missing package fails before any trial
     config_path = config or space.get("config")
     if not config_path:
         raise ConfigError(f"{space['path']}: no 'config' and no --config given")
-    # trials run in their own folders: every path they read must be absolute
     config_path = str(Path(config_path).resolve() if Path(config_path).exists() else REPO_ROOT / config_path)
     fixed = list(space.get("set", [])) + list(overrides)
     cfg = load_config(config_path, fixed)
@@ -237,75 +267,140 @@ def run_sweep(space_name: str, config: str | None, target: str, samples: int, sc
     if root is not None and root != cfg.data.root:  # this machine's data root, for trials on any node
         fixed.append(f"data.root={root}")
         cfg = load_config(config_path, fixed)
-    for key in space["params"]:  # every searched key must be a valid config key
-        v = space["params"][key]
-        probe = next(iter(v.values()))[0]
-        load_config(config_path, fixed + [f"{key}={json.dumps(probe)}"])
+    for key, dist in space["params"].items():  # every searched key must be a valid config key
+        load_config(config_path, fixed + [f"{key}={json.dumps(next(iter(dist.values()))[0])}"])
     ds = load_data(cfg)
     targets = resolve_targets(ds, target)
-    splits = make_splits(cfg, ds, targets)
-    init_ray(cfg)
-    k = max(clients_per_round(cfg, s) for s in splits)
-    workers = ensure_workers(cfg.engine, k)
-
-    param_space = {key: to_tune(d) for key, d in space["params"].items()}
-    param_space["target"] = tune.grid_search(targets)
-    sched = None
-    if scheduler == "asha":
-        sched = tune.schedulers.ASHAScheduler(time_attr="round", max_t=cfg.training.rounds,
-                                              grace_period=max(1, cfg.training.rounds // 4))
-    # a local path, or a URI Ray Tune and pyarrow understand (s3://, gs://): a multi-node sweep needs storage
-    # every node can reach, since Ray no longer syncs trial folders to the head
-    remote = "://" in storage
-    storage = storage if remote else str(Path(storage).resolve())
+    exp = plan_experiment([(None, cfg)], ds, targets)
+    workers = max(ensure_workers(r.cfg.engine, clients_per_round(r.cfg, s)) for r in exp.rows for s in r.splits)
     name = Path(space_name).stem if space_name.endswith((".yaml", ".yml")) else space_name
-    exp_path = Path(storage) / name if not remote else Path(tempfile.mkdtemp(prefix="rayfed-dg-sweep-")) / name
+    storage = storage if "://" in storage else str(Path(storage).resolve())
+    return Sweep(space, name, config_path, fixed, cfg, targets, workers, storage, scheduler, samples)
+
+
+def _tuner(sw: Sweep, resume: bool, verbose: int, callbacks: list):
+    from ray import tune
+
+    fn = tune.with_parameters(trainable, config_path=sw.config_path, fixed=sw.fixed)
+    fn = tune.with_resources(fn, placement(sw.cfg, sw.workers))
+    if resume:
+        if not tune.Tuner.can_restore(sw.where):
+            raise ConfigError(f"--resume: no sweep to resume at {sw.where}")
+        return tune.Tuner.restore(sw.where, fn, resume_unfinished=True, restart_errored=True)
+    if not sw.remote and Path(sw.where).exists():
+        raise ConfigError(f"sweep directory {sw.where} exists; continue it with --resume or choose --storage")
+    param_space = {key: to_tune(d) for key, d in sw.space["params"].items()}
+    param_space["target"] = tune.grid_search(sw.targets)
+    sched = None
+    if sw.scheduler == "asha":
+        rounds = sw.cfg.training.rounds
+        sched = tune.schedulers.ASHAScheduler(time_attr="round", max_t=rounds, grace_period=max(1, rounds // 4))
+    return tune.Tuner(fn, param_space=param_space,
+                      tune_config=tune.TuneConfig(metric="src_val", mode="max", num_samples=sw.samples,
+                                                  scheduler=sched),
+                      run_config=tune.RunConfig(name=sw.name, storage_path=sw.storage, verbose=verbose,
+                                                callbacks=callbacks or None))
+
+
+def _interrupt_watch():
+    """A Tune callback that notes each trial's status when Ctrl-C arrives.
+    Tune's own SIGINT handler (installed before callbacks are set up) stops
+    the sweep gracefully, and then marks every trial it stopped TERMINATED,
+    as if it had finished: the statuses of that moment are the truth."""
+    from ray.tune import Callback
+
+    class InterruptWatch(Callback):
+        def __init__(self):
+            self.trials: list = []
+            self.at_interrupt: dict[str, str] | None = None
+
+        def setup(self, **info):
+            tune_handler = signal.getsignal(signal.SIGINT)
+
+            def on_sigint(signum, frame):
+                if self.at_interrupt is None:
+                    self.at_interrupt = {t.trial_id: t.status for t in self.trials}
+                if callable(tune_handler):
+                    tune_handler(signum, frame)
+                else:
+                    raise KeyboardInterrupt
+
+            signal.signal(signal.SIGINT, on_sigint)
+
+        def on_step_begin(self, iteration, trials, **info):
+            self.trials = trials
+
+    return InterruptWatch()
+
+
+def _records(results, params: list[str], at_interrupt: dict[str, str] | None) -> list[dict]:
+    """One record per trial; ``finished`` is False for a trial that was not
+    TERMINATED when the sweep was interrupted (``at_interrupt``), or that failed."""
+    trials = getattr(getattr(results, "_experiment_analysis", None), "trials", None)
+    trials = trials if trials is not None and len(trials) == len(results) else [None] * len(results)
+    records = []
+    for res, trial in zip(results, trials):
+        m, conf = res.metrics or {}, dict(res.config or getattr(trial, "config", None) or {})
+        if not conf:
+            continue
+        status = "ERROR" if res.error is not None else "TERMINATED"
+        if at_interrupt is not None and trial is not None and status != "ERROR":
+            status = at_interrupt.get(trial.trial_id, "PENDING")
+        records.append({**{p: conf[p] for p in params}, "target": conf["target"], "finished": status == "TERMINATED",
+                        "status": status,
+                        "selected_round": m.get("selected_round"), "selected_src_val": m.get("selected_src_val"),
+                        "selected_target_acc": m.get("selected_target_acc"), "rounds_run": m.get("round"),
+                        "resumed_from_round": m.get("resumed_from_round", 0)})
+    return records
+
+
+def run_sweep(space_name: str, config: str | None, target: str, samples: int, scheduler: str, resume: bool,
+              overrides: list[str], storage: str, space_dir: Path = SPACE_DIR, verbose: int = 1,
+              wandb_project: str | None = None, mlflow_uri: str | None = None) -> dict[str, Any]:
+    """Plan, run (or resume) and collect a sweep.  Returns {path, chosen,
+    table, records, complete}; ``chosen`` is None and no
+    ``chosen_config.yaml`` is written while any trial is unfinished."""
+    from rayfed_dg.engine import init_ray
+
+    callbacks = logger_callbacks(space_name, wandb_project, mlflow_uri)  # a missing package fails before any trial
+    sw = plan_sweep(space_name, config, target, samples, scheduler, overrides, storage, space_dir)
+    init_ray(sw.cfg)
     # Tune saves the sweep's state (which checkpoint each trial is at) every 10 s or more by default; a sweep
     # killed in between would restart trials from scratch: save it every second (it is a few kB here)
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "1")
-    fn = tune.with_parameters(trainable, config_path=config_path, fixed=fixed)
-    fn = tune.with_resources(fn, placement(cfg, workers))
-    if resume:
-        where = f"{storage.rstrip('/')}/{name}"
-        if not tune.Tuner.can_restore(where):
-            raise ConfigError(f"--resume: no sweep to resume at {where}")
-        tuner = tune.Tuner.restore(where, fn, resume_unfinished=True, restart_errored=True)
-    else:
-        if not remote and exp_path.exists():
-            raise ConfigError(f"sweep directory {exp_path} exists; continue it with --resume or choose --storage")
-        tuner = tune.Tuner(fn, param_space=param_space,
-                           tune_config=tune.TuneConfig(metric="src_val", mode="max", num_samples=samples,
-                                                       scheduler=sched),
-                           run_config=tune.RunConfig(name=name, storage_path=storage, verbose=verbose,
-                                                     callbacks=callbacks or None))
+    tuner = _tuner(sw, resume, verbose, [*callbacks, _interrupt_watch()])
+    # a restored sweep runs with the callbacks saved with it (a copy of the watch made above, when it started)
+    local = getattr(tuner, "_local_tuner", None)
+    saved = local.get_run_config().callbacks if local is not None else None
+    watch = next((cb for cb in saved or [] if hasattr(cb, "at_interrupt")), None)
+    if watch is not None:
+        watch.at_interrupt, watch.trials = None, []
     results = tuner.fit()
-    params = list(space["params"])
-    records = []
-    for i in range(len(results)):
-        res = results[i]
-        m, conf = res.metrics or {}, res.config or {}
-        if m.get("selected_round") is None:
-            continue
-        records.append({**{p: conf[p] for p in params}, "target": conf["target"],
-                        "selected_round": m["selected_round"], "selected_src_val": m["selected_src_val"],
-                        "selected_target_acc": m["selected_target_acc"], "rounds_run": m.get("round"),
-                        "resumed_from_round": m.get("resumed_from_round", 0)})
-    if not records:
-        raise RuntimeError("no trial reported a selected round")
+    params = list(sw.space["params"])
+    records = _records(results, params, watch.at_interrupt if watch is not None else None)
+    if not any(r["selected_round"] is not None for r in records):
+        raise EngineError("no trial reported a selected round" + (
+            "" if all(r["finished"] for r in records) else f"; continue the sweep with --resume ({sw.where})"))
     chosen, rows = select_value(records, params)
+    complete = all(r["finished"] for r in records)
+    exp_path = Path(sw.where) if not sw.remote else Path(tempfile.mkdtemp(prefix="rayfed-dg-sweep-")) / sw.name
     exp_path.mkdir(parents=True, exist_ok=True)
     write_table(records, exp_path / "trials.parquet")
     write_table(rows, exp_path / "selection.parquet")
-    md = markdown_table(rows, targets, params)
+    md = markdown_table(rows, sw.targets, params)
     write_text(md + "\n", exp_path / "selection.md")
-    chosen_cfg = load_config(config_path, fixed + overrides_of(chosen))
-    write_text(yaml.safe_dump(chosen_cfg.to_dict(), sort_keys=False), exp_path / "chosen_config.yaml")
-    if remote:  # the tables go beside the trials, in the sweep's storage
+    stale = exp_path / "chosen_config.yaml"
+    if complete and chosen is not None:
+        chosen_cfg = load_config(sw.config_path, sw.fixed + overrides_of(chosen))
+        write_text(yaml.safe_dump(chosen_cfg.to_dict(), sort_keys=False), stale)
+    elif stale.exists():  # written by an earlier collection of this sweep; an unfinished one chooses nothing
+        stale.unlink()
+    if sw.remote:  # the tables go beside the trials, in the sweep's storage
         import pyarrow.fs as pafs
 
-        fs, root = pafs.FileSystem.from_uri(f"{storage.rstrip('/')}/{name}")
+        fs, root = pafs.FileSystem.from_uri(sw.where)
         for f in exp_path.iterdir():
             with fs.open_output_stream(f"{root}/{f.name}") as out:
                 out.write(f.read_bytes())
-    path = f"{storage.rstrip('/')}/{name}" if remote else str(exp_path)
-    return {"path": path, "chosen": chosen, "table": md, "records": records}
+    return {"path": sw.where if sw.remote else str(exp_path), "chosen": chosen if complete else None, "table": md,
+            "records": records, "complete": complete}

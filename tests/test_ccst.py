@@ -5,6 +5,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import tiny_cfg
 
 from rayfed_dg.data import leave_one_domain_out
@@ -169,3 +170,126 @@ def test_ghiasi_stylizes_each_image_independently_of_its_batch_neighbours(tiny_d
     b = be.stylize(np.stack([imgs[0], 255 - imgs[300], 255 - imgs[301]]), style)  # bright, other neighbours
     assert np.array_equal(a[0], b[0])
     assert not np.array_equal(a[0], imgs[0]) and a.shape == (3, 16, 16, 3)  # it did restyle
+
+
+# ------------------------------------------------------ AdaIN backend on known values (issue: part 5)
+@pytest.fixture(scope="module")
+def identity_adain_files(tmp_path_factory):
+    """Weights under which the AdaIN network is a known function: every
+    convolution passes the 3 image channels through its centre tap (all other
+    weights and biases 0), so the encoder's relu4_1 map is the image
+    max-pooled 8 x 8 on channels 0-2 (inputs are >= 0: the ReLUs keep them)
+    and zeros on the other 509, and the decoder returns its input's channels
+    0-2 upsampled 8 x by nearest neighbour (kept >= 0 by the style below)."""
+    def identity(net):
+        with torch.no_grad():
+            for m in net.modules():
+                if isinstance(m, torch.nn.Conv2d):
+                    m.weight.zero_()
+                    m.bias.zero_()
+                    kh, kw = m.kernel_size
+                    for ch in range(3):
+                        m.weight[ch, ch, kh // 2, kw // 2] = 1.0
+        return net
+
+    d = tmp_path_factory.mktemp("adain_identity")
+    torch.save(identity(vgg_normalised()).state_dict(), d / "vgg_normalised.pth")
+    torch.save(identity(adain_decoder()).state_dict(), d / "decoder.pth")
+    return str(d / "vgg_normalised.pth"), str(d / "decoder.pth")
+
+
+def _two_unlike_images():
+    rng = np.random.default_rng(3)
+    ramp = np.arange(32)[:, None, None] + np.arange(32)[None, :, None]  # 0 .. 62
+    dark = ramp + rng.integers(0, 20, (32, 32, 3))  # dim (0-81), rising
+    bright = 140 + (62 - ramp) // 2 + rng.integers(0, 60, (32, 32, 3))  # bright (140-230), falling, noisier
+    return np.stack([dark, bright]).astype(np.uint8)
+
+
+def test_adain_stylize_by_hand_per_image_content_moments(identity_adain_files):
+    """Huang & Belongie 2017 Eq. 8 (CCST Eq. 2-3): AdaIN(F_c, S) =
+    sigma_s (F_c - mu(F_c)) / sigma(F_c) + mu_s, with the *content* moments of
+    each image on its own (pytorch-AdaIN's: unbiased variance + 1e-5) and the
+    *style* moments from the bank, then decoded.  Under the identity-like
+    weights the decoded image is computed here by hand.  Two images with unlike
+    statistics in one batch: per-batch content moments, or content and style
+    moments swapped, change the result by tens of grey levels."""
+    be = AdaINBackend(*identity_adain_files)
+    images = _two_unlike_images()
+    mu_s = np.full(512, 0.5, np.float32)
+    mu_s[:3] = [0.45, 0.55, 0.5]
+    sig_s = np.full(512, 0.1, np.float32)
+    sig_s[:3] = [0.08, 0.12, 0.1]  # |z| <= 15/4 on a 4 x 4 map, so 0.5 +- 0.12 * 3.75 stays > 0
+    style = np.concatenate([mu_s, sig_s])
+    out = be.stylize(images, style)
+    x = torch.from_numpy(images).permute(0, 3, 1, 2).double() / 255
+    f = F.max_pool2d(x, 8)  # the encoder's map, channels 0-2: (2, 3, 4, 4)
+    mu = f.mean((2, 3), keepdim=True)
+    sig = torch.sqrt(f.var((2, 3), unbiased=True, keepdim=True) + 1e-5)  # each image's own
+    t = (f - mu) / sig * torch.tensor(sig_s[:3]).double().view(1, 3, 1, 1) + torch.tensor(mu_s[:3]).double().view(
+        1, 3, 1, 1)
+    assert float(t.min()) > 0
+    y = F.interpolate(t, scale_factor=8, mode="nearest")
+    expect = (y.clamp(0, 1) * 255).round().permute(0, 2, 3, 1).numpy()
+    assert out.shape == images.shape and out.dtype == np.uint8
+    assert np.abs(out.astype(int) - expect).max() <= 1
+    # each image restyled on its own: its result does not depend on its batch neighbours
+    assert np.array_equal(be.stylize(images[1:], style)[0], out[1])
+    assert np.array_equal(be.stylize(images[:1], style)[0], out[0])
+    # the stylized image carries the style's channel means
+    np.testing.assert_allclose(out.mean((1, 2)) / 255, np.tile(mu_s[:3], (2, 1)), atol=2e-3)
+
+
+def test_adain_single_image_styles_are_j_distinct_images(identity_adain_files):
+    """A single-image style is one image's relu4_1 moments (population
+    variance + 1e-5, as the overall style); the bank's J rows are J distinct
+    images of the client, not one image J times."""
+    be = AdaINBackend(*identity_adain_files)
+    rng = np.random.default_rng(0)
+    images = (rng.integers(0, 200, (6, 32, 32, 3)) + np.arange(6)[:, None, None, None] * 9).astype(np.uint8)
+    bank = be.style_of(images, "single", 3, np.random.default_rng(1))
+    f = F.max_pool2d(torch.from_numpy(images).permute(0, 3, 1, 2).double() / 255, 8)
+    mu, var = f.mean((2, 3)), f.var((2, 3), unbiased=False)
+    per_image = np.zeros((6, 1024))
+    per_image[:, :3], per_image[:, 512:515] = mu.numpy(), np.sqrt(var.numpy() + 1e-5)
+    per_image[:, 515:] = np.sqrt(1e-5)  # the 509 zero channels
+    rows = [int(np.argmin(np.abs(per_image - b).max(1))) for b in bank]
+    for b, r in zip(bank, rows):
+        np.testing.assert_allclose(b, per_image[r], rtol=1e-5, atol=1e-7)
+    assert len(set(rows)) == 3
+
+
+class _TaggingBackend:
+    """A stand-in style transfer: the 'stylized' image is filled with its
+    style's tag (the bank row's first number), so the output shows which style
+    every copy received."""
+
+    name = "tagging"
+
+    def fingerprint(self):
+        return "tagging"
+
+    def stylize(self, images, style):
+        return np.full_like(images, int(style[0]))
+
+
+def test_single_style_bank_draws_among_each_clients_j_styles(tmp_path):
+    """Algorithm 1 (single mode): the chosen client's style is 'randomly chosen
+    from S_bank^{C_n}', i.e. uniformly among that client's J rows of the bank,
+    and independently for each copy; the copy is restyled with the row the
+    table names."""
+    from rayfed_dg.stages.ccst import OWN
+
+    owners = np.array([0, 0, 0, 1, 1, 1, 2, 2, 2])  # J = 3 styles per client; client 0 is the image's own
+    table = choose_styles(3000, 0, owners, 3, np.random.default_rng(0))
+    rows = table[table != OWN]
+    assert set(rows.tolist()) <= {3, 4, 5, 6, 7, 8}  # never a row of the image's own client
+    freq = np.bincount(rows, minlength=9)[3:] / 3000
+    np.testing.assert_allclose(freq, 1 / 3, atol=0.03)  # each of a client's J rows about 1/J of its copies
+    # through the stage: every stylized copy carries the row the table chose for it
+    bank = np.repeat(np.arange(9, dtype=np.float32)[:, None] * 10 + 5, 4, axis=1)  # row r tagged 10 r + 5
+    images = np.zeros((40, 4, 4, 3), np.uint8)
+    cfg = CCSTParams(backend="adain", style="single", k=3, cache_dir=str(tmp_path))
+    out = augment_client(_TaggingBackend(), cfg, images, np.zeros(40, int), bank, owners, seed=0, client_id=0)
+    assert np.array_equal(out["images"][:, 0, 0, 0], 10 * out["style_row"] + 5)
+    assert set(out["style_row"].tolist()) == {3, 4, 5, 6, 7, 8}  # all six foreign styles used

@@ -183,7 +183,7 @@ def test_seeds_give_the_numbers_of_separate_runs(tmp_path):
     multi = tmp_path / "multi"
     proc = quick_run(multi, options=("--seeds", "0,1"))
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert sorted(p.name for p in multi.iterdir()) == ["seed0", "seed1", "summary.json"]
+    assert sorted(p.name for p in multi.iterdir()) == ["run.json", "seed0", "seed1", "summary.json"]
     # the second seed against a run of its own (state carried over from the first seed would show here)
     one = tmp_path / "one1"
     r = quick_run(one, "training.seed=1")
@@ -210,3 +210,185 @@ def test_bad_seeds_are_one_line_exit_2(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "--seeds" in err[0]
     assert not (tmp_path / "r").exists()
+
+
+def test_version_debug_and_help_text(capsys):
+    from rayfed_dg import __version__
+    from rayfed_dg.cli import _build_parser, main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"rayfed-dg {__version__}"
+    parser = _build_parser()
+    subs = parser._subparsers._group_actions[0].choices
+    for name, sub in [("", parser), *subs.items(), *subs["data"]._subparsers._group_actions[0].choices.items()]:
+        text = sub.format_help()
+        assert "--debug" in text, name  # every command says it takes --debug
+        assert "``" not in text and "`" not in text, name  # no reST markup in help
+    assert main(["--debug", "report", "/nonexistent"]) == 2  # a top-level --debug is kept by the sub-command
+    assert "Traceback" in capsys.readouterr().err
+
+
+def test_data_list_fits_a_terminal(capsys):
+    from rayfed_dg.cli import main
+
+    assert main(["data", "list"]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 100
+    assert "pacs" in out and "PACS.zip" in out and "present" in out
+
+
+def test_a_setting_the_run_would_ignore_is_an_error(tmp_path, capsys):
+    from rayfed_dg.cli import main
+
+    qs = str(REPO / "configs" / "quickstart.yaml")
+    cases = [(["--set", "method.name=fedprox"], "--set method.name=fedprox: "),
+             (["--set", "method.lam=0.3"], "runs its compare: list (fedavg, gperxan)"),
+             (["--seeds", "0,1", "--set", "training.seed=3"], "--set training.seed=3 and --seeds"),
+             (["--resume", str(tmp_path), "--run-dir", str(tmp_path / "x")], "drop --run-dir"),
+             (["--resume", str(tmp_path), "--dry-run"], "--dry-run and --resume")]
+    for extra, msg in cases:
+        argv = ["run", *extra] if "--resume" in extra else ["run", qs, "--run-dir", str(tmp_path / "r"), *extra]
+        assert main(argv) == 2, extra
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and msg in err[0], (extra, err)
+    assert "add --set compare=null to run one method" in main(["run", qs, "--set", "method.name=fedprox"]) * "" + \
+        capsys.readouterr().err
+    assert not (tmp_path / "r").exists() and not (tmp_path / "x").exists()
+
+
+def fake_summary(path, label, seed, accs, method=None):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "summary.json").write_text(json.dumps({
+        "targets": {t: {"target_acc": a, "selected_round": 1} for t, a in accs.items()},
+        "average_target_acc": sum(accs.values()) / len(accs), "method": method or label, "label": label,
+        "seed": seed}))
+
+
+def test_report_input_that_holds_no_finished_run_is_exit_2(tmp_path, capsys):
+    from rayfed_dg.cli import main
+
+    (tmp_path / "empty").mkdir()
+    sweep = tmp_path / "tune" / "lambda"
+    sweep.mkdir(parents=True)
+    (sweep / "trials.parquet").write_bytes(b"")
+    for args, msg in (([str(tmp_path / "does_not_exist")], "does_not_exist: no such directory"),
+                      ([str(tmp_path / "empty")], "no finished runs under"),
+                      ([str(sweep)], "is a Ray Tune sweep folder, not a run directory: its table is"),
+                      ([str(tmp_path / "tune")], "lambda is a Ray Tune folder: see its selection.md")):
+        assert main(["report", *args]) == 2, args
+        out = capsys.readouterr()
+        err = out.err.strip().splitlines()
+        assert len(err) == 1 and msg in err[0] and out.out == "", (args, err)
+
+
+def test_report_names_what_an_interrupted_run_has_not_finished(tmp_path, capsys):
+    from test_selection import SRC, make_run
+
+    from rayfed_dg.cli import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_text(json.dumps({"targets": ["colour", "mono"], "seeds": None, "rounds": 4,
+                                              "labels": ["fedavg", "gperxan", "fedbn"]}))
+    make_run(run / "fedavg", "fedavg", 0, {t: (SRC, {1: 0.1, 2: 0.2, 3: 0.3, 4: 0.4}) for t in ("colour", "mono")})
+    make_run(run / "gperxan", "gperxan", 0, {"colour": ({1: 0.5, 2: 0.6}, {1: 0.1, 2: 0.2})})
+    (run / "gperxan" / "summary.json").unlink()  # killed in round 3 of colour
+    assert main(["report", str(run)]) == 0
+    out = capsys.readouterr()
+    warn = out.err.strip().splitlines()
+    assert warn == [
+        f"rayfed-dg: warning: {run}/gperxan is not finished (colour 2 of 4 rounds, mono 0 of 4 rounds) and is not "
+        f"in the table; resume with: rayfed-dg run --resume {run}",
+        f"rayfed-dg: warning: {run}/fedbn is not finished (not started) and is not in the table; resume with: "
+        f"rayfed-dg run --resume {run}"]
+    assert "| fedavg |" in out.out and "gperxan" not in out.out
+
+
+def test_one_label_and_one_order_per_row(tmp_path, capsys):
+    """Rows in the config's order (not by name), each under one label in
+    run's table, report and the plots; a run named twice counts once."""
+    from rayfed_dg.cli import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("compare:\n  - {name: gperxan}\n  - {name: fedavg, stages: {ccst: {k: 3}}}\n"
+                                     "  - {name: fedavg, label: ccst, stages: {ccst: {}}}\n"
+                                     "  - {name: elcfs, stages: {amplitude: {}}}\n")
+    rows = [("gperxan", "gperxan", None, 0.5), ("fedavg", "fedavg", "stages: {ccst: {k: 3}}\n", 0.6),
+            ("ccst", "fedavg", "stages: {ccst: {k: 2}}\n", 0.7), ("elcfs", "elcfs", "stages: {amplitude: {}}\n", 0.8)]
+    summaries = {}
+    for label, method, stages, acc in rows:
+        fake_summary(run / label, label, 0, {"mono": acc, "colour": acc}, method)
+        (run / label / "config.yaml").write_text(f"method: {{name: {method}}}\n" + (stages or ""))
+        summaries[label] = json.loads((run / label / "summary.json").read_text())
+    want = ["gperxan", "fedavg + ccst(k=3)", "ccst", "elcfs"]
+    assert main(["report", str(run), str(run / "fedavg"), "--format", "csv"]) == 0  # a folder and one inside it
+    out = capsys.readouterr().out.strip().splitlines()
+    got = [l.split(",")[0] for l in out[1:] if "training-domain" in l]
+    assert got == want and all(",1," in l for l in out[1:])
+    assert out[0].startswith("method,selection,seeds,mono,colour")  # targets in the order they ran
+    from rayfed_dg.reporting import collect_runs, run_table
+
+    table = run_table(summaries, run)
+    assert [l.split("|")[0].strip() for l in table.splitlines()[2::2]] == want
+    assert list(collect_runs([run], unfinished=True)) == want
+    # seeds by number, not by name: seed10 after seed2
+    seeds = tmp_path / "seeds"
+    for s in (0, 2, 10):
+        fake_summary(seeds / f"seed{s}", "fedavg", s, {"mono": 0.1 * s})
+    assert [r.summary["seed"] for r in collect_runs([seeds])["fedavg"]] == [0, 2, 10]
+
+
+@pytest.mark.slow
+def test_ctrl_c_prints_the_resume_command_and_resume_needs_only_the_run_directory(tmp_path, capsys):
+    import os
+    import signal
+    import time
+
+    from rayfed_dg.cli import main
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "rayfed_dg", "run", str(REPO / "configs" / "quickstart.yaml"), "--target", "colour",
+           "--run-dir", str(run), "--no-progress"]
+    for kv in ("training.rounds=4", "data.resolution=16", "model.width=8", "compare=null", "output.checkpoint_every=1"):
+        cmd += ["--set", kv]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 240
+        while not (run / "checkpoints" / "colour" / "round_00001.json").exists() and time.time() < deadline \
+                and proc.poll() is None:
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends: the whole process group
+        out, err = proc.communicate(timeout=120)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 130, err[-2000:]
+    assert err.strip().splitlines()[-1] == f"rayfed-dg: interrupted; resume with: rayfed-dg run --resume {run}"
+    assert not (run / "summary.json").exists()
+    assert json.loads((run / "run.json").read_text())["targets"] == ["colour"]
+    # the report says what is missing and how to finish it, exit 2
+    assert main(["report", str(run)]) == 2
+    assert f"resume with: rayfed-dg run --resume {run}" in capsys.readouterr().err
+    # another target than the run's is refused; the run's own are kept without being named
+    assert main(["run", "--resume", str(run), "--target", "mono"]) == 2
+    assert "was started with --target colour" in capsys.readouterr().err
+    r = subprocess.run([sys.executable, "-m", "rayfed_dg", "run", "--resume", str(run), "--no-progress"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert list(json.loads((run / "summary.json").read_text())["targets"]) == ["colour"]
+    assert f"run dir {run}" in r.stdout and any(l.strip().startswith("fedavg |") for l in r.stdout.splitlines())
+
+
+@pytest.mark.slow
+def test_a_dry_run_names_no_directory_it_deleted(tmp_path, capsys):
+    from rayfed_dg.cli import main
+
+    assert main(["run", str(REPO / "configs" / "quickstart.yaml"), "--dry-run", "--target", "colour", "--no-progress",
+                 "--set", "data.resolution=16", "--set", "model.width=8"]) == 0
+    out = capsys.readouterr().out
+    assert "dry run: nothing kept (--run-dir DIR keeps its run directory)" in out
+    assert "rayfed-dg-dry-run-" not in out and any(l.strip().startswith("gperxan |") for l in out.splitlines())

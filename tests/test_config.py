@@ -80,3 +80,60 @@ def test_cosine_learning_rate_by_hand():
         round(0.1 * 0.5 * (1 + math.cos(math.pi * k / 4)), 12) for k in range(4)]
     assert abs(m.lr_at(3) - 0.05) < 1e-12
     assert build_method(load_config(None, ["training.lr=0.1"])).lr_at(7) == 0.1
+
+
+@pytest.mark.parametrize("sets,hint", [
+    (["training.lrr=0.1"], "training.lrr: unknown key (did you mean lr?)"),
+    (["trainig.lr=0.1"], "trainig: unknown key (did you mean training?)"),
+    (["data.on_corupt=skip"], "data.on_corupt: unknown key (did you mean on_corrupt?)"),
+    (["method.name=fedprox", "method.muu=0.1"], "method.muu: unknown key (did you mean mu?)"),
+    (["method.lable=x"], "method.lable: unknown key (did you mean label?)"),
+])
+def test_unknown_keys_get_a_did_you_mean(sets, hint):
+    # as method and domain names do: the closest key the section has
+    with pytest.raises(ConfigError) as e:
+        load_config(None, sets)
+    assert hint in str(e.value) and "\n" not in str(e.value)
+
+
+def test_local_steps_and_local_epochs_never_silently_override(tmp_path):
+    from conftest import REPO
+
+    # a file over a base: the one it names applies (the cross-device config says one local epoch)
+    write(tmp_path, "training:\n  local_steps: 50\n", "base.yaml")
+    t = load_config(write(tmp_path, "base: base.yaml\ntraining:\n  local_epochs: 1\n")).training
+    assert (t.local_steps, t.local_epochs) == (None, 1)
+    t = load_config(REPO / "configs" / "digits" / "cross_device_1000.yaml").training
+    assert (t.local_steps, t.local_epochs) == (None, 1)
+    # a --set over a file, either way; the later --set wins
+    assert load_config(tmp_path / "base.yaml", ["training.local_epochs=2"]).training.local_steps is None
+    t = load_config(REPO / "configs" / "quickstart.yaml", ["training.local_steps=3"]).training
+    assert t.local_steps == 3 and "local_epochs" not in load_config(
+        REPO / "configs" / "quickstart.yaml", ["training.local_steps=3"]).to_dict()["training"]
+    t = load_config(None, ["training.local_steps=3", "training.local_epochs=2"]).training
+    assert (t.local_steps, t.local_epochs) == (None, 2)
+    # one file naming both is an error, naming the file and what to do
+    both = write(tmp_path, "training:\n  local_steps: 5\n  local_epochs: 2\n", "both.yaml")
+    with pytest.raises(ConfigError, match=r"both.yaml: training.local_steps \(5\) and training.local_epochs \(2\) "
+                                          r"are both set.*keep one"):
+        load_config(both)
+    # a config rayfed-dg wrote before (every training key, both among them) reads as it ran: local_steps
+    import yaml
+
+    from rayfed_dg.config import ExperimentConfig
+
+    old = ExperimentConfig().model_dump(mode="json")
+    old["training"]["local_steps"] = 50
+    (tmp_path / "old.yaml").write_text(yaml.safe_dump(old))
+    assert load_config(tmp_path / "old.yaml").training.local_steps == 50
+
+
+def test_every_shipped_config_reads_its_data_through_the_data_root():
+    """No config points outside $RAYFED_DG_DATA (a ../shared/data/PACS works only beside this checkout)."""
+    from pathlib import Path
+
+    from conftest import REPO
+
+    for path in sorted((REPO / "configs").rglob("*.yaml")):
+        root = load_config(path).data.root
+        assert root is None or not (Path(root).is_absolute() or ".." in Path(root).parts), (path, root)

@@ -68,3 +68,96 @@ def test_method_contract(ray_session, tiny_ds, name):
     key = lambda o: [(m["split"], m["domain"], m["accuracy"], m["loss"]) for m in o.metrics]  # noqa: E731
     assert [key(o) for o in outs] == [key(o) for o in outs2], name
     assert all(np.array_equal(state["global_state"][k], state2["global_state"][k]) for k in state["global_state"])
+
+
+# ---------------------------------------------------------------- on a timm backbone
+# Every registered method on timm's tiny EfficientNet (timm's BatchNormAct2d layers, five feature_info stages, a
+# head that only average-pools) at 32 px, random init: preflight accepts it and one round of one local step runs
+# through the engine.  None is rejected there: every method applies to a timm CNN with BatchNorm and a pooling head.
+# Where a method cannot apply it is one line before anything runs (TIMM_REJECTED): on ConvNeXt (LayerNorm, a head
+# norm after the pooling) the BatchNorm methods and the two that need the pooled map; on a ViT also the
+# stage-placed ones.  (Before: gperxan/copa had no placement for a timm arch, rsc refused every timm arch.)
+TIMM_NET = "timm/test_efficientnet"
+TIMM_REJECTED = {
+    "timm/test_convnext": {
+        "gperxan": "placement stages:4 selects no BatchNorm layer of this backbone: xan replaces BatchNorm layers",
+        "dson": "placement all selects no BatchNorm layer of this backbone: dson replaces BatchNorm layers",
+        "copa": "copa's hybrid batch-instance normalization: placement first_bn:stages:3 selects no BatchNorm layer",
+        "fedbn": "fedbn keeps the BatchNorm layers on the clients and this backbone has none",
+        "silobn": "silobn keeps the BatchNorm statistics on the clients and this backbone has none",
+        "fedfd": "fedfd diversifies BatchNorm statistics and this backbone has no BatchNorm2d layer",
+        "fedfda": "fedfda diversifies BatchNorm statistics and this backbone has no BatchNorm2d layer",
+        "rsc": "rsc mutes the last feature map before global average pooling; timm/test_convnext's head does more "
+               "than average-pool its last feature map",
+        "stablefdg": "the feature highlighter attends over the last feature map before global average pooling; "
+                     "timm/test_convnext's head does more than average-pool",
+    },
+    "timm/test_vit": {
+        **{m: "selects no BatchNorm layer" for m in ("dson",)},
+        **{m: "has no convolutional stages of growing stride" for m in
+           ("gperxan", "copa", "mixstyle", "dsu", "rsc", "stablefdg")},
+        "fedbn": "has none", "silobn": "has none", "fedfd": "no BatchNorm2d layer", "fedfda": "no BatchNorm2d layer",
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def timm_host(ray_session):
+    pytest.importorskip("timm", reason="timm is not installed (pip install -e '.[dev]' or '.[pretrained]')")
+    from rayfed_dg.data import leave_one_domain_out, load_dataset
+    from rayfed_dg.engine.host import EngineHost
+
+    ds = load_dataset("embedded_digits", None, 64).subsample(40, 0)
+    split = leave_one_domain_out(ds, "texture", 0.2, 0)
+    host = EngineHost(tiny_cfg().engine, [ray_session.put(ds.images), ray_session.put(ds.labels)], 1)
+    yield host, ds, split
+    host.close()
+
+
+def _timm_cfg(name, arch=TIMM_NET):
+    return tiny_cfg(f"method.name={name}", f"model.arch={arch}", "data.resolution=64", "training.local_steps=1",
+                    "training.batch_size=8", "training.rounds=1", *EXTRA.get(name, []))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", method_names())
+def test_method_contract_on_a_timm_backbone(timm_host, name):
+    import ray
+
+    from rayfed_dg.engine import preflight
+
+    host, ds, split = timm_host
+    cfg = _timm_cfg(name)
+    preflight(cfg, [split], ds.num_classes)  # the driver's check: builds, nothing rejected
+    server = host.open(cfg, split, ds.num_classes)
+    ray.get(server.setup.remote())
+    out = ray.get(server.run_round.remote())
+    assert np.isfinite(out.train_loss) and not out.dropped, name
+    assert out.metrics and all(np.isfinite(m["loss"]) for m in out.metrics), name
+    keys, private = ray.get(server.__ray_call__.remote(
+        lambda s: (sorted(s.groups), sorted(s.method.private_keys(s.method.build_model(ds.num_classes))))))
+    for c in out.sampled:  # exactly the non-private state leaves each client
+        up = [r for r in out.ledger if r["client"] == c and r["direction"] == "up"
+              and not r["group"].startswith(("payload:", "eval:", "prepare:"))]
+        assert sum(r["tensors"] for r in up) == len(keys) - len(private), name
+
+
+@pytest.mark.parametrize("arch", sorted(TIMM_REJECTED))
+def test_methods_that_cannot_apply_to_a_timm_backbone_are_one_line(ray_session, arch):
+    pytest.importorskip("timm", reason="timm is not installed (pip install -e '.[dev]' or '.[pretrained]')")
+    from rayfed_dg.data import leave_one_domain_out, load_dataset
+    from rayfed_dg.engine import preflight
+    from rayfed_dg.errors import ConfigError
+
+    ds = load_dataset("embedded_digits", None, 32).subsample(20, 0)
+    split = leave_one_domain_out(ds, "texture", 0.2, 0)
+    rejected = {}
+    for name in method_names():
+        try:
+            preflight(_timm_cfg(name, arch), [split], ds.num_classes)
+        except ConfigError as e:
+            rejected[name] = str(e)
+    assert sorted(rejected) == sorted(TIMM_REJECTED[arch]), arch
+    for name, line in rejected.items():
+        assert "\n" not in line and line.startswith(f"method {name} cannot build model.arch={arch}: "), line
+        assert TIMM_REJECTED[arch][name] in line, (name, line)

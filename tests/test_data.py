@@ -46,3 +46,34 @@ def test_unknown_domain_and_dataset():
         leave_one_domain_out(ds, "color", 0.2, 0)
     with pytest.raises(DataError, match="unknown dataset"):
         load_dataset("pacz", None, 8)
+
+
+def test_skipped_images_are_named_on_every_load(tmp_path, monkeypatch, capsys):
+    """data.on_corrupt: skip says which files it left out, and why, each time
+    the data is read (a decode, then the cache), and partition / run show it."""
+    from PIL import Image
+
+    from rayfed_dg.cli import main
+
+    monkeypatch.setenv("RAYFED_DG_CACHE", str(tmp_path / "cache"))
+    root = tmp_path / "pacs"
+    for d in ("photo", "art_painting", "cartoon", "sketch"):
+        for c in ("dog", "cat"):
+            (root / d / c).mkdir(parents=True)
+            for i in range(3):
+                Image.fromarray(np.full((8, 8, 3), 30 * i, np.uint8)).save(root / d / c / f"{i}.png")
+    bad = [root / "cartoon" / "cat" / "1.png", root / "sketch" / "dog" / "2.png"]
+    for p in bad:
+        p.write_bytes(b"\x89PNG broken")
+    for _ in ("decoded", "cached"):
+        with pytest.warns(UserWarning) as w:
+            ds = load_dataset("pacs", str(root), 8, on_corrupt="skip")
+        msg = str(w[0].message)
+        assert f"left out 2 of 24 images under {root} that cannot be decoded: {bad[0]}, {bad[1]}" in msg
+        assert "UnidentifiedImageError" in msg and "skipped_images.txt" in msg
+        assert len(ds.labels) == 22 and ds.meta["skipped_files"] == [str(p) for p in bad]
+    cfg = tmp_path / "exp.yaml"
+    cfg.write_text(f"data: {{name: pacs, root: {root}, on_corrupt: skip, resolution: 8}}\n")
+    assert main(["partition", str(cfg), "--out", str(tmp_path / "parts")]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("rayfed-dg: warning: data.on_corrupt: skip: left out 2 of 24 images")

@@ -1,6 +1,7 @@
 """End-to-end engine behaviour on real local Ray (no mocks)."""
 import numpy as np
 import pytest
+import torch
 from conftest import server_rounds, tiny_cfg
 
 from rayfed_dg.data import leave_one_domain_out
@@ -128,3 +129,24 @@ def test_local_steps_and_epochs_bound_the_local_loop(tiny_ds):
         out = r.run_client(0, 1, np.arange(200), g, {}, {}, extra=extra)
         assert out.stats["steps_samples"] == (3 * 32 if "local_steps" in sets[0] else 2 * 300)
         assert out.num_samples == 300
+
+
+def test_a_worker_given_gpus_never_trains_on_the_cpu_in_silence(monkeypatch):
+    """num_gpus_per_worker > 0 and no usable CUDA: one line naming what was
+    given and what torch sees, unless the GPUs are declared only."""
+    from rayfed_dg.engine.worker import resolve_device
+    from rayfed_dg.errors import EngineError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(EngineError) as e:
+        resolve_device("auto", 0.25)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("engine.num_gpus_per_worker=0.25 (engine.device=auto) but this worker")
+    assert f"torch {torch.__version__} built for CUDA" in msg and "CUDA_VISIBLE_DEVICES=" in msg
+    assert "engine.gpus_declared_only: true" in msg
+    with pytest.raises(EngineError, match="engine.device: auto"):
+        resolve_device("cuda", 0.0)
+    assert resolve_device("auto", 0.25, declared_only=True).type == "cpu"  # a rehearsal's declared GPUs
+    assert resolve_device("auto", 0.0).type == "cpu" and resolve_device("cpu", 0.0).type == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto", 0.25).type == "cuda"

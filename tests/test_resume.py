@@ -187,6 +187,45 @@ def test_fault_injection_gives_the_fault_free_result_on_a_busy_machine(ray_sessi
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["exception", "kill"])
+def test_small_clients_grouped_in_one_task_give_the_same_numbers_and_retries(ray_session, tiny_ds, mode):
+    """48 single-domain clients on one worker: the pool sends them in groups of
+    up to 1/16 of the round's samples (pool.py); with faults injected in both
+    modes, the metrics are those of one client per task without faults, and
+    each client's charged retries are its own seeded failures."""
+    from rayfed_dg.seeding import Stream, numpy_rng
+
+    base = ("training.rounds=2", "method.name=fedbn", "partition.strategy=single_domain",
+            "partition.num_clients=48", "engine.num_workers=1")
+    split = leave_one_domain_out(tiny_ds, "colour", 0.2, 0, "single_domain", 48)
+    sizes = split.client_sizes()
+    assert sizes.max() * 2 <= sizes.sum() / 16  # every group holds two clients or more
+
+    def run(*extra):
+        cfg = tiny_cfg(*base, *extra)
+        return run_federation(cfg, split, ray_session.put(tiny_ds.images), ray_session.put(tiny_ds.labels),
+                              tiny_ds.num_classes, progress=False)
+
+    clean = run("engine.group_small_clients=false")
+    faulty = run("engine.fault_probability=0.05", f"engine.fault_mode={mode}", "engine.max_task_retries=8",
+                 "engine.max_restarts=40")
+    key = lambda rows: [(m["round"], m["split"], m["domain"], m["client"], m["accuracy"], m["loss"])  # noqa
+                        for m in rows]
+    assert key(clean.metrics) == key(faulty.metrics) and clean.ledger == faulty.ledger
+    injected = {}
+    for r in (1, 2):
+        for c in range(48):
+            a = 0
+            while numpy_rng(0, Stream.FAULT, r, c, a).random() < 0.05:
+                a += 1
+            injected[r, c] = a
+    assert sum(injected.values()) >= 2
+    assert {(row["round"], row["client"]): row["retried"] for row in faulty.clients} == injected
+    if mode == "kill":  # a group that died re-ran its members alone, uncharged
+        assert faulty.tasks_rerun >= 1
+
+
+@pytest.mark.slow
 def test_client_failing_every_retry_is_dropped_and_weights_renormalised(ray_session, tiny_ds):
     ray = ray_session
     cfg, split, res = _run(ray, tiny_ds, "training.rounds=1", "engine.fault_clients=[1]",

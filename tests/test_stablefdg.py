@@ -246,3 +246,130 @@ def test_stablefdg_learns_from_scratch_with_every_style_op_firing(tiny_ds):
         g = {**g, **out.update}
     correct, loss, n = r.evaluate(g, idx, 256)
     assert np.isfinite(out.train_loss) and correct / n > 0.6, correct / n
+
+
+# ---------------------------------------------------------------- value tests (issue: part 5)
+def _stablefdg_model(*overrides):
+    from rayfed_dg.methods import build_method
+
+    cfg = tiny_cfg("method.name=stablefdg", *overrides)
+    method = build_method(cfg)
+    torch.manual_seed(0)
+    return method, method.build_model(10)
+
+
+@pytest.mark.parametrize("arch", ["resnet18", "convnet"])
+def test_style_information_is_taken_at_the_first_blocks_output(arch):
+    """Phi_n (Eq. 2-3) at the output of the first residual block (Sec. 4.1,
+    'Where to apply style-based modules'; ResNet layer1), computed in eval
+    mode with no style operation: the expected value runs the backbone's
+    layers by hand and stops after block 1.  ResNet-18's stem and layer1
+    have the same width (64) and layer2 another (128), so statistics taken
+    after the stem differ in value and after block 2 in size; the conv net's
+    blocks all have one width, so a wrong block differs in value only."""
+    from rayfed_dg.models.style import StyleExplore
+
+    method, model = _stablefdg_model(f"model.arch={arch}")
+    body = model.body
+    x = torch.randn(6, 3, 32, 32) * 0.5 + 0.2
+    assert model.training
+    phi = method.compute_style(model, [x[:4], x[4:]])  # statistics gathered over two batches
+    assert model.training  # computed in eval mode, the training mode restored after
+    model.eval()
+    with torch.no_grad():
+        if arch == "resnet18":
+            shifter = body.layer1
+            h = body.maxpool(body.relu(body.bn1(body.conv1(x))))
+            h = body.layer1[0](h)  # layer1 itself; [1:] are the inserted style modules
+        else:
+            shifter = body[3]
+            h = body[3][0](body[2](body[1](body[0](x))))  # conv, BN, ReLU, max-pool
+    # the style shift sits right after the very block the statistics are taken at
+    assert isinstance(shifter[1], StyleShift) and isinstance(shifter[2], StyleExplore)
+    c = h.shape[1]
+    mu = h.mean((2, 3))
+    sig = torch.sqrt(h.var((2, 3), unbiased=False) + 1e-6)
+    expect = torch.cat([mu.mean(0), sig.mean(0), mu.var(0, unbiased=False), sig.var(0, unbiased=False)])
+    assert phi.shape == (4 * c,)
+    np.testing.assert_allclose(phi, expect.numpy(), rtol=1e-4, atol=1e-6)
+
+
+def test_default_attention_scores_are_cosine():
+    """The default of StableFDG's feature highlighter is the reference code's
+    cosine scores (q and k L2-normalised over the d channels at each
+    position), not Eq. 6's raw dot product; checked on the values of the
+    highlighter the method builds with no scoring option given."""
+    _, model = _stablefdg_model("model.arch=convnet", "model.width=8")
+    hl = next(m for m in model.modules() if isinstance(m, FeatureHighlighter))
+    assert FeatureHighlighter(8, StyleState()).scores == hl.scores == "cosine"
+    z = torch.randn(3, 8, 3, 3) * 4
+    hl.eval()
+    with torch.no_grad():
+        out = hl(z)[:, :, 0, 0]
+        q, k = hl.q(z).flatten(2), hl.k(z).flatten(2)  # (B, d, HW)
+        s_cos = torch.einsum("bdm,bdn->bmn", q / q.norm(dim=1, keepdim=True), k / k.norm(dim=1, keepdim=True))
+        s_dot = torch.einsum("bdm,bdn->bmn", q, k)
+        for s, should_match in ((s_cos, True), (s_dot, False), (s_dot / hl.d ** 0.5, False)):
+            a = torch.softmax(s.mean(1), 1)
+            expect = torch.cat([z.mean((2, 3)), torch.einsum("bn,bcn->bc", a, z.flatten(2))], 1)
+            assert torch.allclose(out, expect, atol=1e-5) == should_match
+
+
+def test_style_shift_noise_has_the_received_standard_deviation():
+    """Step 2: the shifted samples' new statistics are mu ~ N(mu_n', Sigma_n'(mu))
+    and sigma ~ N(sigma_n', Sigma_n'(sigma)) with Sigma the *variance* of Eq. 2,
+    so the noise's standard deviation is sqrt(Sigma).  Received variances 4.0
+    and 0.25 give standard deviations 2.0 and 0.5 (read as standard deviations,
+    4.0 and 0.25).  AdaIN leaves each shifted sample with exactly its drawn
+    statistics, so the draws are read back from the output."""
+    c, b = 64, 101
+    mu_c, sig_c, var_mu, var_sig = 1.5, 5.0, 4.0, 0.25
+    st = StyleState(gen=torch.Generator().manual_seed(0), shift_p=1.0)
+    st.received = np.concatenate([np.full(c, mu_c), np.full(c, sig_c), np.full(c, var_mu),
+                                  np.full(c, var_sig)]).astype(np.float32)[None]
+    x = torch.randn(b, c, 4, 4)
+    y = StyleShift(st).train()(x)
+    moved = [i for i in range(b) if not torch.equal(x[i], y[i])]
+    assert len(moved) == b - b // 2
+    mu, sig = channel_stats(y[moved])  # (50, 64): 3,200 draws each
+    assert abs(float(mu.mean()) - mu_c) < 0.1 and abs(float(sig.mean()) - sig_c) < 0.05
+    assert abs(float(mu.std()) - 2.0) < 0.1, float(mu.std())  # sqrt(4.0), not 4.0
+    assert abs(float(sig.std()) - 0.5) < 0.03, float(sig.std())  # sqrt(0.25), not 0.25
+
+
+def test_kmeanspp_seeding_draws_proportionally_to_squared_distance():
+    """k-means++ (Arthur & Vassilvitskii 2007): the first seed uniformly, the
+    next with probability D(x)^2 / sum D^2.  On the line {0, 1, 3}: after 0,
+    P(1) = 1/10 and P(3) = 9/10; after 1, P(0) = 1/5; after 3, P(0) = 9/13.
+    Uniform seeding gives 1/2 everywhere, D instead of D^2 1/4 after 0."""
+    pts = torch.tensor([[0.0], [1.0], [3.0]])
+    gen = torch.Generator().manual_seed(0)
+    n = 3000
+    pairs = [tuple(kmeanspp_seeds(pts, 2, gen).tolist()) for _ in range(n)]
+    expect = {(0, 1): 1 / 10, (0, 2): 9 / 10, (1, 0): 1 / 5, (1, 2): 4 / 5, (2, 0): 9 / 13, (2, 1): 4 / 13}
+    for (i, j), p in expect.items():
+        got = sum(pr == (i, j) for pr in pairs) / n
+        assert abs(got - p / 3) < 0.025, ((i, j), got, p / 3)
+
+
+def test_style_shift_keeps_the_outlier_style_with_kmeanspp():
+    """Seven samples of one style and one far from it, B = 8, B/2 = 4 kept:
+    k-means++ puts a seed on the outlier every time (once any of the seven is
+    a seed, the other six are at distance 0 and the outlier carries all of
+    the D^2 mass), so the outlier is never shifted; uniform selection keeps
+    it half of the time."""
+    c = 4
+    base = torch.randn(1, c, 3, 3)
+    x = torch.cat([base.repeat(7, 1, 1, 1), base * 10 + 20])
+    received = np.concatenate([np.full(c, -3.0), np.full(c, 0.5), np.full(c, 0.1), np.full(c, 0.1)])[None]
+    kept = {}
+    for selection in ("kmeans++", "random"):
+        kept[selection] = []
+        for seed in range(30):
+            st = StyleState(gen=torch.Generator().manual_seed(seed), shift_p=1.0, selection=selection)
+            st.received = received
+            y = StyleShift(st).train()(x)
+            assert sum(torch.equal(x[i], y[i]) for i in range(8)) == 4
+            kept[selection].append(torch.equal(y[7], x[7]))
+    assert all(kept["kmeans++"])
+    assert 5 < sum(kept["random"]) < 25  # the control: random selection does shift it sometimes

@@ -31,6 +31,27 @@ def test_selection_ignores_values_missing_targets():
     assert select_value(recs, ["x"])[0] == {"x": 2}
 
 
+def test_an_unfinished_trial_is_marked_and_its_value_never_chosen():
+    from rayfed_dg.tuning import markdown_table
+
+    # value 2 has the best source validation, but its trial on target b was interrupted at round 2
+    recs = [{"x": 1, "target": "a", "selected_round": 4, "selected_src_val": 0.6, "selected_target_acc": 0.3,
+             "finished": True},
+            {"x": 1, "target": "b", "selected_round": 3, "selected_src_val": 0.6, "selected_target_acc": 0.4,
+             "finished": True},
+            {"x": 2, "target": "a", "selected_round": 4, "selected_src_val": 0.9, "selected_target_acc": 0.5,
+             "finished": True},
+            {"x": 2, "target": "b", "selected_round": 2, "selected_src_val": 0.95, "selected_target_acc": 0.6,
+             "finished": False}]
+    chosen, rows = select_value(recs, ["x"])
+    assert chosen == {"x": 1} and [r["chosen"] for r in rows] == [True, False]
+    assert rows[1]["mean_src_val"] == 0.9  # only the finished trial's figure
+    table = markdown_table(rows, ["a", "b"], ["x"])
+    assert "60.00 (r2, unfinished)" in table and table.count("unfinished") == 1
+    recs[1]["finished"] = False  # no value with every target finished: nothing is chosen
+    assert select_value(recs, ["x"])[0] is None
+
+
 def test_bad_space_is_one_line_exit_2():
     r = subprocess.run([sys.executable, str(REPO / "tune.py"), "--space", "lamda"], capture_output=True, text=True,
                        timeout=120, cwd=REPO)
@@ -93,11 +114,14 @@ def test_two_trial_sweep_writes_table_and_resumes_without_rerunning(ray_session,
 
 
 @pytest.mark.slow
-def test_sweep_killed_mid_trial_resumes_from_its_checkpoints_and_matches_an_uninterrupted_one(tmp_path):
+def test_sweep_interrupted_mid_trial_exits_130_chooses_nothing_and_resumes_to_an_uninterrupted_ones_result(
+        tmp_path):
+    """Ctrl-C (SIGINT to tune.py) while trials run: exit code 130, the table
+    marks the unfinished trials, no chosen_config.yaml; ``--resume`` then
+    continues each trial from its last checkpoint, and the result equals a
+    sweep that was never interrupted."""
     import re
     import signal
-    import subprocess
-    import sys
     import time
 
     import pyarrow.parquet as pq
@@ -110,7 +134,7 @@ def test_sweep_killed_mid_trial_resumes_from_its_checkpoints_and_matches_an_unin
         "params": {"method.lam": {"grid": [0.0, 1.0]}}}))
     cmd = [sys.executable, "tune.py", "--space", str(space), "--target", "colour"]
     proc = subprocess.Popen(cmd + ["--storage", str(tmp_path / "killed")], cwd=REPO, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 400
     def recorded():  # the sweep's own state (saved every second) knows a trial's checkpoint of round 2 to 5
         return any(re.search(r"checkpoint_00000[1-4]", p.read_text())
@@ -119,12 +143,17 @@ def test_sweep_killed_mid_trial_resumes_from_its_checkpoints_and_matches_an_unin
     while not recorded():
         assert proc.poll() is None and time.monotonic() < deadline, "the sweep ended before round 2 was saved"
         time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    time.sleep(2)
+    proc.send_signal(signal.SIGINT)  # what Ctrl-C sends the driver
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-3000:]
+    assert not (tmp_path / "killed" / "tiny" / "chosen_config.yaml").exists()
+    said = [line for line in err.splitlines() if line.startswith("tune.py: ")]
+    assert "unfinished" in out and len(said) == 1 and said[0].endswith("--resume"), (out[-2000:], err[-2000:])
+    assert "nothing chosen; continue with: " in said[0]
     resumed = subprocess.run(cmd + ["--storage", str(tmp_path / "killed"), "--resume"], cwd=REPO,
                              capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (tmp_path / "killed" / "tiny" / "chosen_config.yaml").is_file()
     clean = subprocess.run(cmd + ["--storage", str(tmp_path / "clean")], cwd=REPO, capture_output=True, text=True,
                            timeout=900)
     assert clean.returncode == 0, clean.stderr[-3000:]

@@ -262,17 +262,23 @@ def fetch(name: str, root: str | Path | None = None, progress: bool = True, keep
     return dest
 
 
-def describe() -> list[list[str]]:
-    """Rows of ``rayfed-dg data list``: name, folder, files, checks, origin, present."""
+def describe(width: int = 100) -> tuple[list[list[str]], str]:
+    """What ``rayfed-dg data list`` prints: rows of name, folder (under the
+    data root), present, checks; and, wrapped to ``width`` columns, each
+    dataset's archives and who publishes them."""
+    import textwrap
+
     from .sources import source_names
 
-    rows = []
+    rows, lines = [], []
     for n in source_names():
         s = get_source(n)
         checks = "sha256 + layout" if all(a.sha256 for a in s.archives) else \
             "size + layout" if all(a.size for a in s.archives) else "layout"
         present = "yes" if (data_root() / s.folder).is_dir() else "no"
-        rows.append([n, s.loader, str(data_root() / s.folder), ", ".join(a.filename for a in s.archives), checks,
-                     present, s.origin])
-    return rows
+        rows.append([n, s.folder, present, checks])
+        loader = "" if s.loader == n else f" (data.name {s.loader})"
+        text = f"{n}{loader}: {', '.join(a.filename for a in s.archives)}; {s.origin}"
+        lines.append(textwrap.fill(text, width, initial_indent="  ", subsequent_indent="      "))
+    return rows, "\n".join(lines)
 

@@ -29,7 +29,9 @@ relative to the data root ``$RAYFED_DG_DATA`` unless absolute, see
 
 A missing or malformed root fails with one line naming the root, what was
 expected and what was found.  A file that cannot be decoded fails with its
-path, or with ``data.on_corrupt: skip`` is skipped and counted.
+path, or with ``data.on_corrupt: skip`` is left out: every load says so in
+one warning (how many, the first few paths and why), and a run lists every
+one in its ``skipped_images.txt``.
 """
 from __future__ import annotations
 
@@ -47,6 +49,11 @@ import numpy as np
 from rayfed_dg.utils import atomic_write_with, write_text
 
 from .base import DataError, DomainDataset, register_dataset, subsample_indices
+
+
+class SkippedImages(UserWarning):
+    """Images left out under ``data.on_corrupt: skip``."""
+
 
 IMAGE_EXT = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
 CACHE_VERSION = 1
@@ -138,7 +145,8 @@ def decode_cached(files: list[Path], resolution: int, on_corrupt: str = "fail",
         return np.load(img_path, mmap_mode="r"), keep, {"cache": "hit", "path": str(img_path), **meta["info"]}
     out = np.zeros((len(files), resolution, resolution, 3), np.uint8)
     keep = np.ones(len(files), bool)
-    bad = []
+    bad: list[str] = []
+    why = ""
     jobs = [(str(f), resolution) for f in files]
     workers = max(1, min(os.cpu_count() or 1, 8))
     it = None
@@ -156,10 +164,11 @@ def decode_cached(files: list[Path], resolution: int, on_corrupt: str = "fail",
                                     "or set data.on_corrupt: skip")
                 keep[i] = False
                 bad.append(str(files[i]))
+                why = why or r
             else:
                 out[i] = r
     out = out[keep]
-    info = {"skipped_corrupt": len(bad), "skipped_files": bad[:20]}
+    info = {"skipped_corrupt": len(bad), "skipped_files": bad, "skipped_why": why}
     cdir.mkdir(parents=True, exist_ok=True)
     atomic_write_with(img_path, lambda buf: np.save(buf, out))
     write_text(json.dumps({"keep": keep.tolist(), "info": info}), meta_path)  # last: it marks the entry complete
@@ -223,6 +232,15 @@ def _decode(lst: Listing, resolution: int, on_corrupt: str, top_classes: int | N
         sel = subsample_indices(labels, doms, limit_per_domain)
         files, labels, doms = [files[i] for i in sel], labels[sel], doms[sel]
     images, keep, info = decode_cached(files, resolution, on_corrupt)
+    bad = info.get("skipped_files") or []
+    if bad:
+        import warnings
+
+        first = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        why = f" ({info['skipped_why']})" if info.get("skipped_why") else ""
+        warnings.warn(f"data.on_corrupt: skip: left out {len(bad)} of {len(files)} images under {lst.root} that "
+                      f"cannot be decoded: {first}{why}; a run lists every one in its skipped_images.txt",
+                      SkippedImages, stacklevel=2)
     return DomainDataset(images=np.asarray(images), labels=labels[keep], domains=doms[keep],
                          domain_names=list(lst.domain_names), class_names=classes,
                          meta={"root": str(lst.root), **info})

@@ -14,6 +14,8 @@ import torch
 
 from rayfed_dg.config import ConfigError, ExperimentConfig, load_config
 
+from .records import Split
+
 # sections an evaluation may change; anything else would not describe the saved model or its data
 EVAL_SECTIONS = ("method", "evaluation", "engine")
 
@@ -80,7 +82,7 @@ def evaluate_saved(cfg: ExperimentConfig, ds, targets: list[str], run_dir: Path,
         state = _saved_state(runner, run_dir, weights, t)
         split = split_for(cfg, ds, t)
         res: dict[str, Any] = {"domains": {}}
-        for name, sets in (("source_val", split.val), ("target_test", split.test)):
+        for name, sets in ((Split.SOURCE_VAL, split.val), (Split.TARGET_TEST, split.test)):
             accs = []
             for dom, idx in sets.items():
                 correct, _, n = runner.evaluate(state, np.asarray(idx), cfg.evaluation.batch_size)

@@ -21,7 +21,7 @@ from rayfed_dg.data.protocol import FederatedSplit
 from rayfed_dg.methods import ClientUpdate, GlobalEval
 
 from .pool import WorkerPool
-from .records import Ledger
+from .records import Ledger, MetricRow, Split
 
 EVAL_CHUNK = 2048
 
@@ -30,11 +30,11 @@ def evaluate_global(pool: WorkerPool, federation: int, global_ref: Any, split: F
                     own_state: dict[int, dict[str, np.ndarray]], batch_size: int, r: int) -> list[dict]:
     """Metric rows of round ``r``; ``own_state``: client -> its local state,
     for the clients whose own model is evaluated (empty: none)."""
-    sets: list[tuple[str, str, int | None, np.ndarray]] = \
-        [("source_val", dom, None, idx) for dom, idx in split.val.items()] + \
-        [("target_test", dom, None, idx) for dom, idx in split.test.items()]
+    sets: list[tuple[Split, str, int | None, np.ndarray]] = \
+        [(Split.SOURCE_VAL, dom, None, idx) for dom, idx in split.val.items()] + \
+        [(Split.TARGET_TEST, dom, None, idx) for dom, idx in split.test.items()]
     doms = split.client_domains
-    sets += [("personal_val", doms[c], c, split.val[doms[c]]) for c in own_state if doms[c] in split.val]
+    sets += [(Split.PERSONAL_VAL, doms[c], c, split.val[doms[c]]) for c in own_state if doms[c] in split.val]
     jobs = [(name, dom, cid, c0) for name, dom, cid, idx in sets for c0 in range(0, len(idx), EVAL_CHUNK)]
     index = {(name, dom, cid): idx for name, dom, cid, idx in sets}
     out = pool.map_all(jobs, lambda w, job, attempt: w.evaluate_in.remote(
@@ -44,8 +44,7 @@ def evaluate_global(pool: WorkerPool, federation: int, global_ref: Any, split: F
     for name, dom, cid, _ in sets:
         parts = [out[j] for j in jobs if j[:3] == (name, dom, cid)]
         correct, loss, cnt = (sum(p[i] for p in parts) for i in range(3))
-        rows.append({"round": r, "split": name, "domain": dom, "client": cid, "accuracy": correct / max(cnt, 1),
-                     "loss": loss / max(cnt, 1), "samples": cnt})
+        rows.append(MetricRow(r, Split(name), dom, cid, correct / max(cnt, 1), loss / max(cnt, 1), cnt).row())
     return rows
 
 

@@ -7,11 +7,15 @@ the worker pools); ``run_planned`` runs it into a run directory.  The CLI,
 and any script that wants the CLI's runs (benches, notebooks), go through
 these two.  Actors start once (``host.HostPool``): the first federation pays
 for the processes, every later one only for building its model.
+
+``run_trial`` is a Tune trial's experiment: one federation for one target,
+on actors of its own placed in the trial's placement group.
 """
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,9 +25,10 @@ from rayfed_dg.config import ExperimentConfig, save_config
 from rayfed_dg.data import DomainDataset, FederatedSplit
 from rayfed_dg.utils import write_text
 
-from .host import HostPool
-from .plan import preflight, resolve_variants
-from .run import run_experiment
+from .host import EngineHost, HostPool
+from .plan import load_data, preflight, resolve_variants, split_for
+from .records import RoundResult
+from .run import TargetResult, run_experiment, run_federation
 
 
 @dataclass
@@ -89,3 +94,30 @@ def run_planned(exp: Experiment, run_dir: Path, progress: bool = True) -> dict[i
         hosts.close()
     return by_seed
 
+
+
+def run_trial(cfg: ExperimentConfig, target: str, run_dir: Path, placement_group=None,
+              on_round: Callable[[RoundResult, TargetResult], None] | None = None,
+              tensorboard: Path | None = None) -> TargetResult:
+    """One federation for ``target`` on actors of its own.  In a Tune trial,
+    ``placement_group`` is the trial's: it reserved an empty bundle for the
+    server and one per worker, so the pool has that many workers and every
+    actor is placed in it (concurrent trials never take each other's)."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from .plan import clients_per_round
+    from .resources import ensure_workers
+
+    ds = load_data(cfg)
+    split = split_for(cfg, ds, target)
+    if placement_group is not None:
+        opts = {"scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group)}
+        workers = len(placement_group.bundle_specs) - 1
+    else:
+        opts, workers = None, ensure_workers(cfg.engine, clients_per_round(cfg, split))
+    host = EngineHost(cfg.engine, [ray.put(ds.images), ray.put(ds.labels)], workers, opts)
+    try:
+        return run_federation(cfg, split, None, None, ds.num_classes, run_dir, progress=False, on_round=on_round,
+                              tensorboard=tensorboard, host=host)
+    finally:
+        host.close()

@@ -1,10 +1,21 @@
 """The worker pool: dispatch jobs to worker actors, retry, drop.
 
-Jobs run on whichever worker is free, at most two in flight per worker (the
-next one starts while the server is still folding in the previous result),
-in the order given, or largest first when the caller gives each job a cost
-(longest-processing-time-first list scheduling: a large client dispatched
-last would leave the other workers idle at the end of the round).
+Jobs run on whichever worker is free, at most two tasks in flight per
+worker (the next one starts while the server is still folding in the
+previous result), in the order given, or largest first (longest-processing-
+time-first list scheduling: a large client dispatched last would leave the
+other workers idle at the end of the round).
+
+Small jobs travel together.  A Ray task costs about a millisecond of
+submission, argument and result handling whatever it carries, which is
+the whole cost of a client that trains in a few milliseconds (cross-device
+partitions, a fast GPU).  When the caller can run several jobs in one task
+(``submit_many``) and gives each job a cost, consecutive jobs of the
+dispatch order are grouped until a group holds ``1 / (TASKS_PER_WORKER x
+workers)`` of the map's total cost; a job larger than that goes alone, so
+the large clients that decide the makespan are scheduled one by one and the
+small tail in tasks of many.  Grouping changes which process runs a job,
+never what it computes (every job is seeded by its own ids).
 
 Retry accounting that no timing can change.  A job's *attempt* number seeds
 what it does (fault injection is drawn per attempt), and its retry budget
@@ -46,20 +57,20 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import ray
-import torch
 
 from rayfed_dg.errors import EngineError
 
-from .worker import DivergedError, InjectedFault
+from .worker import OWN_FAULTS, DivergedError, JobFailed
 
 IN_FLIGHT_PER_WORKER = 2
+TASKS_PER_WORKER = 16  # tasks per worker per map when jobs are grouped: the tail's granularity is 1/16 of a share
+MAX_GROUP = 64  # jobs in one task at most (their results are held together in the worker)
 J = TypeVar("J", bound=Hashable)  # a job: a client id, or an evaluation chunk's key
 
 
 def own_fault(err: Exception) -> bool:
     """An error the job's own code raised that a re-run may not repeat."""
-    cause = getattr(err, "cause", None)
-    return isinstance(cause, (InjectedFault, torch.OutOfMemoryError, MemoryError))
+    return isinstance(getattr(err, "cause", None), OWN_FAULTS)
 
 
 SETTLE_S = 30.0  # how long a failing ``map`` waits for its other jobs before raising anyway
@@ -106,6 +117,18 @@ class _Running:
     solo: bool
     alone: bool  # no other job was on its worker at any time while it was in flight
     error: str = ""
+
+
+@dataclass
+class _Task:
+    """A Ray task in flight: one job, or a group of them (``submit_many``)."""
+    worker: int
+    runs: list[_Running]
+    many: bool
+
+    def share(self) -> None:
+        for run in self.runs:
+            run.alone = False
 
 
 class WorkerPool:
@@ -209,17 +232,25 @@ class WorkerPool:
 
     # ---------------------------------------------------------------- jobs
     def map(self, jobs: Sequence[J], submit: Callable[[Any, J, int], Any],
-            on_result: Callable[[J, Any], None], cost: Mapping[J, float] | None = None) -> list[tuple[J, str]]:
+            on_result: Callable[[J, Any], None], cost: Mapping[J, float] | None = None,
+            largest_first: bool = True,
+            submit_many: Callable[[Any, list[tuple[J, int]]], Any] | None = None) -> list[tuple[J, str]]:
         """Run every job: ``submit(worker, job, attempt)`` returns an ObjectRef;
         ``on_result(job, result)`` is called as results arrive (in completion
         order), with ``None`` for a job dropped after its retries.  ``cost``
-        (e.g. a client's sample count) dispatches the largest jobs first.
+        (e.g. a client's sample count) dispatches the largest jobs first
+        (unless ``largest_first`` is False) and, with ``submit_many(worker,
+        [(job, attempt), ...])`` (an ObjectRef of one result or ``JobFailed``
+        per job, as ``run_each`` gives), sends small jobs in groups.
         Returns the dropped jobs with a one-line reason."""
-        order = list(jobs) if cost is None else sorted(jobs, key=lambda j: -cost[j])  # stable: ties keep order
-        queue = [_Queued(job, 0) for job in order]
+        order = list(jobs) if cost is None or not largest_first else sorted(jobs, key=lambda j: -cost[j])
+        queue = [_Queued(job, 0) for job in order]  # stable sort: ties keep the given order
+        usable = sum(self._usable(w) for w in range(len(self.workers))) or 1
+        group_cost = (sum(cost[j] for j in jobs) / (TASKS_PER_WORKER * usable)
+                      if cost is not None and submit_many is not None else 0.0)
         load = [0] * len(self.workers)
         solo_on: set[int] = set()
-        inflight: dict[Any, _Running] = {}
+        inflight: dict[Any, _Task] = {}
         dropped: list[tuple[J, str]] = []
         self.last_retries = {}
 
@@ -237,6 +268,18 @@ class WorkerPool:
                 dropped.append((run.job, run.error))
                 on_result(run.job, None)
 
+        def take() -> list[_Queued]:
+            """The queue's head, and the jobs after it that fit its group."""
+            group = [queue.pop(0)]
+            if group[0].solo or cost is None or cost[group[0].job] >= group_cost:
+                return group
+            total = cost[group[0].job]
+            while (queue and not queue[0].solo and len(group) < MAX_GROUP
+                   and total + cost[queue[0].job] <= group_cost):
+                total += cost[queue[0].job]
+                group.append(queue.pop(0))
+            return group
+
         def waiting_verdict() -> bool:
             return any(rec.verdicts for rec in self.recovering.values())
 
@@ -248,14 +291,19 @@ class WorkerPool:
                     if pick is None:
                         break
                     w = pick
-                    q = queue.pop(0)
-                    for run in inflight.values():
-                        if run.worker == w:
-                            run.alone = False
-                    inflight[submit(self.workers[w], q.job, q.attempt)] = _Running(w, q.job, q.attempt, q.solo,
-                                                                                    alone=load[w] == 0)
+                    group = take()
+                    for task in inflight.values():
+                        if task.worker == w:
+                            task.share()
+                    runs = [_Running(w, q.job, q.attempt, q.solo, alone=load[w] == 0 and len(group) == 1)
+                            for q in group]
+                    if group_cost > 0 and submit_many is not None:
+                        ref = submit_many(self.workers[w], [(q.job, q.attempt) for q in group])
+                    else:
+                        ref = submit(self.workers[w], group[0].job, group[0].attempt)
+                    inflight[ref] = _Task(w, runs, many=group_cost > 0)
                     load[w] += 1
-                    if q.solo:
+                    if group[0].solo:
                         solo_on.add(w)
                 if not inflight and not self.recovering:
                     raise EngineError("no worker left in the pool")
@@ -272,28 +320,34 @@ class WorkerPool:
                 if ref in pings:
                     self._pinged(pings[ref], judge)
                     continue
-                run = inflight.pop(ref)
-                load[run.worker] -= 1
-                solo_on.discard(run.worker)
+                task = inflight.pop(ref)
+                load[task.worker] -= 1
+                solo_on.discard(task.worker)
                 try:
                     res = ray.get(ref)
                 except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as err:
                     cause = getattr(err, "cause", None)
                     if isinstance(cause, DivergedError):
                         raise EngineError(str(cause)) from None
-                    run.error = repr(err).splitlines()[0][:200]
-                    if isinstance(err, ray.exceptions.RayActorError):
-                        rec = self._recover(run.worker)
-                        if rec is not None and run.alone:
-                            rec.verdicts.append(run)  # judged when the worker answers: did its process die?
-                        else:  # it shared the worker that died (or the worker left the pool): not its failure
-                            judge(run, False)
-                    elif own_fault(err):
+                    for run in task.runs:
+                        run.error = repr(err).splitlines()[0][:200]
+                        if isinstance(err, ray.exceptions.RayActorError):
+                            rec = self._recover(task.worker)
+                            if rec is not None and run.alone:
+                                rec.verdicts.append(run)  # judged when the worker answers: did its process die?
+                            else:  # it shared the worker that died (or the worker left the pool): not its failure
+                                judge(run, False)
+                        elif own_fault(err):
+                            judge(run, True)
+                        else:
+                            raise
+                    continue
+                for run, out in zip(task.runs, res if task.many else [res]):
+                    if isinstance(out, JobFailed):
+                        run.error = out.error
                         judge(run, True)
                     else:
-                        raise
-                    continue
-                on_result(run.job, res)
+                        on_result(run.job, out)
         except Exception:
             _settle(inflight)
             raise

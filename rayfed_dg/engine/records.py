@@ -1,6 +1,10 @@
 """Typed records of a round and the two stores the server keeps.
 
 ``ClientTask``   what a worker needs to run one client in one round
+``MetricRow``, ``ClientRow``, ``LedgerRow``  one row of the run's three
+                 tables (``metrics``, ``clients``, ``ledger``), built typed and
+                 handed on as plain dicts (``.row()``), the tables' format
+``Split``        the metrics table's split names
 ``RoundResult``  what ``Server.run_round`` returns to the driver
 ``Ledger``       what crossed the wire: rows (round, client, direction,
                  group, tensors, bytes), one per tensor group
@@ -14,7 +18,8 @@ hooks in ``methods/base.py``, since ``after_round`` receives it.)
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -35,16 +40,67 @@ class ClientTask:
     fault_p: float = 0.0
 
 
+class Split(StrEnum):
+    SOURCE_VAL = "source_val"  # each source domain's validation split: the only one selection reads
+    TARGET_TEST = "target_test"  # the held-out domain
+    PERSONAL_VAL = "personal_val"  # a client's own model on its source domain's validation split
+
+
+class _Row:
+    def row(self) -> dict[str, Any]:
+        """The table's plain row (a ``Split`` becomes its string)."""
+        return {f.name: (str(v) if isinstance(v := getattr(self, f.name), StrEnum) else v)
+                for f in fields(self)}  # type: ignore[arg-type]
+
+
+@dataclass
+class MetricRow(_Row):
+    round: int
+    split: Split
+    domain: str
+    client: int | None  # None: the global model; an id: that client's own model (``personal_val``)
+    accuracy: float
+    loss: float
+    samples: int
+
+
+@dataclass
+class ClientRow(_Row):
+    """A sampled client in one round: what it trained, how long, what crossed
+    the wire, its training task's charged retries, whether it was dropped
+    (then ``train_loss`` and ``seconds`` are None)."""
+    round: int
+    client: int
+    domain: str
+    samples: int
+    local_steps: int
+    train_loss: float | None
+    seconds: float | None
+    bytes_up: int
+    bytes_down: int
+    retried: int
+    dropped: bool
+    drop_reason: str | None
+
+
+@dataclass
+class LedgerRow(_Row):
+    round: int
+    client: int
+    direction: str  # "up" or "down"
+    group: str  # a tensor group, or "payload:<name>", "prepare:<name>", ...
+    tensors: int
+    bytes: int
+
+
 @dataclass
 class RoundResult:
     round: int
     sampled: list[int]
     dropped: list[dict]  # {"round", "client", "reason"}
-    metrics: list[dict]  # evaluation rows: round, split, domain, client, accuracy, loss, samples
-    ledger: list[dict]
-    # one row per sampled client: client, domain, samples, local_steps, train_loss, seconds,
-    # bytes_up, bytes_down, retried, dropped, drop_reason (a dropped client: train_loss etc. None)
-    clients: list[dict]
+    metrics: list[dict]  # ``MetricRow.row()``s
+    ledger: list[dict]  # ``LedgerRow.row()``s
+    clients: list[dict]  # ``ClientRow.row()``s, one per sampled client
     train_loss: float
     tasks_retried: int  # over the run so far: failures the tasks caused themselves (seeded, so reproducible)
     seconds_train: float
@@ -60,8 +116,7 @@ class Ledger:
         self.rows: list[dict] = []
 
     def add(self, client: int, direction: str, group: str, nbytes: int, tensors: int = 1) -> None:
-        self.rows.append({"round": self.round, "client": int(client), "direction": direction, "group": group,
-                          "tensors": int(tensors), "bytes": int(nbytes)})
+        self.rows.append(LedgerRow(self.round, int(client), direction, group, int(tensors), int(nbytes)).row())
 
     def add_state(self, client: int, direction: str, arrays: dict[str, np.ndarray],
                   group_of: Callable[[str], str]) -> None:

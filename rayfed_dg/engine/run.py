@@ -49,7 +49,7 @@ from rayfed_dg.utils import atomic_write_with, render_table, write_text
 from .checkpoint import load_latest, save_checkpoint
 from .host import EngineHost, HostPool
 from .plan import clients_per_round, make_splits
-from .records import RecordTables, RoundResult
+from .records import RecordTables, RoundResult, Split
 from .resources import ensure_workers, init_ray
 from .selection import select_round
 
@@ -99,18 +99,18 @@ class TargetResult:
         if best != out.round:
             return False
         self.selected_round, self.selected_val = best, best_val
-        self.selected_target_acc = float(np.mean([m["accuracy"] for m in rows if m["split"] == "target_test"]))
+        self.selected_target_acc = float(np.mean([m["accuracy"] for m in rows if m["split"] == Split.TARGET_TEST]))
         return True
 
     def summary(self) -> dict:
         personal = [m["accuracy"] for m in self.metrics
-                    if m["split"] == "personal_val" and m["round"] == self.selected_round]
+                    if m["split"] == Split.PERSONAL_VAL and m["round"] == self.selected_round]
         return {"selected_round": self.selected_round, "source_val_acc": self.selected_val,
                 "target_acc": self.selected_target_acc,
                 # each client's own model (methods with client-local state) at the selected round, mean over clients
                 "personal_val_acc": float(np.mean(personal)) if personal else None,
                 "final_target_acc": next((m["accuracy"] for m in reversed(self.metrics)
-                                          if m["split"] == "target_test"), None),
+                                          if m["split"] == Split.TARGET_TEST), None),
                 "clients_dropped": len(self.dropped), "tasks_retried": self.tasks_retried,
                 # uncharged re-runs after a worker that other tasks shared died: depends on timing, like seconds
                 "tasks_rerun": self.tasks_rerun,
@@ -136,8 +136,8 @@ class ProgressBar:
                         unit="round", leave=True)
 
     def on_round(self, out, res, new_best, server_state):
-        src = [m["accuracy"] for m in out.metrics if m["split"] == "source_val"]
-        tgt = [m["accuracy"] for m in out.metrics if m["split"] == "target_test"]
+        src = [m["accuracy"] for m in out.metrics if m["split"] == Split.SOURCE_VAL]
+        tgt = [m["accuracy"] for m in out.metrics if m["split"] == Split.TARGET_TEST]
         post = {"loss": f"{out.train_loss:.3f}"}
         if src:
             post |= {"src_val": f"{np.mean(src):.3f}", "target": f"{np.mean(tgt):.3f}"}
@@ -253,17 +253,15 @@ def _rounds(host, cfg, split, num_classes, state, res, run_dir, progress, on_rou
 
 
 def run_federation(cfg: ExperimentConfig, split: FederatedSplit, images_ref, labels_ref, num_classes: int,
-                   run_dir: Path | None = None, progress: bool = True, worker_options: dict | None = None,
+                   run_dir: Path | None = None, progress: bool = True,
                    on_round: Callable[[RoundResult, TargetResult], None] | None = None,
-                   stop_after: int | None = None, pool_workers: int | None = None,
-                   tensorboard: Path | None = None, host: EngineHost | None = None) -> TargetResult:
+                   stop_after: int | None = None, tensorboard: Path | None = None,
+                   host: EngineHost | None = None) -> TargetResult:
     """Run one federation (one target domain) to the end, resuming from the
     newest valid checkpoint in ``run_dir`` if there is one.  ``stop_after``
     ends early after that round (tests of resume use it).  ``host``: the
     experiment's running actors (``host.py``); without one, the federation
-    starts its own and ends them.  ``pool_workers`` fixes that pool's size
-    when the resources are already reserved (a Tune trial's placement
-    group); otherwise it is planned against the cluster.  TensorBoard
+    starts its own, sized against the cluster, and ends them.  TensorBoard
     scalars go to ``tensorboard/<target>`` (default, with
     ``output.tensorboard``: ``run_dir/tensorboard``)."""
     res, state = _resume(run_dir, split.target)
@@ -271,8 +269,8 @@ def run_federation(cfg: ExperimentConfig, split: FederatedSplit, images_ref, lab
         return res
     own = host is None
     if host is None:
-        n_workers = pool_workers or ensure_workers(cfg.engine, clients_per_round(cfg, split))
-        host = EngineHost(cfg.engine, [images_ref, labels_ref], n_workers, worker_options)
+        host = EngineHost(cfg.engine, [images_ref, labels_ref],
+                          ensure_workers(cfg.engine, clients_per_round(cfg, split)))
     try:
         _rounds(host, cfg, split, num_classes, state, res, run_dir, progress, on_round, stop_after, tensorboard)
     finally:

@@ -21,6 +21,8 @@ from collections import defaultdict
 
 import numpy as np
 
+from .records import Split
+
 
 def _mean_by_round(rows: list[dict], split: str) -> dict[int, float]:
     per_round: dict[int, list[float]] = defaultdict(list)
@@ -51,14 +53,14 @@ class TrainingDomainValidation(SelectionRule):
     name, label = "training_domain", "training-domain validation"
 
     def choose(self, rows):
-        return _argmax_first(_mean_by_round(rows, "source_val"))
+        return _argmax_first(_mean_by_round(rows, Split.SOURCE_VAL))
 
 
 class LastRound(SelectionRule):
     name, label = "last_round", "last round"
 
     def choose(self, rows):
-        evaluated = _mean_by_round(rows, "target_test")
+        evaluated = _mean_by_round(rows, Split.TARGET_TEST)
         return max(evaluated) if evaluated else None
 
 
@@ -67,7 +69,7 @@ class TestDomainOracle(SelectionRule):
     name, label, upper_bound = "oracle", "test-domain oracle (upper bound)", True
 
     def choose(self, rows):
-        return _argmax_first(_mean_by_round(rows, "target_test"))
+        return _argmax_first(_mean_by_round(rows, Split.TARGET_TEST))
 
 
 RULES: tuple[SelectionRule, ...] = (TrainingDomainValidation(), LastRound(), TestDomainOracle())
@@ -79,14 +81,14 @@ def select(rows: list[dict], rule: SelectionRule) -> dict | None:
     rnd = rule.choose(rows)
     if rnd is None:
         return None
-    src, tgt = _mean_by_round(rows, "source_val"), _mean_by_round(rows, "target_test")
+    src, tgt = _mean_by_round(rows, Split.SOURCE_VAL), _mean_by_round(rows, Split.TARGET_TEST)
     return {"round": rnd, "source_val": src.get(rnd), "target_acc": tgt.get(rnd)}
 
 
 def select_round(rows: list[dict]) -> tuple[int | None, float | None]:
     """The training-domain-validation round and its mean source-validation accuracy."""
     rnd = TrainingDomainValidation().choose(rows)
-    return rnd, (None if rnd is None else _mean_by_round(rows, "source_val")[rnd])
+    return rnd, (None if rnd is None else _mean_by_round(rows, Split.SOURCE_VAL)[rnd])
 
 
 def mean_se(values: list[float]) -> tuple[float, float | None]:

@@ -8,8 +8,9 @@ One ``run_round`` call is one federated round:
 3. if the method asks (``prepares_round``), every sampled client runs its
    preparation phase with this global model, and the server hands the
    results to the method's ``server_payloads``;
-4. dispatch one training task per sampled client to the worker pool
-   (``pool.py``: largest first, two in flight per worker, retries, drops);
+4. dispatch the sampled clients' training to the worker pool (``pool.py``:
+   largest first, small clients grouped into one Ray task, two tasks in
+   flight per worker, retries, drops);
 5. fold updates into the average as they arrive, in client-id order, and
    write each client's local state back into the client store;
 6. let the method set the tensors it assembles itself (``assemble_global``),
@@ -36,7 +37,7 @@ from .aggregate import OrderedReducer
 from .evaluation import evaluate_global, evaluate_on_clients
 from .plan import clients_per_round
 from .pool import WorkerPool
-from .records import ClientStore, ClientTask, Ledger, RoundResult
+from .records import ClientRow, ClientStore, ClientTask, Ledger, RoundResult
 from .stagehost import StageHost
 from .worker import to_numpy_state
 
@@ -160,9 +161,13 @@ class Server:
             ledger.add_state(cid, "down", bcast, self.groups.__getitem__)
             ledger.add_payload(cid, "down", payloads.get(cid, {}))
 
-        dropped = self.pool.map(sampled, lambda w, cid, attempt: w.train_in.remote(
-            self.federation, _retry(self._task(r, cid, payloads.get(cid, {})), attempt), self.global_ref), on_update,
-            cost=dict(zip(sampled, sizes.tolist())) if self.cfg.engine.schedule == "largest_first" else None)
+        task = lambda cid, attempt: _retry(self._task(r, cid, payloads.get(cid, {})), attempt)
+        dropped = self.pool.map(
+            sampled, lambda w, cid, attempt: w.train_in.remote(self.federation, task(cid, attempt), self.global_ref),
+            on_update, cost=dict(zip(sampled, sizes.tolist())),
+            largest_first=self.cfg.engine.schedule == "largest_first",
+            submit_many=None if not self.cfg.engine.group_small_clients else lambda w, jobs: w.train_many_in.remote(
+                self.federation, [task(cid, attempt) for cid, attempt in jobs], self.global_ref))
         retries = dict(self.pool.last_retries)
         if len(reducer.dropped) == len(sampled):
             raise EngineError(f"round {r}: every sampled client failed ({dropped[0][1]})")
@@ -187,9 +192,7 @@ class Server:
 
     def _client_rows(self, r: int, sampled: list[int], updates: dict[int, ClientUpdate], dropped: dict[int, str],
                      retries: dict[int, int], ledger: Ledger) -> list[dict]:
-        """One row per sampled client: what it trained, how long, what crossed
-        the wire (from the round's ledger), its training task's retries, and
-        whether it was dropped."""
+        """One ``ClientRow`` per sampled client; its bytes from the round's ledger."""
         wire: dict[tuple[int, str], int] = {}
         for row in ledger.rows:
             wire[row["client"], row["direction"]] = wire.get((row["client"], row["direction"]), 0) + row["bytes"]
@@ -197,13 +200,13 @@ class Server:
         rows = []
         for cid in sampled:
             u = updates.get(cid)
-            rows.append({"round": r, "client": cid, "domain": self.split.client_domains[cid],
-                         "samples": int(u.num_samples if u is not None else sizes[cid]),
-                         "local_steps": u.steps if u is not None else 0,
-                         "train_loss": u.train_loss if u is not None else None,
-                         "seconds": u.seconds if u is not None else None,
-                         "bytes_up": wire.get((cid, "up"), 0), "bytes_down": wire.get((cid, "down"), 0),
-                         "retried": retries.get(cid, 0), "dropped": u is None, "drop_reason": dropped.get(cid)})
+            rows.append(ClientRow(
+                round=r, client=cid, domain=self.split.client_domains[cid],
+                samples=int(u.num_samples if u is not None else sizes[cid]),
+                local_steps=u.steps if u is not None else 0,
+                train_loss=u.train_loss if u is not None else None, seconds=u.seconds if u is not None else None,
+                bytes_up=wire.get((cid, "up"), 0), bytes_down=wire.get((cid, "down"), 0),
+                retried=retries.get(cid, 0), dropped=u is None, drop_reason=dropped.get(cid)).row())
         return rows
 
     def _prepare(self, r: int, sampled: list[int], ledger: Ledger) -> dict[int, dict[str, np.ndarray]]:

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from .records import RoundResult
+from .records import RoundResult, Split
 
 TAGS = ("accuracy/source_val", "accuracy/target", "accuracy/personal_val", "loss/train", "time/round_seconds",
         "comm/bytes_up", "comm/bytes_down")
@@ -47,8 +47,8 @@ def round_scalars(out: RoundResult) -> dict[str, float]:
     for m in out.metrics:
         acc.setdefault(m["split"], []).append(float(m["accuracy"]))
     s: dict[str, float] = {}
-    for split, tag in (("source_val", "accuracy/source_val"), ("target_test", "accuracy/target"),
-                       ("personal_val", "accuracy/personal_val")):
+    for split, tag in ((Split.SOURCE_VAL, "accuracy/source_val"), (Split.TARGET_TEST, "accuracy/target"),
+                       (Split.PERSONAL_VAL, "accuracy/personal_val")):
         if acc.get(split):
             s[tag] = float(np.mean(acc[split]))
     s["loss/train"] = float(out.train_loss)

@@ -12,7 +12,8 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from rayfed_dg.config import ExperimentConfig
 from rayfed_dg.data.augment import augment
 from rayfed_dg.methods import ClientContext, ClientUpdate, build_method
-from rayfed_dg.seeding import Stream, numpy_rng, seed_int, torch_generator
+from rayfed_dg.seeding import Stream, numpy_rng, seed_int, seed_torch, torch_generator
 from rayfed_dg.stages import StageClient, build_stages
 
 from .records import ClientTask
@@ -38,10 +39,64 @@ class DivergedError(RuntimeError):
     (training is seeded), so the run stops instead of averaging garbage."""
 
 
-def resolve_device(device: str, num_gpus: float) -> torch.device:
-    if device == "cuda" or (device == "auto" and num_gpus > 0 and torch.cuda.is_available()):
+OWN_FAULTS = (InjectedFault, torch.OutOfMemoryError, MemoryError)
+
+
+@dataclass
+class JobFailed:
+    """One job's own fault inside a task that ran several (``submit_many``):
+    the task returns this in the job's place and the others' results stand."""
+    error: str
+
+
+def run_each(items: Sequence[Any], fn: Callable[[Any], Any]) -> list[Any]:
+    """The worker side of ``submit_many``: ``fn`` on each item; an item's own
+    fault (``OWN_FAULTS``) becomes a ``JobFailed``, anything else is raised."""
+    out: list[Any] = []
+    for item in items:
+        try:
+            out.append(fn(item))
+        except OWN_FAULTS as err:
+            out.append(JobFailed(repr(err).splitlines()[0][:200]))
+    return out
+
+
+def resolve_device(device: str, num_gpus: float, declared_only: bool = False) -> torch.device:
+    """The device a worker trains on.  A worker that was given GPUs trains on
+    CUDA or stops the run saying why: never silently on the CPU, unless the
+    GPUs are declared only (``engine.gpus_declared_only``: a rehearsal)."""
+    wants = device == "cuda" or (device == "auto" and num_gpus > 0)
+    if wants and torch.cuda.is_available():
         return torch.device("cuda")
+    if wants and not (declared_only and device == "auto"):
+        from rayfed_dg.errors import EngineError
+
+        fix = ("engine.num_gpus_per_worker: 0 (or engine.gpus_declared_only: true on a rehearsal cluster whose "
+               "GPUs are declared)") if num_gpus > 0 else "engine.device: auto (the CPU, without GPUs)"
+        raise EngineError(f"engine.num_gpus_per_worker={num_gpus:g} (engine.device={device}) but this worker sees "
+                          f"no usable CUDA: {cuda_report()}; install a driver that supports it, or set {fix}")
     return torch.device("cpu")
+
+
+def cuda_report() -> str:
+    """What this process's torch sees of CUDA, in one line: its build, the
+    driver (nvidia-smi), the visible devices."""
+    import shutil
+    import subprocess
+
+    driver = "no NVIDIA driver found (nvidia-smi missing)"
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=20)
+            driver = f"driver {out.stdout.strip().splitlines()[0]}" if out.returncode == 0 and out.stdout.strip() \
+                else f"nvidia-smi failed ({(out.stderr or out.stdout).strip()[:120]})"
+        except (OSError, subprocess.SubprocessError) as e:
+            driver = f"nvidia-smi failed ({e})"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return (f"torch {torch.__version__} built for CUDA {torch.version.cuda or 'none (a CPU build)'}, "
+            f"{driver}, CUDA_VISIBLE_DEVICES={visible if visible is not None else 'unset'}, "
+            f"torch.cuda.device_count()={torch.cuda.device_count()}")
 
 
 def to_numpy_state(sd: dict[str, torch.Tensor], keys, copy: bool = True) -> dict[str, np.ndarray]:
@@ -54,10 +109,6 @@ def to_numpy_state(sd: dict[str, torch.Tensor], keys, copy: bool = True) -> dict
 class ClientRunner:
     """Model, data and method hooks of one worker; used by the actor and by
     tests that want the exact client computation without Ray."""
-
-    # True in the actor: Ray serializes a task's return value at once, so the
-    # update can be views of the model's tensors (saves a model-sized copy)
-    returns_to_ray = False
 
     def __init__(self, cfg: ExperimentConfig, images: np.ndarray, labels: np.ndarray, num_classes: int,
                  num_clients: int | None = None):
@@ -73,7 +124,7 @@ class ClientRunner:
         e = self.cfg.engine
         self.threads = max(1, int(e.num_cpus_per_worker))
         torch.set_num_threads(self.threads)
-        self.device = resolve_device(e.device, e.num_gpus_per_worker)
+        self.device = resolve_device(e.device, e.num_gpus_per_worker, e.gpus_declared_only)
         if self.device.type == "cuda" and e.num_gpus_per_worker > 0:
             # fractional num_gpus caps nothing in Ray: bound memory ourselves
             torch.cuda.set_per_process_memory_fraction(min(1.0, e.num_gpus_per_worker))
@@ -154,7 +205,7 @@ class ClientRunner:
         seed = self.cfg.training.seed
         self._load({k: v for k, v in global_state.items() if k not in self.local_keys})
         self._load(task.local_state)
-        torch.manual_seed(seed_int(seed, stream, task.round, task.client))
+        seed_torch(seed_int(seed, stream, task.round, task.client), self.device)
         gen = torch_generator(seed, stream, task.round, task.client)
         return ClientContext(client_id=task.client, round=task.round, device=self.device, generator=gen,
                              num_samples=len(task.indices), payload=task.payload, indices=task.indices,
@@ -176,7 +227,10 @@ class ClientRunner:
         ctx = self._client(task, global_state, Stream.PREPARE)
         return {k: np.asarray(v) for k, v in self.method.round_prepare(self.model, ctx).items()}
 
-    def train(self, task: ClientTask, global_state: dict[str, np.ndarray]) -> ClientUpdate:
+    def train(self, task: ClientTask, global_state: dict[str, np.ndarray], views: bool = False) -> ClientUpdate:
+        """One client's local training.  ``views``: the update holds views of
+        the model's tensors, for a result that Ray serializes before the
+        model is touched again (saves a model-sized copy)."""
         t0 = time.perf_counter()
         e = self.cfg.engine
         cid, rnd = task.client, task.round
@@ -209,7 +263,7 @@ class ClientRunner:
         return ClientUpdate(
             client=cid,
             num_samples=len(task.indices) + (0 if extra is None else len(extra["labels"])),
-            update=to_numpy_state(sd, self.upload_keys, copy=not self.returns_to_ray),
+            update=to_numpy_state(sd, self.upload_keys, copy=not views),
             private=to_numpy_state(sd, sorted(self.private_keys)),
             payload=self.method.upload_payload(self.model, ctx),
             train_loss=loss, seconds=time.perf_counter() - t0, stats=stats, steps=steps)
@@ -257,8 +311,6 @@ class Worker(ClientRunner):
     worker (``max_restarts``) starts with none and builds it again on its
     next task, so a task is always safe to repeat."""
 
-    returns_to_ray = True
-
     def __init__(self, data_source: str):
         import ray
 
@@ -284,7 +336,14 @@ class Worker(ClientRunner):
 
     def train_in(self, federation: int, task: ClientTask, global_state: dict[str, np.ndarray]) -> ClientUpdate:
         self._serve(federation)
-        return self.train(task, global_state)
+        return self.train(task, global_state, views=True)
+
+    def train_many_in(self, federation: int, tasks: list[ClientTask], global_state: dict[str, np.ndarray]) -> list:
+        """Several clients in one Ray task (``pool.py``: small jobs travel
+        together); each update is a copy but the last one's."""
+        self._serve(federation)
+        last = len(tasks) - 1
+        return run_each(list(enumerate(tasks)), lambda it: self.train(it[1], global_state, views=it[0] == last))
 
     def prepare_in(self, federation: int, task: ClientTask, global_state: dict[str, np.ndarray]):
         self._serve(federation)

@@ -51,7 +51,7 @@ from rayfed_dg.errors import ConfigError
 from rayfed_dg.models import apply_norm
 
 from .base import Method, register_method
-from .gperxan import IBN_PLACEMENT
+from .gperxan import IBN_PLACEMENT, auto_placement
 
 OWN = "head.cls."
 ENSEMBLE = ("head.ensemble_w", "head.ensemble_b", "head.ensemble_filled")
@@ -115,7 +115,11 @@ class COPA(Method):
                               "number of clients (build_method(cfg, num_clients))")
         model = super().build_model(num_classes)
         if self.p.norm == "ibn":
-            apply_norm(model, IBN_PLACEMENT[self.model_cfg.arch], "ibn")
+            try:
+                apply_norm(model, auto_placement(IBN_PLACEMENT, self.model_cfg.arch), "ibn")
+            except ValueError as e:  # e.g. a timm backbone without BatchNorm
+                raise ValueError(f"copa's hybrid batch-instance normalization: {e} (method.norm: bn keeps the "
+                                 "backbone's own)") from None
         model.head = EnsembleHead(model.head.in_features, num_classes, self.num_clients, self.p.ensemble)
         return model
 

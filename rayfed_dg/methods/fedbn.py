@@ -18,6 +18,12 @@ from .base import Method, register_method
 class FedBN(Method):
     name = "fedbn"
 
+    def build_model(self, num_classes):
+        model = super().build_model(num_classes)
+        if not state_keys_of(model, BN_TYPES):  # e.g. a timm ConvNeXt: nothing would stay local
+            raise ValueError("fedbn keeps the BatchNorm layers on the clients and this backbone has none")
+        return model
+
     def local_keys(self, model):
         return state_keys_of(model, BN_TYPES)
 

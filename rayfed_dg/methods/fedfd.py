@@ -164,7 +164,9 @@ class FedFD(Method):
 
     def build_model(self, num_classes):
         model = super().build_model(num_classes)
-        replace_norm(model, lambda n, bn: FDBN.from_bn(bn, self.use_adapter), (nn.BatchNorm2d,))
+        # (a timm BatchNormAct2d becomes FDBN + its activation: surgery.NormAct)
+        if not replace_norm(model, lambda n, bn: FDBN.from_bn(bn, self.use_adapter), (nn.BatchNorm2d,)):
+            raise ValueError(f"{self.name} diversifies BatchNorm statistics and this backbone has no BatchNorm2d layer")
         infer = self.p.inference
         if infer == "auto":
             infer = "adapter" if self.use_adapter else "global"

@@ -45,9 +45,15 @@ from rayfed_dg.models import XAN, apply_norm, modules_of_type
 
 from .base import Method, register_method
 
-DEFAULT_PLACEMENT = {"resnet50": "stages:4", "resnet18": "stages:4", "densenet121": "dense1", "convnet": "blocks:2"}
+# a timm backbone ("timm/<name>") takes the ResNets' reading over its own stages (models/norms.py)
+DEFAULT_PLACEMENT = {"resnet50": "stages:4", "resnet18": "stages:4", "densenet121": "dense1", "convnet": "blocks:2",
+                     "timm": "stages:4"}
 IBN_PLACEMENT = {"resnet50": "first_bn:stages:3", "resnet18": "first_bn:stages:3", "convnet": "blocks:2",
-                 "densenet121": "dense1"}
+                 "densenet121": "dense1", "timm": "first_bn:stages:3"}
+
+
+def auto_placement(table: dict[str, str], arch: str) -> str:
+    return table["timm" if arch.startswith("timm/") else arch]
 
 
 @register_method
@@ -65,7 +71,9 @@ class GPerXAN(Method):
         model = super().build_model(num_classes)  # pretrained BN weights are loaded before surgery
         if self.p.norm != "bn":
             table = DEFAULT_PLACEMENT if self.p.norm == "xan" else IBN_PLACEMENT
-            placement = table[self.model_cfg.arch] if self.p.placement == "auto" else self.p.placement
+            placement = self.p.placement
+            if placement == "auto":
+                placement = auto_placement(table, self.model_cfg.arch)
             apply_norm(model, placement, self.p.norm)
         return model
 

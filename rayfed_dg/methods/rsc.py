@@ -6,7 +6,9 @@ client ("FedAvg w/ RSC") in the gPerXAN, CCST and FedFD-A papers; no
 federated change, aggregation is FedAvg.
 
 Per batch, on the last feature map z (B, C, H, W) before global pooling
-(ResNet layer4, the conv net's fourth block) and the labels y:
+(ResNet layer4, the conv net's fourth block, a timm CNN's ``forward_features``
+output: only where its features are that map's average pool, not a head
+with layers of its own) and the labels y:
 
 1. g = d (sum_i h(pool(z))_{i, y_i}) / d z, the gradient of each sample's
    true-class logit with respect to z (z detached: no update from this pass);
@@ -83,10 +85,20 @@ class RSC(Method):
 
     @classmethod
     def check(cls, cfg) -> None:
-        # the last feature map is read at the global pooling that feature_sites knows (ResNets, the conv net)
-        if not (cfg.model.arch.startswith("resnet") or cfg.model.arch == "convnet"):
+        # the last feature map is read at the global pooling that feature_sites knows (ResNets, the conv net,
+        # timm CNNs whose features are the average pool of their last map: checked when the model is built)
+        arch = cfg.model.arch
+        if not (arch.startswith(("resnet", "timm/")) or arch == "convnet"):
             raise ConfigError(f"rsc mutes the last feature map of the ResNets and the conv net; model.arch "
-                              f"{cfg.model.arch} is not supported: use resnet18/resnet50 or convnet")
+                              f"{arch} is not supported: use resnet18/resnet50, convnet or a timm CNN")
+
+    def build_model(self, num_classes):
+        model = super().build_model(num_classes)
+        try:  # a timm network whose head does more than pool has no such map: rejected before anything runs
+            feature_sites(model.body, need=("pool",))
+        except ValueError as e:
+            raise ValueError(f"rsc mutes the last feature map before global average pooling; {e}") from None
+        return model
 
     def round_start(self, model, ctx):
         ctx.scratch["pool"] = model.body.get_submodule(feature_sites(model.body)["pool"])

@@ -15,5 +15,11 @@ from .base import Method, register_method
 class SiloBN(Method):
     name = "silobn"
 
+    def build_model(self, num_classes):
+        model = super().build_model(num_classes)
+        if not state_keys_of(model, BN_TYPES, kinds=("buffer",)):
+            raise ValueError("silobn keeps the BatchNorm statistics on the clients and this backbone has none")
+        return model
+
     def local_keys(self, model):
         return state_keys_of(model, BN_TYPES, kinds=("buffer",))

@@ -28,6 +28,11 @@ Federated Domain Generalization", NeurIPS 2023.  Modules in
   (default B), exploration (step 4, Eq. 4-5, alpha = 3) and MixStyle over the
   enlarged batch (step 5, Beta(0.1, 0.1)), after blocks 1, 2 and 3, each
   firing with probability 0.5; only the first firing one enlarges the batch.
+* Placement: blocks 1-3 and the last block are ResNet ``layer1``..``layer4``
+  (the conv net's blocks; a timm CNN's last four ``feature_info`` stages,
+  EfficientNet-Lite0 ``blocks.1``, ``blocks.2``, ``blocks.4`` and its last
+  map after ``conv_head``; a timm network whose head does more than
+  average-pool that map has no place for the highlighter and is rejected).
 * Feature highlighter (Sec. 3.2, Eq. 6-8), d = 30, on the last block's map;
   a sample whose class has no other sample in the batch gets a partner drawn
   from the client's own data (appended to the batch and trained on, as the
@@ -83,7 +88,14 @@ class StableFDG(Method):
                            oversample_size=p.oversample_size, explore=p.style, alpha=p.alpha,
                            explore_p=p.explore_p, mix_alpha=p.mix_alpha)
         model.style_state = state
-        sites = feature_sites(model.body)
+        # on a timm CNN: its last four feature_info stages and, for the highlighter, a head that only pools
+        sites = feature_sites(model.body, need=("block1", "block2", "block3"))
+        if p.attention and "pool" not in sites:
+            try:
+                feature_sites(model.body, need=("pool",))
+            except ValueError as e:
+                raise ValueError(f"the feature highlighter attends over the last feature map before global average "
+                                 f"pooling; {e} (method.attention: false runs the style part alone)") from None
         channels = model.head.in_features
         insert_after(model.body, sites["block1"], StyleShift(state), StyleExplore(state))
         for b in ("block2", "block3"):

@@ -131,6 +131,10 @@ def densenet(arch: str, num_classes: int, pretrained: str | None = None) -> Spli
 
 
 def build_backbone(arch: str, num_classes: int, pretrained: str | None = None, width: int = 64) -> SplitModel:
+    if arch.startswith("timm/"):  # timm is imported only here, when a timm backbone is named
+        from .timm_backbones import timm_backbone
+
+        return timm_backbone(arch, num_classes, pretrained)
     if arch == "convnet":
         if pretrained:
             raise ModelError("model.pretrained: the convnet has no pretrained weights; set it to null")

@@ -13,23 +13,43 @@ Placement names which BatchNorm layers of a backbone are replaced:
 
 ``all``        every BatchNorm layer (stem, every block, every shortcut); the
                gPerXAN reference code's choice (53 layers in ResNet-50).
-``blocks:K``   the BatchNorm layers inside the first K residual blocks in
-               forward order, shortcut (``downsample.1``) BNs included, stem
-               excluded.  ResNet-50 ``blocks:4`` = layer1.0-2 and layer2.0
-               (14 layers: the paper's PACS setting read literally),
-               ``blocks:2`` = layer1.0-1 (7 layers; Office-Home).  ResNet-18 blocks are
-               its 8 BasicBlocks; the conv net's blocks are its 4
-               conv-BN-ReLU-pool units.
+``blocks:K``   the BatchNorm layers inside the first K residual units
+               (Bottleneck / BasicBlock) in forward order, shortcut
+               (``downsample.1``) BNs included, stem excluded: ResNet-50
+               ``blocks:4`` = layer1.0-2 and layer2.0 (14 of 53 layers),
+               ``blocks:2`` = layer1.0-1 (7).  An explicit option only, not
+               the paper's setting (see ``stages:K``).  ResNet-18's units are
+               its 8 BasicBlocks; the conv net's are its 4 conv-BN-ReLU-pool
+               units (its gPerXAN default is ``blocks:2``).
 ``stages:K``   every BatchNorm inside layer1..layerK of a ResNet (K <= 4).
+               gPerXAN's setting: its "first four / first two blocks" read as
+               ResNet stages (``methods/gperxan.py``), PACS ``stages:4`` (52
+               of ResNet-50's 53 layers, all but the stem's; 19 of
+               ResNet-18's 20) and Office-Home ``stages:2`` (23 of 53).
 ``dense1``     DenseNet-121's first dense block and the following transition
                block (``features.denseblock1``, ``features.transition1``; the
                paper's Camelyon17 setting).
 ``first_bn:stages:K``  (IBN-a) only the first BN (``bn1``) of each block in
                layer1..layerK.
+
+On a timm backbone (``model.arch: timm/...``, ``models/timm_backbones.py``)
+its stages are the last four stages of timm's ``feature_info``, ``block1``
+.. ``block4`` (EfficientNet-Lite0: ``blocks.1``, ``blocks.2``, ``blocks.4``,
+``blocks.6``): ``stages:K`` is every BatchNorm in the stage modules up to
+``blockK`` (EfficientNet: every numbered stage ``blocks.0`` .. up to it, so
+``stages:4`` is every BN but the stem's and the head convolution's, 47 of
+Lite0's 49), ``blocks:K`` the first K children of those stage modules
+(EfficientNet's inverted-residual blocks, ResNet's units), and
+``first_bn:stages:K`` their ``bn1`` layers (the first BN of each
+EfficientNet or ResNet block).  timm's ``BatchNormAct2d`` is a BatchNorm2d
+that applies its activation: a layer that replaces it keeps that activation
+(``surgery.NormAct``).  A placement that selects no BatchNorm layer (a
+backbone without any, such as ConvNeXt's LayerNorms) is an error.
 """
 from __future__ import annotations
 
 import re
+import sys
 
 import torch
 import torch.nn as nn
@@ -178,9 +198,14 @@ class DSON(nn.Module):
 
 def _block_prefixes(model: nn.Module) -> list[str]:
     """Residual blocks (or conv-net units) in forward order."""
-    from torchvision.models.resnet import BasicBlock, Bottleneck
-
-    blocks = [n for n, m in model.named_modules() if isinstance(m, (BasicBlock, Bottleneck))]
+    body = getattr(model, "body", None)
+    if hasattr(body, "residual_units"):  # a timm backbone
+        return [f"body.{n}" for n in body.residual_units()]
+    # a torchvision ResNet was built by torchvision, already imported; importing it only to learn that the
+    # conv net has no residual blocks costs seconds (in the driver and in each worker)
+    resnet = sys.modules.get("torchvision.models.resnet")
+    kinds = (resnet.BasicBlock, resnet.Bottleneck) if resnet is not None else ()
+    blocks = [n for n, m in model.named_modules() if kinds and isinstance(m, kinds)]
     if blocks:
         return blocks
     # the conv net: each BatchNorm is one unit
@@ -200,12 +225,14 @@ def placement_names(model: nn.Module, placement: str) -> list[str]:
             if k > len(prefixes):
                 raise ValueError(f"placement {placement}: the model has only {len(prefixes)} blocks")
             prefixes = prefixes[:k]
+        elif hasattr(getattr(model, "body", None), "stage_modules"):  # a timm backbone
+            prefixes = [f"body.{n}" for n in model.body.stage_modules(k)]
         else:
             if k > 4:
                 raise ValueError(f"placement {placement}: a ResNet has 4 stages")
             prefixes = [n for n, _ in model.named_modules() if re.search(rf"(^|\.)layer[1-{k}]$", n)]
             if not prefixes:
-                raise ValueError(f"placement {placement} needs a ResNet (layer1..layer4)")
+                raise ValueError(f"placement {placement} needs a ResNet (layer1..layer4) or a timm CNN")
         out = [n for n in bns if any(n == p or n.startswith(p + ".") for p in prefixes)]
         if first_only:
             out = [n for n in out if n.endswith(".bn1")]
@@ -222,6 +249,9 @@ def apply_norm(model: nn.Module, placement: str, kind: str) -> list[str]:
     """Replace the BatchNorm2d layers named by ``placement`` with ``kind``
     (``xan``, ``ibn`` or ``dson``), each initialised from the BN it replaces."""
     names = set(placement_names(model, placement))
+    if not names:
+        raise ValueError(f"placement {placement} selects no BatchNorm layer of this backbone: {kind} replaces "
+                         "BatchNorm layers")
     make = {"xan": XAN.from_bn, "ibn": IBN.from_bn, "dson": DSON.from_bn}[kind]
     return replace_norm(model, lambda n, old: make(old) if n in names else None, (nn.BatchNorm2d,))
 

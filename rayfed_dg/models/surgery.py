@@ -2,11 +2,16 @@
 
 torchvision names a ResNet's shortcut BatchNorm ``downsample.1``, so name
 filters such as ``'bn' in key`` miss it; everything here goes by module type.
+
+timm's ``BatchNormAct2d`` (a BatchNorm2d subclass) applies its activation
+(and dropout) itself: a norm that replaces one keeps them (``NormAct``).
 """
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable
 
+import torch
 import torch.nn as nn
 
 BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
@@ -31,33 +36,70 @@ def state_keys_of(model: nn.Module, types: tuple[type, ...], kinds: Iterable[str
     return keys
 
 
+class NormAct(nn.Module):
+    """A norm that replaced a timm ``BatchNormAct2d``, followed by that layer's
+    own dropout and activation, as its forward applied them."""
+
+    def __init__(self, norm: nn.Module, drop: nn.Module, act: nn.Module):
+        super().__init__()
+        self.norm, self.drop, self.act = norm, drop, act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.drop(self.norm(x)))
+
+
+def norm_act_parts(m: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    """(dropout, activation) of a timm norm+activation layer, None for a plain norm (timm is not
+    imported: a timm layer exists only once timm built it)."""
+    norm_act = sys.modules.get("timm.layers.norm_act")
+    kinds = tuple(getattr(norm_act, n) for n in ("BatchNormAct2d", "SyncBatchNormAct") if hasattr(norm_act, n))
+    if kinds and isinstance(m, kinds):
+        return m.drop, m.act
+    return None
+
+
 def replace_norm(model: nn.Module, make: Callable[[str, nn.Module], nn.Module | None],
                  types: tuple[type, ...] = BN_TYPES) -> list[str]:
     """Replace every module of ``types`` with ``make(name, old)`` (None keeps
-    the old one).  Returns the qualified names of replaced modules."""
+    the old one); a timm ``BatchNormAct2d`` becomes ``NormAct(new, its
+    dropout, its activation)``.  Returns the qualified names of replaced modules."""
     replaced: list[str] = []
     for name, old in modules_of_type(model, types):
         new = make(name, old)
         if new is None:
             continue
-        replace_module(model, name, new)
+        parts = norm_act_parts(old)
+        replace_module(model, name, new if parts is None else NormAct(new, *parts))
         replaced.append(name)
     return replaced
 
 
-def feature_sites(body: nn.Module) -> dict[str, str]:
-    """Where feature-statistics methods (MixStyle, DSU, StableFDG) hook into a
+def feature_sites(body: nn.Module, need: Iterable[str] = ()) -> dict[str, str]:
+    """Where feature-statistics methods (MixStyle, DSU, StableFDG, RSC) hook into a
     feature extractor: qualified names in ``body`` of the stem convolution
     (``conv1``), the end of the stem (``stem``, the ResNets' max-pool), the
     four stages (``block1`` .. ``block4``: ResNet ``layerK``, or the conv
-    net's K-th conv-BN-ReLU-pool block) and the global pooling (``pool``)."""
+    net's K-th conv-BN-ReLU-pool block, or a timm network's last four
+    ``feature_info`` stages) and the global pooling (``pool``).  A site in
+    ``need`` that the body lacks is a ``ValueError`` saying why."""
+    if hasattr(body, "feature_sites"):  # a timm body knows its own (models/timm_backbones.py)
+        sites = body.feature_sites()
+        missing = [s for s in need if s not in sites]
+        if missing:
+            raise ValueError(body.missing_site_reason(missing[0]))
+        return sites
     if hasattr(body, "layer1") and hasattr(body, "maxpool"):
-        return {"conv1": "conv1", "stem": "maxpool", **{f"block{i}": f"layer{i}" for i in range(1, 5)},
-                "pool": "avgpool"}
-    if isinstance(body, nn.Sequential) and len(body) == 17:
+        sites = {"conv1": "conv1", "stem": "maxpool", **{f"block{i}": f"layer{i}" for i in range(1, 5)},
+                 "pool": "avgpool"}
+    elif isinstance(body, nn.Sequential) and len(body) == 17:
         # conv net: 4 x [conv, bn, relu, pool] + global pool; its stem is block 1
-        return {"conv1": "0", **{f"block{i}": str(4 * i - 1) for i in range(1, 5)}, "pool": "16"}
-    raise ValueError("feature-statistics methods support the ResNets and the conv net")
+        sites = {"conv1": "0", **{f"block{i}": str(4 * i - 1) for i in range(1, 5)}, "pool": "16"}
+    else:
+        raise ValueError("feature-statistics methods support the ResNets, the conv net and timm CNNs")
+    missing = [s for s in need if s not in sites]
+    if missing:
+        raise ValueError(f"this backbone has no {missing[0]} site")
+    return sites
 
 
 def insert_after(root: nn.Module, name: str, *modules: nn.Module) -> None:
