@@ -20,14 +20,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rayfed_dg.config import ExperimentConfig, save_config
 from rayfed_dg.data import DomainDataset, FederatedSplit
 from rayfed_dg.utils import write_text
 
 from .host import EngineHost, HostPool
-from .plan import load_data, preflight, resolve_variants, split_for
+from .plan import clients_per_round, load_data, preflight, resolve_variants, split_for
 from .records import RoundResult
+from .resources import ensure_workers
 from .run import TargetResult, run_experiment, run_federation
 
 
@@ -95,7 +97,6 @@ def run_planned(exp: Experiment, run_dir: Path, progress: bool = True) -> dict[i
     return by_seed
 
 
-
 def run_trial(cfg: ExperimentConfig, target: str, run_dir: Path, placement_group=None,
               on_round: Callable[[RoundResult, TargetResult], None] | None = None,
               tensorboard: Path | None = None) -> TargetResult:
@@ -103,11 +104,6 @@ def run_trial(cfg: ExperimentConfig, target: str, run_dir: Path, placement_group
     ``placement_group`` is the trial's: it reserved an empty bundle for the
     server and one per worker, so the pool has that many workers and every
     actor is placed in it (concurrent trials never take each other's)."""
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    from .plan import clients_per_round
-    from .resources import ensure_workers
-
     ds = load_data(cfg)
     split = split_for(cfg, ds, target)
     if placement_group is not None:

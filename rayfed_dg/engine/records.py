@@ -18,7 +18,7 @@ hooks in ``methods/base.py``, since ``after_round`` receives it.)
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -49,8 +49,7 @@ class Split(StrEnum):
 class _Row:
     def row(self) -> dict[str, Any]:
         """The table's plain row (a ``Split`` becomes its string)."""
-        return {f.name: (str(v) if isinstance(v := getattr(self, f.name), StrEnum) else v)
-                for f in fields(self)}  # type: ignore[arg-type]
+        return {k: str(v) if isinstance(v, StrEnum) else v for k, v in vars(self).items()}
 
 
 @dataclass
