@@ -24,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", default=None, help="experiment config (default: the space's)")
     ap.add_argument("--target", default="all", help="target domain, comma list, or all (one trial per target)")
     ap.add_argument("--samples", type=int, default=1, help="samples per grid point / random draws")
+    ap.add_argument("--seeds", default=None, metavar="S,S,...",
+                    help="run every value and target once per training seed; each seed chooses its own value "
+                         "(rayfed-dg collect SWEEP prints the paper table)")
     ap.add_argument("--scheduler", choices=["fifo", "asha"], default="fifo")
     ap.add_argument("--resume", action="store_true", help="continue an interrupted sweep")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -32,15 +35,23 @@ def main(argv: list[str] | None = None) -> int:
                     help="also log trials to Weights & Biases (Ray Tune's WandbLoggerCallback; needs wandb)")
     ap.add_argument("--mlflow", metavar="TRACKING_URI", default=None,
                     help="also log trials to MLflow (Ray Tune's MLflowLoggerCallback; needs mlflow)")
+    ap.add_argument("--tune-tables", action="store_true",
+                    help="print Ray Tune's own status tables instead of a progress bar")
     ap.add_argument("--debug", action="store_true")
     args = ap.parse_args(argv)
 
+    from rayfed_dg.errors import ConfigError
     from rayfed_dg.tuning import run_sweep
     from rayfed_dg.utils import run_cli
 
     def sweep() -> int:
+        try:
+            seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None
+        except ValueError:
+            raise ConfigError(f"--seeds {args.seeds}: expected integers separated by commas, e.g. 0,1,2") from None
         out = run_sweep(args.space, args.config, args.target, args.samples, args.scheduler, args.resume,
-                        args.overrides, args.storage, wandb_project=args.wandb, mlflow_uri=args.mlflow)
+                        args.overrides, args.storage, wandb_project=args.wandb, mlflow_uri=args.mlflow,
+                        verbose=2 if args.tune_tables else 1, seeds=seeds)
         print(f"\nTarget accuracy at each target's round selected by source validation; sweep {out['path']}")
         print(out["table"])
         if out["complete"]:

@@ -1,2 +1,23 @@
-"""rayfed_dg: a Ray-based simulation engine for federated domain generalization."""
+"""rayfed_dg: a Ray-based simulation engine for federated domain generalization.
+
+``rayfed_dg.run(config, overrides, target=..., run_dir=..., seeds=...)`` is
+``rayfed-dg run`` from Python (``api.py``); it is imported on first use, so
+``import rayfed_dg`` stays cheap (no torch, no Ray).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+__all__ = ["RunResult", "__version__", "run"]
+
+if TYPE_CHECKING:
+    from .api import RunResult, run
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("run", "RunResult"):
+        from . import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'rayfed_dg' has no attribute {name!r}")

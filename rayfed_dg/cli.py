@@ -14,7 +14,9 @@ import argparse
 import json
 import shlex
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from rayfed_dg import __version__
 from rayfed_dg.utils import render_table, run_cli, write_table, write_text
@@ -50,6 +52,12 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dry-run", action="store_true",
                      help="prove the config builds and trains: 1 round, 1 local step, a few images per client "
                           "(in a temporary directory unless --run-dir is given)")
+    run.add_argument("--wandb", metavar="PROJECT", default=None,
+                     help="also log each federation's round scalars to Weights & Biases (output.wandb.project; "
+                          "needs wandb: pip install 'rayfed_dg[wandb]')")
+    run.add_argument("--mlflow", metavar="TRACKING_URI", default=None,
+                     help="also log them to MLflow, e.g. sqlite:///mlflow.db (output.mlflow.tracking_uri; "
+                          "needs mlflow: pip install 'rayfed_dg[mlflow]')")
     _debug_flag(run)
     part = sub.add_parser("partition", help="summarise a config's partition, write its manifest and heatmap")
     part.add_argument("config")
@@ -81,6 +89,11 @@ def _build_parser() -> argparse.ArgumentParser:
     rep.add_argument("run_dirs", nargs="+", help="run directories (a --seeds run, compare runs, or one per seed)")
     rep.add_argument("--format", choices=("md", "csv", "latex", "text"), default="md")
     _debug_flag(rep)
+    col = sub.add_parser("collect", help="sweep folders (tune.py) to a paper table: values chosen per seed on "
+                                         "source validation, target accuracy mean +- SE over seeds")
+    col.add_argument("sweep_dirs", nargs="+", help="sweep folders, as tune.py prints them (runs/tune/NAME)")
+    col.add_argument("--format", choices=("md", "csv", "latex", "text"), default="md")
+    _debug_flag(col)
     plot = sub.add_parser("plot", help="figures of runs: learning curves, per-client loss, t-SNE / PCA of features")
     plot.add_argument("run_dirs", nargs="+", help="run directories (as for report)")
     plot.add_argument("--kind", choices=("curves", "clients", "tsne", "pca"), default="curves")
@@ -102,7 +115,7 @@ def _partition(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     ds = load_data(cfg)
-    target = resolve_targets(ds, args.target)[0] if args.target else ds.domain_names[0]
+    target = resolve_targets(ds, args.target or "all", cfg.data.heldout_val_domain)[0]
     split = split_for(cfg, ds, target)
     out = Path(args.out)
     stem = f"{Path(args.config).stem}-{target}"
@@ -236,10 +249,48 @@ def _write_record(run_dir: Path, exp, args, seeds: list[int] | None) -> None:
     write_text(json.dumps(rec, indent=2) + "\n", run_dir / RUN_RECORD)
 
 
-def _run(args) -> int:
+@dataclass
+class RunRequest:
+    """What ``rayfed-dg run`` was asked (its flags, by the parser's names):
+    the CLI and ``rayfed_dg.run`` (api.py) both hand one to ``execute_run``."""
+
+    config: str | None = None
+    target: str | None = None
+    overrides: list[str] = field(default_factory=list)
+    run_dir: str | None = None
+    resume: str | None = None
+    seeds: str | None = None  # "0,1,2", as --seeds
+    dry_run: bool = False
+    no_progress: bool = False
+
+
+@dataclass
+class RunOutcome:
+    run_dir: Path
+    exp: Any  # engine.experiment.Experiment
+    seeds: list[int] | None
+    by_seed: dict[int | None, dict[str, dict]]  # {seed: {label: summary}}
+    tmp: Any = None  # a dry run's temporary directory (removed when this is dropped), else None
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C during the federations; every finished round is on disk."""
+
+    def __init__(self, run_dir: Path, kept: bool):
+        self.run_dir, self.kept = run_dir, kept
+        super().__init__("interrupted (a dry run keeps nothing)" if not kept else
+                         f"interrupted; resume with: rayfed-dg run --resume {shlex.quote(str(run_dir))}")
+
+
+def execute_run(args: RunRequest) -> RunOutcome:
+    """Everything ``rayfed-dg run`` does but print its closing table: check
+    the config(s), data and targets, make (or reopen) the run directory,
+    record how the run was started, train every seed, row and target, and
+    (``--seeds``) write the seeds' summary.  Ctrl-C raises ``RunInterrupted``."""
     from rayfed_dg.config import ConfigError, ExperimentConfig, load_config
     from rayfed_dg.engine import check_resume_dir, load_data, make_run_dir, resolve_targets
     from rayfed_dg.engine.experiment import plan_experiment, run_planned
+    from rayfed_dg.engine.trackers import require_trackers
 
     seeds = parse_seeds(args.seeds)
     if seeds is not None:
@@ -264,10 +315,12 @@ def _run(args) -> int:
             [(s, load_config(args.config, args.overrides + dry + [f"training.seed={s}"])) for s in seeds]
         target_arg = args.target
     cfg = cfgs[0][1]
+    for _, scfg in cfgs:  # output.wandb / output.mlflow (a compare row keeps the output section): installed, answering
+        require_trackers(scfg)
     ds = load_data(cfg)
-    targets = resolve_targets(ds, target_arg)
+    targets = resolve_targets(ds, target_arg, cfg.data.heldout_val_domain)
     if args.resume and rec is not None and args.target is not None and \
-            resolve_targets(ds, args.target) != targets:
+            resolve_targets(ds, args.target, cfg.data.heldout_val_domain) != targets:
         raise ConfigError(f"--target {args.target}: {run_dir} was started with --target {','.join(targets)}; "
                           "--resume continues those targets (drop --target)")
     exp = plan_experiment(cfgs, ds, targets)  # every check passes before anything is written
@@ -293,25 +346,37 @@ def _run(args) -> int:
     try:
         by_seed = run_planned(exp, run_dir, progress=not args.no_progress)
     except KeyboardInterrupt:
-        if tmp is not None:
-            print("rayfed-dg: interrupted (a dry run keeps nothing)", file=sys.stderr)
-        else:
-            print(f"rayfed-dg: interrupted; resume with: rayfed-dg run --resume {shlex.quote(str(run_dir))}",
-                  file=sys.stderr)
+        raise RunInterrupted(run_dir, tmp is None) from None
+    if seeds is not None:
+        write_text(json.dumps({"seeds": {str(s): v for s, v in by_seed.items()}}, indent=2),
+                   run_dir / "summary.json")
+    return RunOutcome(run_dir, exp, seeds, by_seed, tmp)
+
+
+def _run(args) -> int:
+    if args.wandb:  # the flags are the config's output.wandb / output.mlflow sections, recorded like any --set
+        args.overrides.append(f"output.wandb.project={args.wandb}")
+    if args.mlflow:
+        args.overrides.append(f"output.mlflow.tracking_uri={args.mlflow}")
+    req = RunRequest(config=args.config, target=args.target, overrides=list(args.overrides), run_dir=args.run_dir,
+                     resume=args.resume, seeds=args.seeds, dry_run=args.dry_run, no_progress=args.no_progress)
+    try:
+        out = execute_run(req)
+    except RunInterrupted as e:
+        print(f"rayfed-dg: {e}", file=sys.stderr)
         return 130
-    where_to = "dry run: nothing kept (--run-dir DIR keeps its run directory)" if tmp is not None else \
-        f"run dir {run_dir}"
-    if seeds is None:
+    where_to = "dry run: nothing kept (--run-dir DIR keeps its run directory)" if out.tmp is not None else \
+        f"run dir {out.run_dir}"
+    if out.seeds is None:
         from rayfed_dg.reporting import run_table
 
         print(f"\nTarget accuracy (%) at the round selected by mean source-validation accuracy; {where_to}")
-        print(run_table(by_seed[None], run_dir))
+        print(run_table(out.by_seed[None], out.run_dir))
         return 0
     from rayfed_dg.reporting import SE_NOTE, seeds_table
 
-    write_text(json.dumps({"seeds": {str(s): v for s, v in by_seed.items()}}, indent=2), run_dir / "summary.json")
-    print(f"\nTarget accuracy (%) over seeds {','.join(map(str, seeds))} ({SE_NOTE}); {where_to}")
-    print(seeds_table([run_dir], "text"))
+    print(f"\nTarget accuracy (%) over seeds {','.join(map(str, out.seeds))} ({SE_NOTE}); {where_to}")
+    print(seeds_table([out.run_dir], "text"))
     return 0
 
 
@@ -324,7 +389,7 @@ def _evaluate(args) -> int:
     run_dir = Path(args.run_dir)
     cfg = load_run_config(run_dir, args.overrides)
     ds = load_data(cfg)
-    targets = resolve_targets(ds, args.target) if args.target else run_targets(run_dir)
+    targets = resolve_targets(ds, args.target, cfg.data.heldout_val_domain) if args.target else run_targets(run_dir)
     res = evaluate_saved(cfg, ds, targets, run_dir, args.weights)
     what = " ".join(args.overrides) or "the run's own settings"
     print(f"{run_dir} ({cfg.method.name}), {args.weights} models, {what}")
@@ -345,14 +410,25 @@ def _report(args) -> int:
     for line in unfinished_runs(dirs):
         warnings.warn(line, stacklevel=1)
     caption = (f"Target accuracy (%) at the round each model-selection rule picks; {SE_NOTE}. "
-               "The test-domain oracle is an upper bound and never chooses anything.")
-    table = seeds_table(dirs, args.format)
-    if args.format in ("md", "text"):
-        print(caption + "\n")
-    elif args.format == "latex":
+               "The test-domain oracle is an upper bound and never chooses anything")
+    return _print_table(caption, seeds_table(dirs, args.format), args.format)
+
+
+def _print_table(caption: str, table: str, fmt: str) -> int:
+    """A table under its caption: a line above it (Markdown, text), a LaTeX
+    comment, or nothing (CSV, for a spreadsheet)."""
+    if fmt in ("md", "text"):
+        print(caption + ".\n")
+    elif fmt == "latex":
         print("% " + caption)
     print(table)
     return 0
+
+
+def _collect(args) -> int:
+    from rayfed_dg.tuning import COLLECT_CAPTION, collect
+
+    return _print_table(COLLECT_CAPTION, collect([Path(p) for p in args.sweep_dirs], args.format), args.format)
 
 
 def _plot(args) -> int:
@@ -369,7 +445,9 @@ def _data(args) -> int:
     from rayfed_dg.data.sources import DATA_ENV, data_root
 
     if args.data_command == "list":
-        print(f"data root {data_root()} (${DATA_ENV}, default ~/data); configs name folders relative to it")
+        # the root on a line of its own: a long path must not push the explanation past a terminal's width
+        print(f"data root: {data_root()}")
+        print(f"  set by ${DATA_ENV} (default ~/data); configs name dataset folders relative to it")
         rows, sources = describe()
         print(render_table(["name", "folder", "present", "checks"], rows))
         print("\nwhere each comes from (rayfed-dg data fetch NAME):")
@@ -387,6 +465,8 @@ def _dispatch(args) -> int:
         return _report(args)
     if args.command == "plot":
         return _plot(args)
+    if args.command == "collect":
+        return _collect(args)
     if args.command == "evaluate":
         return _evaluate(args)
     return _run(args) if args.command == "run" else _partition(args)

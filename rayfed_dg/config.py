@@ -7,7 +7,7 @@ merged tree, before anything starts; every failure becomes one ``ConfigError``
 line naming the key and the file it came from.
 
 The shape of the tree follows the objects it configures (FLSim's lesson):
-``data``, ``partition``, ``model``, ``method``, ``training``, ``engine``,
+``data``, ``partition``, ``model``, ``method``, ``training``, ``server``, ``engine``,
 ``evaluation``, ``output``.  Method hyper-parameters live under ``method`` next
 to its ``name``, data stages under ``stages`` keyed by stage name
 (``stages: {ccst: {k: 2}}``); each is validated by the method's or stage's
@@ -15,6 +15,9 @@ own parameter model, once, and kept typed on the config
 (``cfg.method.params``, ``cfg.stage_params(name)``), so this module never
 names a method or a stage.  A method or stage may veto a whole config
 (``check``), e.g. a stage that needs more clients than the partition has.
+The top-level ``plugins: [module, ...]`` names the user's own modules that
+register methods, stages or datasets; they are imported before any name is
+looked up, and again wherever the config is unpickled (``plugins.py``).
 """
 from __future__ import annotations
 
@@ -40,6 +43,10 @@ class DataConfig(_Strict):
     root: str | None = None  # dataset folder; None for embedded data
     resolution: int = Field(32, ge=8, le=1024)
     val_fraction: float = Field(0.2, gt=0.0, lt=1.0)
+    # an in-domain test split of each source domain (metrics split source_test); 0: none, training data as before
+    source_test_fraction: float = Field(0.0, ge=0.0, lt=1.0)
+    # a domain held out of training and never a target, whose accuracy feeds the held-out-domain selection rule
+    heldout_val_domain: str | None = None
     split_seed: int = 0
     # colour normalisation applied on the fly (ImageNet stats by default)
     mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
@@ -66,6 +73,9 @@ class DataConfig(_Strict):
         if self.decode_resolution is not None and self.decode_resolution < self.resolution:
             raise ValueError(f"data.decode_resolution ({self.decode_resolution}) is smaller than data.resolution "
                              f"({self.resolution})")
+        if self.val_fraction + self.source_test_fraction >= 0.95:
+            raise ValueError(f"data.val_fraction ({self.val_fraction}) + data.source_test_fraction "
+                             f"({self.source_test_fraction}) leave too little to train on; keep their sum below 0.95")
         return self
 
     def loader_options(self) -> dict:
@@ -125,8 +135,9 @@ class MethodConfig(_Named):
 
     In a ``compare`` list a row may also carry its own ``partition`` (merged
     over the config's ``partition`` section for that row only, e.g. the
-    centralized reference ``partition: {strategy: centralized}``) and its own
-    ``stages`` (added to the config's, e.g. ELCFS's amplitude bank), so one
+    centralized reference ``partition: {strategy: centralized}``), its own
+    ``stages`` (added to the config's, e.g. ELCFS's amplitude bank) and its
+    own ``server`` settings (merged like ``partition``, e.g. FedAdam), so one
     comparison holds rows that differ in more than the method; see
     ``method_variants``."""
 
@@ -134,6 +145,7 @@ class MethodConfig(_Named):
     label: str | None = None  # row name in comparison tables
     partition: dict[str, Any] | None = None  # compare rows only: this row's partition settings
     stages: dict[str, Any] | None = None  # compare rows only: data stages of this row
+    server: dict[str, Any] | None = None  # compare rows only: this row's server optimizer settings
 
 
 class StageConfig(_Named):
@@ -190,6 +202,41 @@ class EvaluationConfig(_Strict):
     personal: bool = True
 
 
+# server learning rate eta when server.lr is not set.  FedAvgM: 1, Hsu et al. (2019) step by the whole momentum
+# buffer (no server rate).  FedAdam / FedYogi: 1e-2, and FedAdagrad 1e-1, from Reddi et al. (ICLR 2021)'s
+# grids (eta in 10^{-3..1}); Adagrad's accumulator sums Delta^2 instead of averaging it, so its first step is
+# about eta * (1 - beta1) per weight where Adam's is about eta: a 10x larger eta keeps the two comparable
+SERVER_LR = {"fedavgm": 1.0, "fedadam": 1e-2, "fedyogi": 1e-2, "fedadagrad": 1e-1}
+
+
+class ServerConfig(_Strict):
+    """The server optimizer (engine/server_opt.py): a step from the global
+    model along the pseudo-gradient (the round's weighted average minus the
+    global model) instead of taking the average; ``none`` takes it (FedAvg)."""
+
+    optimizer: Literal["none", "fedavgm", "fedadam", "fedyogi", "fedadagrad"] = "none"
+    lr: float | None = Field(None, gt=0.0)  # eta; None: the optimizer's default (SERVER_LR)
+    # beta1 of FedAdam / FedYogi / FedAdagrad (Reddi et al.'s experiments: 0.9), beta of FedAvgM (Hsu et al.: 0.9)
+    momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    beta2: float = Field(0.99, ge=0.0, lt=1.0)  # FedAdam / FedYogi (Reddi et al.: 0.99)
+    tau: float = Field(1e-3, gt=0.0)  # adaptivity (epsilon) of FedAdam / FedYogi / FedAdagrad (Reddi et al.: 1e-3)
+
+    @property
+    def eta(self) -> float:
+        return self.lr if self.lr is not None else SERVER_LR.get(self.optimizer, 1.0)
+
+
+class WandbConfig(_Strict):
+    project: str
+    entity: str | None = None
+    mode: Literal["online", "offline", "disabled"] | None = None  # None: W&B's own default ($WANDB_MODE, online)
+
+
+class MlflowConfig(_Strict):
+    tracking_uri: str  # e.g. sqlite:///mlflow.db, http://host:5000
+    experiment: str | None = None  # None: output.name
+
+
 class OutputConfig(_Strict):
     root: str = "runs"
     name: str = "experiment"
@@ -198,6 +245,9 @@ class OutputConfig(_Strict):
     # a driver lost with its node resumes from the round before, not from up to five rounds back
     checkpoint_every: int = Field(1, ge=0)
     tensorboard: bool = True  # TensorBoard scalars per round under <run dir>/tensorboard/<target>
+    # the same scalars to Weights & Biases / MLflow (engine/trackers.py); optional packages, imported only when set
+    wandb: WandbConfig | None = None
+    mlflow: MlflowConfig | None = None
 
 
 class ExperimentConfig(_Strict):
@@ -206,6 +256,7 @@ class ExperimentConfig(_Strict):
     model: ModelConfig = ModelConfig()
     method: MethodConfig = MethodConfig()
     training: TrainingConfig = TrainingConfig()
+    server: ServerConfig = ServerConfig()
     engine: EngineConfig = EngineConfig()
     evaluation: EvaluationConfig = EvaluationConfig()
     output: OutputConfig = OutputConfig()
@@ -213,6 +264,19 @@ class ExperimentConfig(_Strict):
     stages: dict[str, StageConfig | None] = {}
     # optional: run several methods with everything else equal, one table row each
     compare: list[MethodConfig] | None = None
+    # modules imported before the method, stage and dataset names are looked up (plugins.py): the user's own
+    plugins: list[str] = []
+
+    def __reduce_ex__(self, protocol):
+        # a Ray worker builds the method from this object, not from the YAML: the plugins imported here (the
+        # config's and the installed entry points) are imported there first, before the typed parameters
+        # (a plugin's Params class) in the pickled state are rebuilt
+        from .plugins import pickled_plugins
+
+        plugins = pickled_plugins()
+        if not plugins:
+            return super().__reduce_ex__(protocol)
+        return _unpickle_config, (type(self), plugins), self.__getstate__()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> ExperimentConfig:
@@ -224,6 +288,10 @@ class ExperimentConfig(_Strict):
         tree = self.model_dump(mode="json")
         if self.training.local_steps is not None:  # local_epochs has no effect then: the dump names only what applies
             del tree["training"]["local_epochs"]
+        for section, key in (("output", "wandb"), ("output", "mlflow"), (None, "plugins")):  # unset: not written
+            node = tree if section is None else tree[section]
+            if not node[key]:
+                del node[key]
         return tree
 
     def active_stages(self) -> list[tuple[str, Any]]:
@@ -233,6 +301,13 @@ class ExperimentConfig(_Strict):
     def stage_params(self, name: str) -> Any:
         sc = self.stages.get(name)
         return None if sc is None else sc.params
+
+
+def _unpickle_config(cls: type[ExperimentConfig], plugins: tuple) -> ExperimentConfig:
+    from .plugins import restore_plugins
+
+    restore_plugins(plugins)
+    return cls.__new__(cls)
 
 
 # --------------------------------------------------------------------------- loading
@@ -364,10 +439,13 @@ def validate(tree: dict, source: str = "<config>") -> ExperimentConfig:
     from rayfed_dg.methods import get_method_class
     from rayfed_dg.stages import get_stage_class
 
+    from .plugins import import_plugins
+
     try:
         cfg = ExperimentConfig.model_validate(tree)
     except ValidationError as err:
         raise ConfigError(_one_line(err, source)) from None
+    import_plugins(cfg.plugins, source)  # they register methods, stages and datasets looked up below and later
     sections = [("method", cfg.method)] + [(f"compare.{i}", m) for i, m in enumerate(cfg.compare or [])]
     for where, m in sections:
         try:
@@ -385,14 +463,20 @@ def validate(tree: dict, source: str = "<config>") -> ExperimentConfig:
             raise ConfigError(f"{source}: stages.{name}: {e.args[0]}") from None
         _typed(sc, scls.Params, f"stages.{name}", source)
         stage_classes.append(scls)
-    if cfg.method.partition is not None or cfg.method.stages is not None:
-        raise ConfigError(f"{source}: method.partition / method.stages: only compare rows carry their own partition "
-                          "or stages; set the top-level partition: / stages: sections instead")
+    if cfg.method.partition is not None or cfg.method.stages is not None or cfg.method.server is not None:
+        raise ConfigError(f"{source}: method.partition / method.stages / method.server: only compare rows carry their "
+                          "own partition, stages or server; set the top-level partition: / stages: / server: sections "
+                          "instead")
     mcls = get_method_class(cfg.method.name)
     missing = [s for s in mcls.stages_needed if cfg.stages.get(s) is None]
     if missing:
         raise ConfigError(f"{source}: method {cfg.method.name} needs the data stage(s) {', '.join(missing)}: "
                           f"add stages: {{{missing[0]}: {{}}}} (in a compare row: stages: {{{missing[0]}: {{}}}})")
+    opt = cfg.server.optimizer
+    if opt != "none" and not mcls.averages_global:  # compare rows: checked as method_variants builds them
+        raise ConfigError(f"{source}: server.optimizer {opt} steps along the clients' weighted average minus the "
+                          f"global model, but method {cfg.method.name} does not build its global model as a weighted "
+                          "average; use server.optimizer: none with it")
     try:
         mcls.check(cfg)
         for scls in stage_classes:
@@ -411,9 +495,11 @@ def method_variants(cfg: ExperimentConfig) -> list[tuple[str, ExperimentConfig]]
     for m in cfg.compare:
         tree = cfg.to_dict()
         tree["compare"] = None
-        tree["method"] = m.model_dump(mode="json", exclude={"partition", "stages"})
+        tree["method"] = m.model_dump(mode="json", exclude={"partition", "stages", "server"})
         if m.partition is not None:  # this row's own partition, over the comparison's
             tree["partition"] = _deep_merge(tree["partition"], m.partition)
+        if m.server is not None:  # this row's server optimizer, over the comparison's
+            tree["server"] = _deep_merge(tree["server"], m.server)
         if m.stages is not None:  # this row's data stages, after the comparison's
             tree["stages"] = {**(tree.get("stages") or {}), **m.stages}
         label = m.label or m.name

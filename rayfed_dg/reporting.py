@@ -347,7 +347,8 @@ def check_report_inputs(run_dirs: list[Path]) -> None:
         kind = _tune_folder(d)
         if kind == "sweep":
             raise ConfigError(f"report: {d} is a Ray Tune sweep folder, not a run directory: its table is "
-                              f"{d / 'selection.md'} (python tune.py writes it when the sweep ends)")
+                              f"{d / 'selection.md'} (python tune.py writes it when the sweep ends), "
+                              f"or: rayfed-dg collect {d}")
         if kind == "trial":
             raise ConfigError(f"report: {d} is a Ray Tune trial folder, not a run directory: the sweep's table is "
                               f"{d.parent / 'selection.md'}")
@@ -425,10 +426,11 @@ def _resume_hint(root: Path) -> str:
     return f"rayfed-dg run CONFIG --resume {root} --target TARGETS"
 
 
-def rule_accuracies(run: RunRecord, targets: list[str]) -> dict[str, dict[str, float | None]]:
-    """{rule name: {target: target accuracy at the round the rule selects}}
-    for one run; without a metrics table only the training-domain rule is
-    known (from ``summary.json``)."""
+def rule_accuracies(run: RunRecord, targets: list[str], what: str = "target_acc") -> dict[str, dict[str, float | None]]:
+    """{rule name: {target: ``what`` at the round the rule selects}} for one
+    run: ``target_acc``, or ``source_test`` / ``personal_val`` (means over
+    source domains / clients); without a metrics table only the
+    training-domain rule's target accuracy is known (``summary.json``)."""
     from rayfed_dg.engine.selection import RULES, select
 
     rows = run.metrics()
@@ -438,10 +440,11 @@ def rule_accuracies(run: RunRecord, targets: list[str]) -> dict[str, dict[str, f
         for t in targets:
             if rows is None:
                 s = run.summary["targets"].get(t)
-                accs[t] = s["target_acc"] if s is not None and rule.name == "training_domain" else None
+                accs[t] = s["target_acc"] if s is not None and rule.name == "training_domain" and \
+                    what == "target_acc" else None
             else:
                 sel = select([r for r in rows if r["target"] == t], rule)
-                accs[t] = None if sel is None else sel["target_acc"]
+                accs[t] = None if sel is None else sel[what]
         out[rule.name] = accs
     return out
 
@@ -449,7 +452,8 @@ def rule_accuracies(run: RunRecord, targets: list[str]) -> dict[str, dict[str, f
 SE_NOTE = "mean ± SE over seeds, SE = std(ddof=1)/sqrt(n), n = the seeds column"
 
 
-def _cell(values: list[float]) -> str:
+def mean_se_cell(values: list[float]) -> str:
+    """Fractions as a table cell in percent: mean ± SE, or the one value."""
     from rayfed_dg.engine.selection import mean_se
 
     if not values:
@@ -458,7 +462,7 @@ def _cell(values: list[float]) -> str:
     return f"{m:.2f}" if se is None else f"{m:.2f} ± {se:.2f}"
 
 
-def _per_seed(label: str, runs: list[RunRecord]) -> list[dict[str, dict[str, float | None]]]:
+def _per_seed(label: str, runs: list[RunRecord], what: str = "target_acc") -> list[dict[str, dict[str, float | None]]]:
     """One ``rule_accuracies`` per seed: runs of one label and seed that
     hold different targets (one run directory per target) are one seed's
     figures.  Runs whose summary names no seed count as a seed each."""
@@ -472,7 +476,7 @@ def _per_seed(label: str, runs: list[RunRecord]) -> list[dict[str, dict[str, flo
                 raise ConfigError(f"report: {label} seed {seed} has target {t} in two runs ({where[key, t]} and "
                                   f"{run.path}); pass only one of them")
             where[key, t] = run.path
-        accs = rule_accuracies(run, list(run.summary["targets"]))
+        accs = rule_accuracies(run, list(run.summary["targets"]), what)
         into = merged.setdefault(key, {rule: {} for rule in accs})
         for rule, by_target in accs.items():
             into[rule].update(by_target)
@@ -482,21 +486,39 @@ def _per_seed(label: str, runs: list[RunRecord]) -> list[dict[str, dict[str, flo
 def seeds_table(run_dirs: list[Path], fmt: str = "md") -> str:
     """Target accuracy (%) per method and model-selection rule (DomainBed's:
     training-domain validation, last round, test-domain oracle as an upper
-    bound), mean ± standard error over the seeds of each method.  The
-    targets are those of every run, in the order first seen."""
+    bound; held-out-domain validation for runs that hold a domain out),
+    mean ± standard error over the seeds of each method.  The targets are
+    those of every run, in the order first seen.  Runs that evaluate them
+    add, at each rule's round and averaged over targets, the sources'
+    in-domain test accuracy and the clients' own (personalized) models'
+    validation accuracy."""
     from rayfed_dg.engine.selection import RULES
 
     runs = collect_runs(run_dirs)
     if not runs:
         raise ConfigError(f"report: no finished runs under {', '.join(map(str, run_dirs))}")
     targets = list(dict.fromkeys(t for rs in runs.values() for r in rs for t in r.summary["targets"]))
+
+    def avg_over_targets(per_seed: list, rule: str) -> list[float]:
+        # a seed's average over targets, then mean ± SE over seeds; only seeds with every target count
+        return [float(np.mean([a[rule][t] for t in targets])) for a in per_seed
+                if all(a[rule].get(t) is not None for t in targets)]
+
+    figures = {label: {w: _per_seed(label, rs, w) for w in ("target_acc", *EXTRA_COLUMNS)}
+               for label, rs in runs.items()}
+    extras = [w for w in EXTRA_COLUMNS if any(avg_over_targets(f[w], rule.name) for f in figures.values()
+                                              for rule in RULES)]
     rows = []
-    for label, rs in runs.items():
-        per_seed = _per_seed(label, rs)
+    for label, fig in figures.items():
+        per_seed = fig["target_acc"]
         for rule in RULES:
-            cells = [_cell([v for a in per_seed if (v := a[rule.name].get(t)) is not None]) for t in targets]
-            # a seed's average over targets, then mean ± SE over seeds; only seeds with every target count
-            avgs = [float(np.mean([a[rule.name][t] for t in targets])) for a in per_seed
-                    if all(a[rule.name].get(t) is not None for t in targets)]
-            rows.append([label, rule.label, len(per_seed)] + cells + [_cell(avgs)])
-    return render_table(["method", "selection", "seeds"] + targets + ["avg"], rows, fmt)
+            cells = [mean_se_cell([v for a in per_seed if (v := a[rule.name].get(t)) is not None]) for t in targets]
+            if rule.needs and all(c == "-" for c in cells):
+                continue  # no run of this method evaluated what the rule reads
+            rows.append([label, rule.label, len(per_seed)] + cells
+                        + [mean_se_cell(avg_over_targets(fig[w], rule.name)) for w in ("target_acc", *extras)])
+    return render_table(["method", "selection", "seeds"] + targets + ["avg"] + [EXTRA_COLUMNS[w] for w in extras],
+                        rows, fmt)
+
+
+EXTRA_COLUMNS = {"source_test": "in-domain test (sources)", "personal_val": "personalized (own val)"}

@@ -94,11 +94,14 @@ def overrides_of(trial_config: dict) -> list[str]:
 def trainable(trial_config: dict, *, config_path: str, fixed: list[str]) -> None:
     """One Tune trial: a complete federation for ``trial_config['target']``
     (``engine.experiment.run_trial``, on actors in the trial's placement group)."""
+    import logging
+
     import ray
     from ray import tune
 
     from rayfed_dg.engine.experiment import run_trial
 
+    logging.getLogger("ray.train").setLevel(logging.WARNING)  # "Checkpoint successfully created" each round
     cfg = load_config(config_path, fixed + overrides_of(trial_config) + ["output.save_best_checkpoint=false"])
     target = trial_config["target"]
     # the engine's own resumable checkpoints (every output.checkpoint_every rounds) travel through Tune's
@@ -204,6 +207,76 @@ def select_value(records: list[dict], params: list[str]) -> tuple[dict | None, l
     return ({p: best[p] for p in params} if best is not None else None), rows
 
 
+def select_per_seed(records: list[dict], params: list[str]) -> dict[Any, tuple[dict | None, list[dict]]]:
+    """``select_value`` within each trial seed (``record["seed"]``; None for
+    a sweep run without ``--seeds``), as DomainBed's ``collect_results``:
+    each seed chooses its own value on source validation."""
+    by_seed: dict[Any, list[dict]] = {}
+    for r in records:
+        by_seed.setdefault(r.get("seed"), []).append(r)
+    return {s: select_value(rs, params) for s, rs in sorted(by_seed.items(), key=lambda kv: str(kv[0]))}
+
+
+RECORD_KEYS = ("target", "seed", "finished", "status", "selected_round", "selected_src_val", "selected_target_acc",
+               "rounds_run", "resumed_from_round")
+
+
+def collect_row(records: list[dict], params: list[str], targets: list[str]) -> dict[str, Any]:
+    """A sweep's result as a paper reports it: per seed, the value chosen on
+    source validation and the target accuracy (fraction) at each target's
+    selected round for that value.  A seed with any unfinished trial is left
+    out (its choice could still change) and listed in ``incomplete``."""
+    per_target: dict[str, list[float]] = {t: [] for t in targets}
+    avgs, chosen, incomplete = [], [], []
+    unfinished = {r.get("seed") for r in records if not r.get("finished", True)}
+    for seed, (value, rows) in select_per_seed(records, params).items():
+        row = next((r for r in rows if r["chosen"]), None)
+        if seed in unfinished or value is None or row is None or any(row.get(t) is None for t in targets):
+            incomplete.append(seed)
+            continue
+        for t in targets:
+            per_target[t].append(float(row[t]))
+        avgs.append(float(np.mean([row[t] for t in targets])))
+        chosen.append((seed, value))
+    return {"per_target": per_target, "avg": avgs, "chosen": chosen, "incomplete": incomplete}
+
+
+def collect(sweep_dirs: list[Path], fmt: str = "md") -> str:
+    """``rayfed-dg collect``: one row per sweep folder (its method), target
+    accuracy (%) at the values chosen per seed on source validation only,
+    mean ± SE over seeds (DomainBed's ``collect_results``)."""
+    import pyarrow.parquet as pq
+
+    from rayfed_dg.reporting import mean_se_cell
+
+    sweeps = []
+    for d in sweep_dirs:
+        if not (d / "trials.parquet").is_file():
+            hint = " (it is unfinished or was never collected: run tune.py ... --resume)" if d.is_dir() else ""
+            raise ConfigError(f"collect: {d} is not a sweep folder with trials.parquet{hint}; "
+                              "pass the folders tune.py printed, e.g. runs/tune/lambda")
+        records = pq.read_table(d / "trials.parquet").to_pylist()
+        meta = json.loads((d / "sweep.json").read_text()) if (d / "sweep.json").is_file() else {}
+        params = meta.get("params") or [k for k in records[0] if k not in RECORD_KEYS]
+        targets = meta.get("targets") or list(dict.fromkeys(r["target"] for r in records))
+        sweeps.append((meta.get("label") or d.name, params, targets, records))
+    targets = list(dict.fromkeys(t for s in sweeps for t in s[2]))
+    body = []
+    for label, params, mine, records in sweeps:
+        c = collect_row(records, params, mine)
+        chosen = "; ".join(f"seed {s}: " + ", ".join(f"{k}={v}" for k, v in value.items()) if s is not None else
+                           ", ".join(f"{k}={v}" for k, v in value.items()) for s, value in c["chosen"])
+        if c["incomplete"]:
+            chosen += f" (seeds left out, unfinished: {', '.join(map(str, c['incomplete']))})"
+        body.append([label, len(c["avg"])] + [mean_se_cell(c["per_target"].get(t, [])) for t in targets]
+                    + [mean_se_cell(c["avg"]), chosen])
+    return render_table(["method", "seeds"] + targets + ["avg", "chosen on source validation"], body, fmt)
+
+
+COLLECT_CAPTION = ("Target accuracy (%) at the values each seed chose on source validation only (then each "
+                   "target's round by source validation); mean ± SE over seeds, SE = std(ddof=1)/sqrt(n)")
+
+
 def markdown_table(rows: list[dict], targets: list[str], params: list[str]) -> str:
     head = params + [f"{t} (%)" for t in targets] + ["avg (%)", "mean src val (%)", "chosen"]
     body = []
@@ -235,6 +308,7 @@ class Sweep:
     storage: str  # a local folder (absolute) or a URI
     scheduler: str
     samples: int
+    seeds: list[int] | None = None  # training.seed values: every value x target is run once per seed
 
     @property
     def remote(self) -> bool:
@@ -246,7 +320,8 @@ class Sweep:
 
 
 def plan_sweep(space_name: str, config: str | None, target: str, samples: int, scheduler: str,
-               overrides: list[str], storage: str, space_dir: Path = SPACE_DIR) -> Sweep:
+               overrides: list[str], storage: str, space_dir: Path = SPACE_DIR,
+               seeds: list[int] | None = None) -> Sweep:
     """Every check a sweep can fail before its first trial: the space, the
     config with each searched key, the data, the targets, and the trials'
     worker pools (``engine.experiment.plan_experiment``: the model builds,
@@ -270,12 +345,15 @@ def plan_sweep(space_name: str, config: str | None, target: str, samples: int, s
     for key, dist in space["params"].items():  # every searched key must be a valid config key
         load_config(config_path, fixed + [f"{key}={json.dumps(next(iter(dist.values()))[0])}"])
     ds = load_data(cfg)
-    targets = resolve_targets(ds, target)
+    targets = resolve_targets(ds, target, cfg.data.heldout_val_domain)
     exp = plan_experiment([(None, cfg)], ds, targets)
     workers = max(ensure_workers(r.cfg.engine, clients_per_round(r.cfg, s)) for r in exp.rows for s in r.splits)
     name = Path(space_name).stem if space_name.endswith((".yaml", ".yml")) else space_name
     storage = storage if "://" in storage else str(Path(storage).resolve())
-    return Sweep(space, name, config_path, fixed, cfg, targets, workers, storage, scheduler, samples)
+    if seeds is not None and ("training.seed" in space["params"] or len(set(seeds)) != len(seeds) or not seeds):
+        raise ConfigError("--seeds: give distinct seeds, and not with a space that searches training.seed")
+    return Sweep(space, name, config_path, fixed, cfg, targets, workers, storage, scheduler, samples,
+                 sorted(seeds) if seeds else None)
 
 
 def _tuner(sw: Sweep, resume: bool, verbose: int, callbacks: list):
@@ -291,6 +369,8 @@ def _tuner(sw: Sweep, resume: bool, verbose: int, callbacks: list):
         raise ConfigError(f"sweep directory {sw.where} exists; continue it with --resume or choose --storage")
     param_space = {key: to_tune(d) for key, d in sw.space["params"].items()}
     param_space["target"] = tune.grid_search(sw.targets)
+    if sw.seeds:  # seeds are not searched: collect chooses a value per seed (DomainBed's trial seeds)
+        param_space["training.seed"] = tune.grid_search(sw.seeds)
     sched = None
     if sw.scheduler == "asha":
         rounds = sw.cfg.training.rounds
@@ -333,6 +413,58 @@ def _interrupt_watch():
     return InterruptWatch()
 
 
+def _sweep_progress(where: str, rounds: int, params: list[str]):
+    """A Tune callback that replaces Tune's status tables (dozens of lines a
+    minute, and a TensorBoard hint into Ray's session folder) with one
+    progress bar over all trials' rounds and one line per trial that ends."""
+    from ray.tune import Callback
+
+    class SweepProgress(Callback):
+        def __init__(self):
+            self.bar: Any = None
+            self.done: dict[str, int] = {}
+            self.best: dict[str, float] = {}
+
+        def __getstate__(self):  # Tune pickles its callbacks with the sweep's state; a bar is not state
+            return {**self.__dict__, "bar": None}
+
+        def setup(self, stop=None, num_samples=None, total_num_samples=None, **info):
+            from tqdm import tqdm
+
+            total_num_samples = total_num_samples or 0
+            self.bar = tqdm(total=total_num_samples * rounds, initial=sum(self.done.values()), unit="round",
+                            desc=f"{total_num_samples} trials", dynamic_ncols=True)
+            self.bar.write(f"sweep folder {where} (tensorboard --logdir {where})")
+
+        def _label(self, trial) -> str:
+            return " ".join(f"{k}={trial.config[k]}" for k in [*params, "training.seed", "target"] if k in trial.config)
+
+        def on_trial_result(self, iteration, trials, trial, result, **info):
+            self.done[trial.trial_id] = int(result.get("round", 0))
+            if result.get("selected_src_val") is not None:
+                self.best[trial.trial_id] = 100 * float(result["selected_src_val"])
+            if self.bar is not None:
+                self.bar.n = sum(self.done.values())
+                self.bar.refresh()
+
+        def on_trial_complete(self, iteration, trials, trial, **info):
+            if self.bar is not None:
+                best = self.best.get(trial.trial_id)
+                self.bar.write(f"{self._label(trial)}: finished after {self.done.get(trial.trial_id, 0)} rounds"
+                               + (f", best source val {best:.2f}%" if best is not None else ""))
+
+        def on_trial_error(self, iteration, trials, trial, **info):
+            if self.bar is not None:
+                self.bar.write(f"{self._label(trial)}: failed at round {self.done.get(trial.trial_id, 0)} "
+                               f"(its error: {trial.local_path}/error.txt)")
+
+        def on_experiment_end(self, trials, **info):
+            if self.bar is not None:
+                self.bar.close()
+
+    return SweepProgress()
+
+
 def _records(results, params: list[str], at_interrupt: dict[str, str] | None) -> list[dict]:
     """One record per trial; ``finished`` is False for a trial that was not
     TERMINATED when the sweep was interrupted (``at_interrupt``), or that failed."""
@@ -346,7 +478,8 @@ def _records(results, params: list[str], at_interrupt: dict[str, str] | None) ->
         status = "ERROR" if res.error is not None else "TERMINATED"
         if at_interrupt is not None and trial is not None and status != "ERROR":
             status = at_interrupt.get(trial.trial_id, "PENDING")
-        records.append({**{p: conf[p] for p in params}, "target": conf["target"], "finished": status == "TERMINATED",
+        records.append({**{p: conf[p] for p in params}, "target": conf["target"], "seed": conf.get("training.seed"),
+                        "finished": status == "TERMINATED",
                         "status": status,
                         "selected_round": m.get("selected_round"), "selected_src_val": m.get("selected_src_val"),
                         "selected_target_acc": m.get("selected_target_acc"), "rounds_run": m.get("round"),
@@ -356,38 +489,64 @@ def _records(results, params: list[str], at_interrupt: dict[str, str] | None) ->
 
 def run_sweep(space_name: str, config: str | None, target: str, samples: int, scheduler: str, resume: bool,
               overrides: list[str], storage: str, space_dir: Path = SPACE_DIR, verbose: int = 1,
-              wandb_project: str | None = None, mlflow_uri: str | None = None) -> dict[str, Any]:
+              wandb_project: str | None = None, mlflow_uri: str | None = None,
+              seeds: list[int] | None = None) -> dict[str, Any]:
     """Plan, run (or resume) and collect a sweep.  Returns {path, chosen,
     table, records, complete}; ``chosen`` is None and no
-    ``chosen_config.yaml`` is written while any trial is unfinished."""
+    ``chosen_config.yaml`` is written while any trial is unfinished.
+    ``verbose``: 0 prints nothing, 1 a progress bar and a line per finished
+    trial, 2 Ray Tune's own status tables instead."""
     from rayfed_dg.engine import init_ray
 
     callbacks = logger_callbacks(space_name, wandb_project, mlflow_uri)  # a missing package fails before any trial
-    sw = plan_sweep(space_name, config, target, samples, scheduler, overrides, storage, space_dir)
+    sw = plan_sweep(space_name, config, target, samples, scheduler, overrides, storage, space_dir, seeds)
     init_ray(sw.cfg)
     # Tune saves the sweep's state (which checkpoint each trial is at) every 10 s or more by default; a sweep
     # killed in between would restart trials from scratch: save it every second (it is a few kB here)
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "1")
-    tuner = _tuner(sw, resume, verbose, [*callbacks, _interrupt_watch()])
+    progress = [_sweep_progress(sw.where, sw.cfg.training.rounds, list(sw.space["params"]))] if verbose == 1 else []
+    tuner = _tuner(sw, resume, 1 if verbose == 2 else 0, [*callbacks, *progress, _interrupt_watch()])
     # a restored sweep runs with the callbacks saved with it (a copy of the watch made above, when it started)
     local = getattr(tuner, "_local_tuner", None)
     saved = local.get_run_config().callbacks if local is not None else None
     watch = next((cb for cb in saved or [] if hasattr(cb, "at_interrupt")), None)
+    if saved is not None and verbose != 1:  # a sweep started with a bar, resumed without one
+        saved[:] = [cb for cb in saved if not hasattr(cb, "best")]
     if watch is not None:
         watch.at_interrupt, watch.trials = None, []
-    results = tuner.fit()
+    # Tune's newer console output prints its experiment box and a TensorBoard hint into Ray's session folder
+    # whatever the verbosity; its legacy output at verbosity 0 prints nothing
+    before = os.environ.get("RAY_AIR_NEW_OUTPUT")
+    os.environ["RAY_AIR_NEW_OUTPUT"] = "1" if verbose == 2 else "0"
+    try:
+        results = tuner.fit()
+    finally:
+        if before is None:
+            os.environ.pop("RAY_AIR_NEW_OUTPUT")
+        else:
+            os.environ["RAY_AIR_NEW_OUTPUT"] = before
     params = list(sw.space["params"])
     records = _records(results, params, watch.at_interrupt if watch is not None else None)
     if not any(r["selected_round"] is not None for r in records):
         raise EngineError("no trial reported a selected round" + (
             "" if all(r["finished"] for r in records) else f"; continue the sweep with --resume ({sw.where})"))
-    chosen, rows = select_value(records, params)
+    chosen, rows = select_value(records, params)  # with seeds: the best mean over every seed and target
     complete = all(r["finished"] for r in records)
+    seeded = any(r["seed"] is not None for r in records)
+    if seeded:
+        per_seed = select_per_seed(records, params)
+        rows = [{"seed": s, **row} for s, (_, rs) in per_seed.items() for row in rs]
     exp_path = Path(sw.where) if not sw.remote else Path(tempfile.mkdtemp(prefix="rayfed-dg-sweep-")) / sw.name
     exp_path.mkdir(parents=True, exist_ok=True)
     write_table(records, exp_path / "trials.parquet")
     write_table(rows, exp_path / "selection.parquet")
-    md = markdown_table(rows, sw.targets, params)
+    label = sw.cfg.method.label or sw.cfg.method.name
+    write_text(json.dumps({"label": label, "params": params, "targets": sw.targets}) + "\n", exp_path / "sweep.json")
+    if seeded:
+        md = "\n\n".join(f"seed {s}:\n" + markdown_table(rs, sw.targets, params) for s, (_, rs) in per_seed.items())
+        md += f"\n\n{COLLECT_CAPTION} (rayfed-dg collect):\n\n" + collect([exp_path])
+    else:
+        md = markdown_table(rows, sw.targets, params)
     write_text(md + "\n", exp_path / "selection.md")
     stale = exp_path / "chosen_config.yaml"
     if complete and chosen is not None:

@@ -166,7 +166,9 @@ def run_cli(prog: str, fn: Callable[[], int], debug: bool = False) -> int:
 
         warnings.showwarning = _one_line_warning
     try:
-        return fn()
+        code = fn()
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        return code
     except (*USER_ERRORS, ResourceError) as e:
         if debug:
             traceback.print_exc()
@@ -181,3 +183,7 @@ def run_cli(prog: str, fn: Callable[[], int], debug: bool = False) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # `rayfed-dg data list | head`: the reader left; Python's own flush at exit would raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141

@@ -60,6 +60,39 @@ def tiny_ds():
     return load_dataset("embedded_digits", None, 16)
 
 
+@pytest.fixture(scope="session")
+def engine_host(ray_session):
+    """``engine_host(ds, n_workers)``: the session's ``EngineHost`` of
+    ``n_workers`` workers bound to ``ds`` (one per dataset object and worker
+    count, started on first use, closed when the session ends), as an
+    experiment's federations share theirs: ``host.open(cfg, split, classes)``
+    or ``run_federation(..., host=host)`` runs a test's federation on it and
+    leaves it open for the next.  A run's numbers do not depend on which
+    actors ran it (tests/test_host.py compares a shared host with fresh ones).
+
+    Its workers are started with ``tiny_cfg()``'s engine settings (so that
+    federations of ``tiny_cfg`` configs open on it; one torch thread each, as
+    on actors of their own) but ask Ray for no CPU: idle between tests, they
+    never hold back the tests that start actors of their own on the 2-CPU
+    ``ray_session`` (a run without ``host=`` sizes its pool to the whole
+    cluster).  Not for tests whose point is fresh actors, killing workers or
+    a resume in a new process: those keep starting their own."""
+    from rayfed_dg.engine.host import EngineHost
+
+    made: dict = {}
+
+    def host(ds, n_workers: int = 1):
+        key = (id(ds), n_workers)
+        if key not in made:  # the dataset is kept with its host: its id cannot be reused by another one
+            refs = [ray_session.put(ds.images), ray_session.put(ds.labels)]
+            made[key] = ds, EngineHost(tiny_cfg().engine, refs, n_workers, {"num_cpus": 0})
+        return made[key][1]
+
+    yield host
+    for _, h in made.values():
+        h.close()
+
+
 def tiny_cfg(*overrides):
     from rayfed_dg.config import load_config
 
@@ -69,19 +102,37 @@ def tiny_cfg(*overrides):
     return load_config(None, base + list(overrides))
 
 
-def server_rounds(ray, cfg, ds, target="texture", workers=1, rounds=1):
+def tiny_federation(ds, target, *sets, host=None, **kw):
+    """``tiny_cfg(*sets)``'s federation of ``ds`` with ``target`` left out, run
+    by ``run_federation`` (its keywords pass through, ``progress`` off) on
+    ``host`` (``engine_host``), or on actors of its own as in a new process."""
+    import ray
+
+    from rayfed_dg.data import leave_one_domain_out
+    from rayfed_dg.engine import run_federation
+
+    cfg = tiny_cfg(*sets)
+    split = leave_one_domain_out(ds, target, cfg.data.val_fraction, cfg.data.split_seed)
+    return run_federation(cfg, split, ray.put(ds.images), ray.put(ds.labels), ds.num_classes, progress=False,
+                          host=host, **kw)
+
+
+def server_rounds(ray, cfg, ds, target="texture", workers=1, rounds=1, host=None):
     """Run ``rounds`` rounds on a real server actor; returns (split, [state
-    after each round], broadcast state at the end)."""
+    after each round], broadcast state at the end).  ``host``: a running
+    ``EngineHost`` of ``ds`` (``engine_host``) to open the federation on and
+    leave running; without it, the server's own actors are started and ended."""
     from rayfed_dg.data import leave_one_domain_out
     from rayfed_dg.engine import launch_server
 
     split = leave_one_domain_out(ds, target, cfg.data.val_fraction, cfg.data.split_seed)
-    server = launch_server(
+    server = host.open(cfg, split, ds.num_classes) if host is not None else launch_server(
         cfg, split, [ray.put(ds.images), ray.put(ds.labels)], ds.num_classes, workers)
     states = []
     for _ in range(rounds):
         ray.get(server.run_round.remote())
         states.append(ray.get(server.get_state.remote()))
     bcast = ray.get(server.broadcast_state.remote())
-    ray.get(server.shutdown.remote())
+    if host is None:
+        ray.get(server.shutdown.remote())
     return split, states, bcast

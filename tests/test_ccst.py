@@ -98,21 +98,20 @@ def test_overall_style_cache_is_shared_across_seeds_and_k(adain_files, tmp_path)
 
 
 @pytest.mark.slow
-def test_engine_stage_grows_training_sets_without_validation_images(ray_session, tiny_ds, tmp_path):
+def test_engine_stage_grows_training_sets_without_validation_images(ray_session, tiny_ds, engine_host, tmp_path):
     import ray
 
-    from rayfed_dg.engine import launch_server, run_federation
+    from rayfed_dg.engine import run_federation
 
     cfg = tiny_cfg("stages.ccst.k=2", f"stages.ccst.cache_dir={tmp_path}", "training.rounds=1",
                    "stages.ccst.work_size=32")
     split = leave_one_domain_out(tiny_ds, "colour", 0.2, 0)
     # 12 training images a client: the ghiasi network restyles one image per 384 px canvas
     split = dataclasses.replace(split, clients=[c[:12] for c in split.clients])
-    refs = [ray.put(tiny_ds.images), ray.put(tiny_ds.labels)]
-    server = launch_server(cfg, split, refs, 10, 2)
+    host = engine_host(tiny_ds, 2)
+    server = host.open(cfg, split, 10)
     info = ray.get(server.setup.remote())
     received = [ray.get(server.training_set.remote(c)) for c in range(split.num_clients)]
-    ray.get(server.shutdown.remote())
     sizes = [len(c) for c in split.clients]
     # overall style: each client's whole set restyled once per other client's style (K = 2 of 3 clients)
     st = info["info"]["ccst"]
@@ -130,7 +129,7 @@ def test_engine_stage_grows_training_sets_without_validation_images(ray_session,
         got = np.bincount(tiny_ds.labels[keep], minlength=10) + np.bincount(extra["labels"], minlength=10)
         assert got.tolist() == (2 * np.bincount(tiny_ds.labels[split.clients[c]], minlength=10)).tolist()
         assert len(extra["images"]) == 2 * len(split.clients[c]) - len(keep)
-    res = run_federation(cfg, split, *refs, 10, progress=False)
+    res = run_federation(cfg, split, None, None, 10, progress=False, host=host)  # a later federation, as in --seeds
     assert res.setup_info["ccst"]["hits"] == 3 and res.setup_info["ccst"]["misses"] == 0  # cached: not stylized again
     up_round1 = [r for r in res.ledger if r["round"] == 1 and r["direction"] == "up"]
     assert len(up_round1) == 3

@@ -16,28 +16,53 @@ EXTRA = {"feddg_ga": ["method.val_samples=16"], "fedfda": ["method.lambda2=0.1"]
          "elcfs": ["stages.amplitude={}"], "csac": ["method.pretrain_steps=2"]}
 
 
-def _run(ray, ds, name, workers):
-    from rayfed_dg.data import leave_one_domain_out
-    from rayfed_dg.engine import launch_server
+# a quarter CPU per worker: both hosts and the timm host below fit the 2-CPU test session at once
+# (torch still gets one thread per worker, as with a whole CPU)
+ENGINE = ["engine.num_cpus_per_worker=0.25"]
 
-    cfg = tiny_cfg(f"method.name={name}", "training.local_steps=2", "training.batch_size=16", "training.rounds=2",
-                   "data.limit_per_domain=60", *EXTRA.get(name, []))
-    ds = ds.subsample(60, 0)
+
+def make_hosts(ray, tiny_ds):
+    """One host of 1 worker and one of 2 for every method, as an experiment's
+    federations share theirs: each method's federation opens on them in turn."""
+    from rayfed_dg.data import leave_one_domain_out
+    from rayfed_dg.engine.host import EngineHost
+
+    ds = tiny_ds.subsample(60, 0)
     split = leave_one_domain_out(ds, "texture", 0.2, 0)
-    server = launch_server(
-        cfg, split, [ray.put(ds.images), ray.put(ds.labels)], ds.num_classes, workers)
+    refs = [ray.put(ds.images), ray.put(ds.labels)]
+    return {n: EngineHost(tiny_cfg(*ENGINE).engine, refs, n) for n in (1, 2)}, ds, split
+
+
+def close_hosts(hosts) -> None:
+    for h in hosts[0].values():
+        h.close()
+
+
+@pytest.fixture(scope="module")
+def hosts(ray_session, tiny_ds):
+    made = make_hosts(ray_session, tiny_ds)
+    yield made
+    close_hosts(made)
+
+
+def _run(hosts, name, workers):
+    import ray
+
+    made, ds, split = hosts
+    cfg = tiny_cfg(f"method.name={name}", "training.local_steps=2", "training.batch_size=16", "training.rounds=2",
+                   "data.limit_per_domain=60", *ENGINE, *EXTRA.get(name, []))
+    server = made[workers].open(cfg, split, ds.num_classes)
     ray.get(server.setup.remote())  # the data stages, as run_federation does (ELCFS's amplitude bank)
     outs = [ray.get(server.run_round.remote()) for _ in range(2)]
     state = ray.get(server.get_state.remote())
     keys = ray.get(server.__ray_call__.remote(lambda s: (sorted(s.local_keys), sorted(s.groups))))
-    ray.get(server.shutdown.remote())
     return split, outs, state, keys
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", method_names())
-def test_method_contract(ray_session, tiny_ds, name):
-    split, outs, state, (local_keys, all_keys) = _run(ray_session, tiny_ds, name, workers=1)
+def test_method_contract(ray_session, tiny_ds, hosts, name):
+    split, outs, state, (local_keys, all_keys) = _run(hosts, name, workers=1)
     from rayfed_dg.engine import ClientRunner
 
     runner = ClientRunner(tiny_cfg(f"method.name={name}", *EXTRA.get(name, [])), tiny_ds.images, tiny_ds.labels, 10,
@@ -64,7 +89,7 @@ def test_method_contract(ray_session, tiny_ds, name):
         clients = [state["client_store"][c][k] for c in range(split.num_clients)]
         assert any(not np.array_equal(clients[0], x) for x in clients[1:]), f"{name}: local state not per client"
     # identical numbers whatever the number of workers
-    _, outs2, state2, _ = _run(ray_session, tiny_ds, name, workers=2)
+    _, outs2, state2, _ = _run(hosts, name, workers=2)
     key = lambda o: [(m["split"], m["domain"], m["accuracy"], m["loss"]) for m in o.metrics]  # noqa: E731
     assert [key(o) for o in outs] == [key(o) for o in outs2], name
     assert all(np.array_equal(state["global_state"][k], state2["global_state"][k]) for k in state["global_state"])

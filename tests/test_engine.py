@@ -5,16 +5,9 @@ import torch
 from conftest import server_rounds, tiny_cfg
 
 from rayfed_dg.data import leave_one_domain_out
-from rayfed_dg.engine import ClientRunner, launch_server, run_federation
+from rayfed_dg.engine import ClientRunner, run_federation
 from rayfed_dg.methods import build_method
 from rayfed_dg.models import BN_TYPES, state_keys_of
-
-
-def start_server(ray, cfg, ds, target="texture", workers=1):
-    split = leave_one_domain_out(ds, target, cfg.data.val_fraction, cfg.data.split_seed)
-    server = launch_server(
-        cfg, split, [ray.put(ds.images), ray.put(ds.labels)], ds.num_classes, workers)
-    return server, split
 
 
 def bn_keys(cfg, ds, kinds=("param", "buffer")):
@@ -22,14 +15,14 @@ def bn_keys(cfg, ds, kinds=("param", "buffer")):
     return state_keys_of(model, BN_TYPES, kinds)
 
 
-def test_fedavg_global_equals_weighted_mean_of_client_models(ray_session, tiny_ds):
+def test_fedavg_global_equals_weighted_mean_of_client_models(ray_session, tiny_ds, engine_host):
     ray = ray_session
     cfg = tiny_cfg("training.rounds=1")
-    server, split = start_server(ray, cfg, tiny_ds, workers=2)
+    split = leave_one_domain_out(tiny_ds, "texture", cfg.data.val_fraction, cfg.data.split_seed)
+    server = engine_host(tiny_ds, 2).open(cfg, split, tiny_ds.num_classes)
     g0 = ray.get(server.get_state.remote())["global_state"]
     ray.get(server.run_round.remote())
     g1 = ray.get(server.get_state.remote())["global_state"]
-    ray.get(server.shutdown.remote())
     # recompute each client's local training in this process, then average by hand
     runner = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, tiny_ds.num_classes)
     ups = [runner.run_client(c, 1, split.clients[c], g0, {}, {}).update for c in range(split.num_clients)]
@@ -45,12 +38,12 @@ def test_fedavg_global_equals_weighted_mean_of_client_models(ray_session, tiny_d
 
 @pytest.mark.parametrize("method,kinds", [("fedbn", ("param", "buffer")),
                                           pytest.param("silobn", ("buffer",), marks=pytest.mark.slow)])
-def test_local_bn_state_survives_broadcast_and_persists(ray_session, tiny_ds, method, kinds):
+def test_local_bn_state_survives_broadcast_and_persists(ray_session, tiny_ds, engine_host, method, kinds):
     ray = ray_session
     cfg = tiny_cfg(f"method.name={method}")
     local = bn_keys(cfg, tiny_ds, kinds)
     shared_bn = bn_keys(cfg, tiny_ds) - local
-    split, (s1, s2), bcast = server_rounds(ray, cfg, tiny_ds, rounds=2)
+    split, (s1, s2), bcast = server_rounds(ray, cfg, tiny_ds, rounds=2, host=engine_host(tiny_ds, 1))
     assert local.isdisjoint(bcast) and shared_bn <= set(bcast)
     runner = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, tiny_ds.num_classes)
     for c in range(split.num_clients):
@@ -67,27 +60,25 @@ def test_local_bn_state_survives_broadcast_and_persists(ray_session, tiny_ds, me
     np.testing.assert_allclose(s2["global_state"][k], avg.astype(np.float32), rtol=1e-5, atol=1e-7)
 
 
-def test_same_metrics_with_one_and_two_workers(ray_session, tiny_ds):
-    ray = ray_session
+def test_same_metrics_with_one_and_two_workers(ray_session, tiny_ds, engine_host):
     cfg = tiny_cfg("training.rounds=2", "method.name=fedbn")
     out = []
     for workers in (1, 2):
         c = tiny_cfg("training.rounds=2", "method.name=fedbn", f"engine.num_workers={workers}")
         split = leave_one_domain_out(tiny_ds, "mono", cfg.data.val_fraction, cfg.data.split_seed)
-        res = run_federation(c, split, ray.put(tiny_ds.images), ray.put(tiny_ds.labels), tiny_ds.num_classes,
-                             progress=False)
+        res = run_federation(c, split, None, None, tiny_ds.num_classes, progress=False,
+                             host=engine_host(tiny_ds, workers))
         out.append(res)
     a, b = ([(m["round"], m["split"], m["domain"], m["accuracy"], m["loss"]) for m in r.metrics] for r in out)
     assert a == b and len(a) == 2 * (4 + 3)  # 3 source val, 1 target, and FedBN's 3 clients' own models
     assert out[0].ledger == out[1].ledger
 
 
-def test_partial_participation_and_ledger(ray_session, tiny_ds):
-    ray = ray_session
+def test_partial_participation_and_ledger(ray_session, tiny_ds, engine_host):
     cfg = tiny_cfg("partition.strategy=single_domain", "partition.num_clients=9",
                    "training.clients_per_round=4", "training.rounds=2")
     split = leave_one_domain_out(tiny_ds, "colour", 0.2, 0, "single_domain", 9)
-    res = run_federation(cfg, split, ray.put(tiny_ds.images), ray.put(tiny_ds.labels), 10, progress=False)
+    res = run_federation(cfg, split, None, None, 10, progress=False, host=engine_host(tiny_ds, 2))
     by_round = {}
     for row in res.ledger:
         by_round.setdefault(row["round"], set()).add(row["client"])
@@ -99,13 +90,12 @@ def test_partial_participation_and_ledger(ray_session, tiny_ds):
 
 
 @pytest.mark.slow
-def test_fedbn_ledger_sends_less_down_same_up(ray_session, tiny_ds):
-    ray = ray_session
+def test_fedbn_ledger_sends_less_down_same_up(ray_session, tiny_ds, engine_host):
     totals = {}
     for method in ("fedavg", "fedbn"):
         cfg = tiny_cfg(f"method.name={method}", "training.rounds=1")
         split = leave_one_domain_out(tiny_ds, "mono", 0.2, 0)
-        res = run_federation(cfg, split, ray.put(tiny_ds.images), ray.put(tiny_ds.labels), 10, progress=False)
+        res = run_federation(cfg, split, None, None, 10, progress=False, host=engine_host(tiny_ds, 2))
         totals[method] = {d: sum(r["bytes"] for r in res.ledger if r["direction"] == d) for d in ("up", "down")}
     cfg = tiny_cfg("method.name=fedbn")
     local = bn_keys(cfg, tiny_ds)

@@ -4,7 +4,7 @@ import pytest
 from conftest import tiny_cfg
 
 from rayfed_dg.data import leave_one_domain_out
-from rayfed_dg.engine import ClientRunner, launch_server
+from rayfed_dg.engine import ClientRunner
 from rayfed_dg.methods.feddg_ga import ga_step, ga_update
 
 
@@ -23,18 +23,16 @@ def test_ga_update_and_step_by_hand():
 
 
 @pytest.mark.slow
-def test_weights_follow_the_gaps_and_drive_the_next_reduce(ray_session, tiny_ds):
+def test_weights_follow_the_gaps_and_drive_the_next_reduce(ray_session, tiny_ds, engine_host):
     ray = ray_session
     cfg = tiny_cfg("method.name=feddg_ga", "training.rounds=4")
     split = leave_one_domain_out(tiny_ds, "texture", cfg.data.val_fraction, cfg.data.split_seed)
-    server = launch_server(
-        cfg, split, [ray.put(tiny_ds.images), ray.put(tiny_ds.labels)], tiny_ds.num_classes, 2)
+    server = engine_host(tiny_ds, 2).open(cfg, split, tiny_ds.num_classes)
     g0 = ray.get(server.get_state.remote())["global_state"]
     out1 = ray.get(server.run_round.remote())
     s1 = ray.get(server.get_state.remote())
     ray.get(server.run_round.remote())
     s2 = ray.get(server.get_state.remote())
-    ray.get(server.shutdown.remote())
 
     runner = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, tiny_ds.num_classes)
     clients = list(range(split.num_clients))

@@ -140,10 +140,10 @@ def test_loss_is_ce_plus_lambda_ce_through_global_head(tiny_ds):
 
 
 @pytest.mark.slow
-def test_perxan_bn_side_is_the_clients_own_and_global_averages_it(ray_session, tiny_ds):
+def test_perxan_bn_side_is_the_clients_own_and_global_averages_it(ray_session, tiny_ds, engine_host):
     ray = ray_session
     cfg = tiny_cfg("method.name=gperxan")
-    split, (s1, s2), bcast = server_rounds(ray, cfg, tiny_ds, workers=2, rounds=2)
+    split, (s1, s2), bcast = server_rounds(ray, cfg, tiny_ds, rounds=2, host=engine_host(tiny_ds, 2))
     method = build_method(cfg)
     local = method.local_keys(method.build_model(10))
     assert local and local.isdisjoint(bcast)
@@ -162,7 +162,7 @@ def test_perxan_bn_side_is_the_clients_own_and_global_averages_it(ray_session, t
         assert not all(np.array_equal(s2["global_state"][k], s2["client_store"][c][k]) for c in range(3))
 
 
-def test_unseen_target_is_evaluated_with_the_weighted_average_of_everything(ray_session, tiny_ds):
+def test_unseen_target_is_evaluated_with_the_weighted_average_of_everything(ray_session, tiny_ds, engine_host):
     """Algorithm 1 line 12: the global model tested on the unseen target is the
     sample-weighted average of all client parameters, the BN sides included
     (they are never broadcast back, but they are averaged)."""
@@ -170,10 +170,9 @@ def test_unseen_target_is_evaluated_with_the_weighted_average_of_everything(ray_
     from rayfed_dg.engine import OrderedReducer, run_federation
     from rayfed_dg.engine.worker import to_numpy_state
 
-    ray = ray_session
     cfg = tiny_cfg("method.name=gperxan", "training.rounds=1")
     split = leave_one_domain_out(tiny_ds, "texture", 0.2, 0)
-    res = run_federation(cfg, split, ray.put(tiny_ds.images), ray.put(tiny_ds.labels), 10, progress=False)
+    res = run_federation(cfg, split, None, None, 10, progress=False, host=engine_host(tiny_ds, 2))
     row = [m for m in res.metrics if m["split"] == "target_test"][0]
     runner = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, 10)
     sd = runner.model.state_dict()

@@ -307,11 +307,11 @@ def test_copa_server_assembles_each_clients_head_into_its_slot():
 
 
 @pytest.mark.slow
-def test_copa_global_model_carries_the_assembled_heads(ray_session, tiny_ds):
+def test_copa_global_model_carries_the_assembled_heads(ray_session, tiny_ds, engine_host):
     from conftest import server_rounds
 
     cfg = tiny_cfg("method.name=copa", "training.local_steps=2")
-    split, (s1,), bcast = server_rounds(ray_session, cfg, tiny_ds, rounds=1)
+    split, (s1,), bcast = server_rounds(ray_session, cfg, tiny_ds, rounds=1, host=engine_host(tiny_ds, 1))
     g = s1["global_state"]
     for c in range(split.num_clients):
         np.testing.assert_array_equal(g["head.ensemble_w"][c], s1["client_store"][c]["head.cls.weight"])

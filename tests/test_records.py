@@ -6,10 +6,10 @@ import math
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from conftest import tiny_cfg
+from conftest import tiny_cfg, tiny_federation
 
 from rayfed_dg.data import leave_one_domain_out
-from rayfed_dg.engine import ClientRunner, launch_server, run_federation
+from rayfed_dg.engine import ClientRunner
 from rayfed_dg.engine.records import TABLES, RecordTables, read_rows
 from rayfed_dg.engine.tblog import read_scalars
 
@@ -20,11 +20,9 @@ class Killed(Exception):
     pass
 
 
-def federation(ray, ds, run_dir, *sets, on_round=None):
-    cfg = tiny_cfg("training.rounds=4", "output.checkpoint_every=1", "training.local_steps=3", *sets)
-    split = leave_one_domain_out(ds, TARGET, cfg.data.val_fraction, cfg.data.split_seed)
-    return run_federation(cfg, split, ray.put(ds.images), ray.put(ds.labels), ds.num_classes, run_dir,
-                          progress=False, on_round=on_round)
+def federation(ray, ds, run_dir, *sets, on_round=None, host=None):
+    return tiny_federation(ds, TARGET, "training.rounds=4", "output.checkpoint_every=1", "training.local_steps=3",
+                           *sets, run_dir=run_dir, on_round=on_round, host=host)
 
 
 def kill_after(r):
@@ -43,20 +41,22 @@ def without_seconds(rows):
 
 
 @pytest.fixture(scope="module")
-def killed_and_clean(ray_session, tiny_ds, tmp_path_factory):
+def killed_and_clean(ray_session, tiny_ds, engine_host, tmp_path_factory):
     """FedBN (so personal rows too), checkpoints every 2 rounds, killed after
     round 3 (a copy of the run directory as the kill left it), then resumed
-    (from round 2: round 3 is repeated); and the same run uninterrupted."""
+    (from round 2: round 3 is repeated) on actors of its own, as in a new
+    process; and the same run uninterrupted."""
     import shutil
 
     base = tmp_path_factory.mktemp("records")
     killed, clean, at_kill = base / "killed", base / "clean", base / "at_kill"
     sets = ("output.checkpoint_every=2", "method.name=fedbn")
+    host = engine_host(tiny_ds, 2)
     with pytest.raises(Killed):
-        federation(ray_session, tiny_ds, killed, *sets, on_round=kill_after(3))
+        federation(ray_session, tiny_ds, killed, *sets, on_round=kill_after(3), host=host)
     shutil.copytree(killed, at_kill)
     federation(ray_session, tiny_ds, killed, *sets)  # resume
-    federation(ray_session, tiny_ds, clean, *sets)
+    federation(ray_session, tiny_ds, clean, *sets, host=host)
     return at_kill, killed, clean
 
 
@@ -86,7 +86,7 @@ def test_resume_adds_no_duplicate_rows(killed_and_clean):
 
 
 @pytest.mark.slow
-def test_rows_reach_disk_before_the_rounds_checkpoint(ray_session, tiny_ds, tmp_path, monkeypatch):
+def test_rows_reach_disk_before_the_rounds_checkpoint(ray_session, tiny_ds, engine_host, tmp_path, monkeypatch):
     # dying while round 2's rows are written must not leave a checkpoint of round 2 behind:
     # the resumed run would start at round 3 and round 2's rows would be missing for good
     real = RecordTables.write_round
@@ -98,9 +98,9 @@ def test_rows_reach_disk_before_the_rounds_checkpoint(ray_session, tiny_ds, tmp_
 
     monkeypatch.setattr(RecordTables, "write_round", dies_at_round_2)
     with pytest.raises(Killed):
-        federation(ray_session, tiny_ds, tmp_path)
+        federation(ray_session, tiny_ds, tmp_path, host=engine_host(tiny_ds, 2))
     monkeypatch.setattr(RecordTables, "write_round", real)
-    federation(ray_session, tiny_ds, tmp_path)
+    federation(ray_session, tiny_ds, tmp_path)  # the resume, on actors of its own as in a new process
     for name in TABLES:
         assert rounds_of(tmp_path, name) == [1, 2, 3, 4], name
 
@@ -129,15 +129,14 @@ def test_clients_table_rows(ray_session, tiny_ds, tmp_path):
 
 
 @pytest.mark.slow
-def test_personalized_evaluation_is_each_clients_own_model(ray_session, tiny_ds):
+def test_personalized_evaluation_is_each_clients_own_model(ray_session, tiny_ds, engine_host):
     ray = ray_session
     cfg = tiny_cfg("training.rounds=1", "method.name=fedbn", "training.local_steps=3")
     split = leave_one_domain_out(tiny_ds, TARGET, cfg.data.val_fraction, cfg.data.split_seed)
-    server = launch_server(
-        cfg, split, [ray.put(tiny_ds.images), ray.put(tiny_ds.labels)], tiny_ds.num_classes, 1)
+    host = engine_host(tiny_ds, 1)
+    server = host.open(cfg, split, tiny_ds.num_classes)
     out = ray.get(server.run_round.remote())
     state = ray.get(server.get_state.remote())
-    ray.get(server.shutdown.remote())
     personal = [m for m in out.metrics if m["split"] == "personal_val"]
     assert [m["client"] for m in personal] == [0, 1, 2]
     assert all(m["client"] is None for m in out.metrics if m["split"] != "personal_val")
@@ -152,8 +151,7 @@ def test_personalized_evaluation_is_each_clients_own_model(ray_session, tiny_ds)
         assert m["loss"] == pytest.approx(loss / n, rel=1e-5)
         assert abs(m["loss"] - glob[m["domain"]]) > 1e-4  # the client's own BN state, not the global model
     # a method without client state (FedAvg) has no personal rows
-    assert not ray.get(launch_server(
-        tiny_cfg(), split, [ray.put(tiny_ds.images), ray.put(tiny_ds.labels)], 10, 1).personalizes.remote())
+    assert not ray.get(host.open(tiny_cfg(), split, 10).personalizes.remote())
 
 
 @pytest.mark.slow
@@ -168,7 +166,7 @@ def test_tensorboard_scalars_equal_the_metrics_table(killed_and_clean):
     rounds = (1, 2, 3, 4)
     for tag, split in (("accuracy/source_val", "source_val"), ("accuracy/target", "target_test"),
                        ("accuracy/personal_val", "personal_val")):
-        want = {r: np.float32(np.mean([m["accuracy"] for m in metrics if m["round"] == r and m["split"] == split]))
+        want = {r: np.float32(100 * np.mean([m["accuracy"] for m in metrics if m["round"] == r and m["split"] == split]))
                 for r in rounds}
         assert sc[tag] == want, tag
     assert sc["loss/train"] == {r: np.float32(np.mean([c["train_loss"] for c in clients if c["round"] == r]))
@@ -187,3 +185,22 @@ def test_tensorboard_after_resume_shows_each_round_once(killed_and_clean):
     for tag in ("accuracy/source_val", "accuracy/target", "accuracy/personal_val", "loss/train", "comm/bytes_up"):
         assert [s for s, _ in a[tag]] == [1, 2, 3, 4], tag  # round 3 of the killed run is hidden, not drawn twice
         assert a[tag] == b[tag], tag
+
+
+def test_progress_bar_and_tensorboard_show_percent():
+    from types import SimpleNamespace
+
+    from rayfed_dg.engine.run import ProgressBar
+    from rayfed_dg.engine.tblog import round_scalars
+
+    m = [{"split": "source_val", "accuracy": 0.5}, {"split": "source_val", "accuracy": 0.25},
+         {"split": "target_test", "accuracy": 0.125}, {"split": "heldout_val", "accuracy": 0.75},
+         {"split": "source_test", "accuracy": 0.5}, {"split": "source_test", "accuracy": 0.0}]
+    out = SimpleNamespace(metrics=m, train_loss=1.5, dropped=[], seconds_total=2.0, ledger=[])
+    bar = ProgressBar(tiny_cfg(), SimpleNamespace(target="t", rounds_done=0))
+    bar.on_round(out, None, False, dict)
+    assert "src_val=37.5%" in bar.bar.postfix and "target=12.5%" in bar.bar.postfix, bar.bar.postfix
+    bar.close()
+    s = round_scalars(out)
+    assert s["accuracy/source_val"] == 37.5 and s["accuracy/target"] == 12.5 and s["loss/train"] == 1.5
+    assert s["accuracy/heldout_val"] == 75.0 and s["accuracy/source_test"] == 25.0 and "accuracy/personal_val" not in s

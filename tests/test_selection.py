@@ -41,11 +41,12 @@ def test_three_rules_on_hand_made_records():
     assert LastRound().choose(recs) == 4
     assert TestDomainOracle().choose(recs) == 1
     assert select(recs, TrainingDomainValidation()) == {"round": 2, "source_val": pytest.approx(0.8),
-                                                        "target_acc": 0.4}
+                                                        "target_acc": 0.4, "source_test": None, "personal_val": None}
     assert select(recs, LastRound())["target_acc"] == 0.3
     assert select(recs, TestDomainOracle())["target_acc"] == 0.9
     assert select_round(recs) == (2, pytest.approx(0.8))
-    assert [r.upper_bound for r in RULES] == [False, False, True]
+    assert [r.upper_bound for r in RULES] == [False, False, False, True]
+    assert RULES[1].choose(recs) is None  # held-out-domain validation: no held-out domain in these records
     assert select([], TrainingDomainValidation()) is None
 
 
@@ -153,3 +154,43 @@ def test_report_joins_one_directory_per_target_into_one_seed(tmp_path, capsys):
     assert main(["report", str(dirs[0]), str(tmp_path / "x-s0-again")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "ccst seed 0 has target x in two runs" in err
+
+
+def test_report_adds_heldout_domain_rule_in_domain_test_and_personalized_columns(tmp_path, capsys):
+    from rayfed_dg.cli import main
+
+    # held-out domain h is best at round 3, sources at round 2; in-domain test and personal rows per round
+    heldout = {1: 0.2, 2: 0.3, 3: 0.7, 4: 0.1}
+    source_test = {1: 0.11, 2: 0.22, 3: 0.33, 4: 0.44}
+    for s, shift in ((0, 0.0), (1, 0.1)):
+        path = tmp_path / "run" / f"seed{s}"
+        path.mkdir(parents=True)
+        tables = RecordTables(path)
+        recs = rows(SRC, {r: v + shift for r, v in TGT.items()}, personal={r: [0.5, 0.7 + shift] for r in SRC})
+        for r in SRC:
+            recs += [{"target": "t", "round": r, "split": "heldout_val", "domain": "h", "accuracy": heldout[r]},
+                     {"target": "t", "round": r, "split": "source_test", "domain": "a", "accuracy": source_test[r]},
+                     {"target": "t", "round": r, "split": "source_test", "domain": "b", "accuracy": source_test[r]}]
+        for r in SRC:
+            tables.write("metrics", "t", r, [dict(x, clients_dropped=0, loss=1.0, samples=10, client=x.get("client"))
+                                             for x in recs if x["round"] == r])
+        best, val = select_round(recs)
+        (path / "summary.json").write_text(json.dumps({"targets": {"t": {"selected_round": best, "source_val_acc": val,
+                                                                         "target_acc": TGT[best] + shift}},
+                                                       "method": "fedbn", "label": "fedbn", "seed": s}))
+    assert main(["report", str(tmp_path / "run"), "--format", "csv"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == "method,selection,seeds,t,avg,in-domain test (sources),personalized (own val)"
+    table = {line.split(",")[1]: line.split(",")[2:] for line in lines[1:]}
+    # by hand, round 3 for the held-out rule: target (0.5, 0.6) -> 55 ± 5; in-domain 33; personal (0.6, 0.65)
+    assert table["held-out-domain validation"] == ["2", "55.00 ± 5.00", "55.00 ± 5.00", "33.00 ± 0.00",
+                                                   "62.50 ± 2.50"]
+    # training-domain validation picks round 2: target (0.4, 0.5), in-domain 22
+    assert table["training-domain validation"][1] == "45.00 ± 5.00" and table["training-domain validation"][3] == \
+        "22.00 ± 0.00"
+    # a run without a held-out domain has no such row, and no extra columns
+    capsys.readouterr()
+    make_run(tmp_path / "plain", "fedavg", 0, {"t": (SRC, TGT)})
+    assert main(["report", str(tmp_path / "plain"), "--format", "csv"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == "method,selection,seeds,t,avg" and not any("held-out" in line for line in lines)

@@ -167,14 +167,13 @@ def test_stablefdg_client_prepares_a_4c_style_and_trains(tiny_ds):
 
 
 @pytest.mark.slow
-def test_styles_travel_through_the_engine_and_ledger(ray_session, tiny_ds):
+def test_styles_travel_through_the_engine_and_ledger(tiny_ds, engine_host):
     from rayfed_dg.data import leave_one_domain_out
     from rayfed_dg.engine import run_federation
 
-    ray = ray_session
     cfg = tiny_cfg("method.name=stablefdg", "model.width=8", "training.rounds=2")
     split = leave_one_domain_out(tiny_ds, "mono", 0.2, 0)
-    res = run_federation(cfg, split, ray.put(tiny_ds.images), ray.put(tiny_ds.labels), 10, progress=False)
+    res = run_federation(cfg, split, None, None, 10, progress=False, host=engine_host(tiny_ds, 2))
     up = [r for r in res.ledger if r["group"] == "prepare:style"]
     down = [r for r in res.ledger if r["group"] == "payload:styles"]
     # every round: each participant uploads its style before training and receives a peer's
@@ -183,13 +182,13 @@ def test_styles_travel_through_the_engine_and_ledger(ray_session, tiny_ds):
     assert sorted(r["round"] for r in down) == [1, 1, 1, 2, 2, 2]
 
 
-def test_styles_received_in_a_round_come_from_that_rounds_participants_and_model(ray_session, tiny_ds):
+def test_styles_received_in_a_round_come_from_that_rounds_participants_and_model(ray_session, tiny_ds, engine_host):
     """Algorithm 1's order, through the engine: with 6 clients and 3 per round,
     what the server aggregates in round 2 is exactly what the round-2
     participants train when each receives the style that another round-2
     participant computed with round 2's global model."""
     from rayfed_dg.data import leave_one_domain_out
-    from rayfed_dg.engine import ClientTask, launch_server
+    from rayfed_dg.engine import ClientTask
     from rayfed_dg.seeding import Stream, numpy_rng
 
     ray = ray_session
@@ -197,13 +196,11 @@ def test_styles_received_in_a_round_come_from_that_rounds_participants_and_model
                    "partition.strategy=single_domain", "partition.num_clients=6", "training.clients_per_round=3",
                    "training.local_steps=3", "evaluation.every=0", "training.rounds=3")
     split = leave_one_domain_out(tiny_ds, "mono", 0.2, 0, "single_domain", 6)
-    server = launch_server(
-        cfg, split, [ray.put(tiny_ds.images), ray.put(tiny_ds.labels)], 10, 2)
+    server = engine_host(tiny_ds, 2).open(cfg, split, 10)
     ray.get(server.run_round.remote())
     g1 = ray.get(server.get_state.remote())["global_state"]
     out2 = ray.get(server.run_round.remote())
     g2 = ray.get(server.get_state.remote())["global_state"]
-    ray.get(server.shutdown.remote())
     sampled = out2.sampled
     assert len(sampled) == 3
     runner = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, 10)

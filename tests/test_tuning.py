@@ -24,6 +24,36 @@ def test_selection_rule_uses_source_validation_not_target():
     assert rows[1]["a"] == 0.95 and rows[2]["a_round"] == 3
 
 
+def test_collect_chooses_per_seed_on_source_validation_then_mean_se_over_seeds(tmp_path, capsys):
+    from rayfed_dg.cli import main
+    from rayfed_dg.utils import write_table
+
+    # seed 0 prefers lam 1.0 on source validation, seed 1 lam 0.0; target accuracy never decides
+    src = {(0, 0.0): 0.5, (0, 1.0): 0.6, (1, 0.0): 0.7, (1, 1.0): 0.4}
+    tgt = {(0, 0.0, "a"): 0.9, (0, 1.0, "a"): 0.30, (0, 0.0, "b"): 0.9, (0, 1.0, "b"): 0.50,
+           (1, 0.0, "a"): 0.20, (1, 1.0, "a"): 0.9, (1, 0.0, "b"): 0.60, (1, 1.0, "b"): 0.9}
+    recs = [{"method.lam": lam, "target": t, "seed": s, "finished": True, "status": "TERMINATED",
+             "selected_round": 2, "selected_src_val": src[s, lam], "selected_target_acc": tgt[s, lam, t],
+             "rounds_run": 2, "resumed_from_round": 0}
+            for s in (0, 1) for lam in (0.0, 1.0) for t in ("a", "b")]
+    sweep = tmp_path / "lambda"
+    sweep.mkdir()
+    write_table(recs, sweep / "trials.parquet")
+    assert main(["collect", str(sweep), "--format", "csv"]) == 0
+    head, row = capsys.readouterr().out.strip().splitlines()
+    # by hand: a = (30, 20) -> 25 ± 5; b = (50, 60) -> 55 ± 5; per-seed avg (40, 40) -> 40 ± 0
+    assert head == "method,seeds,a,b,avg,chosen on source validation"
+    assert row == 'lambda,2,25.00 ± 5.00,55.00 ± 5.00,40.00 ± 0.00,seed 0: method.lam=1.0; seed 1: method.lam=0.0'
+    # a seed with an unfinished trial is left out (its choice could change) and said
+    recs[2]["finished"] = False  # seed 0, lam 1.0, target a
+    write_table(recs, sweep / "trials.parquet")
+    assert main(["collect", str(sweep), "--format", "csv"]) == 0
+    row = capsys.readouterr().out.strip().splitlines()[1]
+    assert row.startswith("lambda,1,20.00,60.00,40.00,") and "seeds left out, unfinished: 0" in row, row
+    assert main(["collect", str(tmp_path / "nothing")]) == 2
+    assert "not a sweep folder" in capsys.readouterr().err
+
+
 def test_selection_ignores_values_missing_targets():
     recs = [{"x": 1, "target": "a", "selected_round": 1, "selected_src_val": 0.9, "selected_target_acc": 0.1},
             {"x": 2, "target": "a", "selected_round": 1, "selected_src_val": 0.5, "selected_target_acc": 0.1},
@@ -86,8 +116,10 @@ def test_two_trial_sweep_writes_table_and_resumes_without_rerunning(ray_session,
         "set": ["compare=null", "method.name=gperxan", "data.resolution=16", "model.width=8", "training.rounds=2"],
         "params": {"method.lam": {"grid": [0.0, 1.0]}}}))
     store = tmp_path / "store"
-    out = run_sweep("tiny", None, "colour", 1, "fifo", False, [], str(store), space_dir=space_dir, verbose=0)
+    out = run_sweep("tiny", None, "colour", 1, "fifo", False, [], str(store), space_dir=space_dir, verbose=0,
+                    seeds=[3])
     assert len(out["records"]) == 2 and {r["method.lam"] for r in out["records"]} == {0.0, 1.0}
+    assert {r["seed"] for r in out["records"]} == {3}
     sel = store / "tiny"
     for f in ("trials.parquet", "selection.parquet", "selection.md", "chosen_config.yaml"):
         assert (sel / f).is_file()
@@ -97,6 +129,11 @@ def test_two_trial_sweep_writes_table_and_resumes_without_rerunning(ray_session,
     results = sorted(sel.glob("*/result.json"))
     before = [p.read_text() for p in results]
     assert len(results) == 2 and all(len(b.splitlines()) == 2 for b in before)  # 2 rounds reported each
+    assert all(json.loads(b.splitlines()[0])["config"]["training.seed"] == 3 for b in before)  # the trials' seed
+    from rayfed_dg.tuning import collect
+
+    row = collect([sel], "csv").splitlines()[1]  # the sweep's method, its seed, and the value that seed chose
+    assert row.startswith("gperxan,1,") and row.endswith(f"seed 3: method.lam={out['chosen']['method.lam']}"), row
     # each trial writes the run's TensorBoard scalars, equal to what it reported to Tune
     import numpy as np
 
@@ -106,8 +143,9 @@ def test_two_trial_sweep_writes_table_and_resumes_without_rerunning(ray_session,
         sc = read_scalars(p.parent / "tensorboard" / "colour")
         assert {"accuracy/source_val", "accuracy/target", "loss/train", "comm/bytes_up"} <= set(sc)
         reported = [json.loads(line) for line in p.read_text().splitlines()]
-        assert sc["accuracy/source_val"] == [(r["round"], float(np.float32(r["src_val"]))) for r in reported]
-        assert sc["accuracy/target"] == [(r["round"], float(np.float32(r["target_acc"]))) for r in reported]
+        # Tune's metrics are fractions (as the parquet tables); TensorBoard shows percent, as everything read by eye
+        assert sc["accuracy/source_val"] == [(r["round"], float(np.float32(100 * r["src_val"]))) for r in reported]
+        assert sc["accuracy/target"] == [(r["round"], float(np.float32(100 * r["target_acc"]))) for r in reported]
     again = run_sweep("tiny", None, "colour", 1, "fifo", True, [], str(store), space_dir=space_dir, verbose=0)
     assert [p.read_text() for p in sorted(sel.glob("*/result.json"))] == before  # nothing re-ran
     assert again["chosen"] == out["chosen"]
@@ -129,15 +167,15 @@ def test_sweep_interrupted_mid_trial_exits_130_chooses_nothing_and_resumes_to_an
     space = tmp_path / "tiny.yaml"
     space.write_text(yaml.safe_dump({
         "config": "configs/quickstart.yaml",
-        "set": ["compare=null", "method.name=gperxan", "data.resolution=16", "model.width=8", "training.rounds=6",
+        "set": ["compare=null", "method.name=gperxan", "data.resolution=16", "model.width=8", "training.rounds=4",
                 "output.checkpoint_every=1"],
         "params": {"method.lam": {"grid": [0.0, 1.0]}}}))
     cmd = [sys.executable, "tune.py", "--space", str(space), "--target", "colour"]
     proc = subprocess.Popen(cmd + ["--storage", str(tmp_path / "killed")], cwd=REPO, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 400
-    def recorded():  # the sweep's own state (saved every second) knows a trial's checkpoint of round 2 to 5
-        return any(re.search(r"checkpoint_00000[1-4]", p.read_text())
+    def recorded():  # the sweep's own state (saved every second) knows a trial's checkpoint of round 2 or 3
+        return any(re.search(r"checkpoint_00000[1-2]", p.read_text())
                    for p in (tmp_path / "killed" / "tiny").glob("experiment_state*.json"))
 
     while not recorded():
@@ -157,6 +195,15 @@ def test_sweep_interrupted_mid_trial_exits_130_chooses_nothing_and_resumes_to_an
     clean = subprocess.run(cmd + ["--storage", str(tmp_path / "clean")], cwd=REPO, capture_output=True, text=True,
                            timeout=900)
     assert clean.returncode == 0, clean.stderr[-3000:]
+    # what a user reads: a line per trial and the table, not Tune's status tables, its TensorBoard hint into
+    # Ray's session folder, or a trial's checkpoint log lines
+    lines = clean.stdout.splitlines()
+    assert lines[0] == f"sweep folder {tmp_path / 'clean' / 'tiny'} (tensorboard --logdir {tmp_path / 'clean' / 'tiny'})"
+    assert sorted(x.split(":")[0] for x in lines if "finished after 4 rounds, best source val" in x) == [
+        "method.lam=0.0 target=colour", "method.lam=1.0 target=colour"]
+    assert len(lines) <= 12 and "/tmp/ray" not in clean.stdout + clean.stderr, clean.stdout
+    assert "Traceback" not in clean.stderr and "Checkpoint successfully" not in clean.stderr, clean.stderr[-2000:]
+    assert "finished after 4 rounds" in resumed.stdout  # the bar and lines come back with a resumed sweep
     cols = ["method.lam", "target", "selected_round", "selected_src_val", "selected_target_acc", "rounds_run"]
     key = lambda p: sorted(tuple(r[c] for c in cols) for r in pq.read_table(p).to_pylist())  # noqa: E731
     assert key(tmp_path / "killed" / "tiny" / "trials.parquet") == key(tmp_path / "clean" / "tiny" / "trials.parquet")

@@ -8,7 +8,7 @@ target sample ever reaches training or selection.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -26,6 +26,10 @@ class FederatedSplit:
     client_domains: list[str]  # the (main) domain of each client: display, client-side validation
     val: dict[str, np.ndarray]  # source domain -> validation indices
     test: dict[str, np.ndarray]  # target domain -> all its indices
+    # source domain -> its in-domain test indices (data.source_test_fraction > 0), never trained or selected on
+    source_test: dict[str, np.ndarray] = field(default_factory=dict)
+    # the held-out validation domain -> all its indices (data.heldout_val_domain), neither trained on nor a target
+    heldout_val: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def num_clients(self) -> int:
@@ -233,15 +237,34 @@ def leave_one_domain_out(
     min_size: int = 1,
     clients_spec: list[list[str]] | None = None,
     heterogeneity: float | None = None,
+    source_test_fraction: float = 0.0,
+    heldout_val_domain: str | None = None,
 ) -> FederatedSplit:
+    """The target's split.  ``source_test_fraction`` > 0 first sets aside
+    that fraction of each source domain (per class, its own seed) as the
+    in-domain test split, then ``val_fraction`` of the domain for
+    validation; 0 leaves the train / val split exactly as before.
+    ``heldout_val_domain`` is neither trained on nor a target: all of it
+    validates (FedDG-Benchmark's held-out-domain validation)."""
     t = ds.domain_index(target)
+    h = None if heldout_val_domain is None else ds.domain_index(heldout_val_domain)
+    if h == t:
+        raise DataError(f"target {target} is data.heldout_val_domain; choose another target or validation domain")
     partition = PARTITIONS.get(strategy)
-    source_train, val = {}, {}
+    source_train, val, source_test, heldout = {}, {}, {}, {}
     for j, d in enumerate(ds.domain_names):
         if j == t:
             continue
         idx = np.flatnonzero(ds.domains == j)
-        tr, va = stratified_split(idx, ds.labels, val_fraction, seed=int(_seed_for(split_seed, d).generate_state(1)[0]))
+        if j == h:
+            heldout[d] = idx
+            continue
+        frac = val_fraction
+        if source_test_fraction > 0:
+            seed = int(_seed_for(split_seed, d, "source_test").generate_state(1)[0])
+            idx, source_test[d] = stratified_split(idx, ds.labels, source_test_fraction, seed=seed)
+            frac = val_fraction / (1 - source_test_fraction)  # still val_fraction of the whole domain
+        tr, va = stratified_split(idx, ds.labels, frac, seed=int(_seed_for(split_seed, d).generate_state(1)[0]))
         source_train[d], val[d] = tr, va
     if strategy not in ("per_domain", "explicit", "centralized") and num_clients is None:
         raise DataError(f"partition.strategy {strategy} needs partition.num_clients")
@@ -258,7 +281,8 @@ def leave_one_domain_out(
                 "use fewer clients or a smaller min_size"
             )
     test = {target: np.flatnonzero(ds.domains == t)}
-    return FederatedSplit(target=target, clients=clients, client_domains=doms, val=val, test=test)
+    return FederatedSplit(target=target, clients=clients, client_domains=doms, val=val, test=test,
+                          source_test=source_test, heldout_val=heldout)
 
 
 def manifest(ds: DomainDataset, split: FederatedSplit) -> dict[str, np.ndarray]:
@@ -271,7 +295,8 @@ def manifest(ds: DomainDataset, split: FederatedSplit) -> dict[str, np.ndarray]:
         client.append(np.full(len(idx), i))
         parts.append(idx)
         part += ["train"] * len(idx)
-    for name, sets in (("val", split.val), ("test", split.test)):
+    for name, sets in (("val", split.val), ("test", split.test), ("source_test", split.source_test),
+                       ("heldout_val", split.heldout_val)):
         for idx in sets.values():
             client.append(np.full(len(idx), -1))
             parts.append(idx)

@@ -32,7 +32,9 @@ def evaluate_global(pool: WorkerPool, federation: int, global_ref: Any, split: F
     for the clients whose own model is evaluated (empty: none)."""
     sets: list[tuple[Split, str, int | None, np.ndarray]] = \
         [(Split.SOURCE_VAL, dom, None, idx) for dom, idx in split.val.items()] + \
-        [(Split.TARGET_TEST, dom, None, idx) for dom, idx in split.test.items()]
+        [(Split.TARGET_TEST, dom, None, idx) for dom, idx in split.test.items()] + \
+        [(Split.SOURCE_TEST, dom, None, idx) for dom, idx in split.source_test.items()] + \
+        [(Split.HELDOUT_VAL, dom, None, idx) for dom, idx in split.heldout_val.items()]
     doms = split.client_domains
     sets += [(Split.PERSONAL_VAL, doms[c], c, split.val[doms[c]]) for c in own_state if doms[c] in split.val]
     jobs = [(name, dom, cid, c0) for name, dom, cid, idx in sets for c0 in range(0, len(idx), EVAL_CHUNK)]

@@ -54,6 +54,13 @@ class Experiment:
     def labels(self) -> list[str]:
         return list(dict.fromkeys(r.label for r in self.rows))
 
+    def seed_dir(self, run_dir: Path, row: Row) -> Path:
+        return run_dir if row.seed is None else run_dir / f"seed{row.seed}"
+
+    def row_dir(self, run_dir: Path, row: Row) -> Path:
+        """Where ``run_planned`` writes ``row``: ``[seed<S>/][<label>/]``."""
+        return self.seed_dir(run_dir, row) / row.label if len(self.labels) > 1 else self.seed_dir(run_dir, row)
+
 
 def plan_experiment(cfgs: list[tuple[int | None, ExperimentConfig]], ds: DomainDataset,
                     targets: list[str]) -> Experiment:
@@ -78,11 +85,11 @@ def run_planned(exp: Experiment, run_dir: Path, progress: bool = True) -> dict[i
     hosts = HostPool.planned([ray.put(exp.ds.images), ray.put(exp.ds.labels)], [(r.cfg, r.splits) for r in exp.rows])
     try:
         for row in exp.rows:
-            sdir = run_dir if row.seed is None else run_dir / f"seed{row.seed}"
+            sdir = exp.seed_dir(run_dir, row)
             sdir.mkdir(parents=True, exist_ok=True)
             if not (sdir / "config.yaml").exists():
                 save_config(exp.configs[row.seed], sdir / "config.yaml")
-            sub = sdir / row.label if many else sdir
+            sub = exp.row_dir(run_dir, row)
             sub.mkdir(parents=True, exist_ok=True)
             what = "" if row.seed is None else f"seed {row.seed}, "
             print(f"== {row.label}: {what}{len(exp.targets)} target(s), {row.cfg.training.rounds} rounds -> {sub}",

@@ -22,12 +22,17 @@ def load_data(cfg: ExperimentConfig) -> DomainDataset:
     return ds.subsample(d.limit_per_domain, d.split_seed) if d.limit_per_domain else ds
 
 
-def resolve_targets(ds: DomainDataset, target: str | None) -> list[str]:
+def resolve_targets(ds: DomainDataset, target: str | None, heldout_val_domain: str | None = None) -> list[str]:
+    """``all`` (or None): every domain but the held-out validation domain."""
+    if heldout_val_domain is not None:
+        ds.domain_index(heldout_val_domain)  # raises DataError with a did-you-mean
     if target in (None, "all"):
-        return list(ds.domain_names)
+        return [d for d in ds.domain_names if d != heldout_val_domain]
     names = [t.strip() for t in target.split(",")]
     for t in names:
         ds.domain_index(t)  # raises DataError with a did-you-mean
+        if t == heldout_val_domain:
+            raise ConfigError(f"--target {t} is data.heldout_val_domain; it validates and is never a target")
     return names
 
 
@@ -43,7 +48,7 @@ def clients_per_round(cfg: ExperimentConfig, split: FederatedSplit) -> int:
 def split_for(cfg: ExperimentConfig, ds: DomainDataset, target: str) -> FederatedSplit:
     p, d = cfg.partition, cfg.data
     return leave_one_domain_out(ds, target, d.val_fraction, d.split_seed, p.strategy, p.num_clients, p.alpha,
-                                p.min_size, p.clients, p.heterogeneity)
+                                p.min_size, p.clients, p.heterogeneity, d.source_test_fraction, d.heldout_val_domain)
 
 
 def make_splits(cfg: ExperimentConfig, ds: DomainDataset, targets: list[str]) -> list[FederatedSplit]:

@@ -44,6 +44,8 @@ class Split(StrEnum):
     SOURCE_VAL = "source_val"  # each source domain's validation split: the only one selection reads
     TARGET_TEST = "target_test"  # the held-out domain
     PERSONAL_VAL = "personal_val"  # a client's own model on its source domain's validation split
+    SOURCE_TEST = "source_test"  # each source domain's in-domain test split (data.source_test_fraction)
+    HELDOUT_VAL = "heldout_val"  # the held-out validation domain (data.heldout_val_domain)
 
 
 class _Row:
@@ -117,15 +119,22 @@ class Ledger:
     def add(self, client: int, direction: str, group: str, nbytes: int, tensors: int = 1) -> None:
         self.rows.append(LedgerRow(self.round, int(client), direction, group, int(tensors), int(nbytes)).row())
 
-    def add_state(self, client: int, direction: str, arrays: dict[str, np.ndarray],
-                  group_of: Callable[[str], str]) -> None:
-        """Model tensors, one row per tensor group."""
+    @staticmethod
+    def group_sizes(arrays: dict[str, np.ndarray], group_of: Callable[[str], str]) -> list[tuple[str, int, int]]:
+        """(group, bytes, tensors) of model tensors, by group name."""
         groups: dict[str, list[int]] = {}
         for key, arr in arrays.items():
             g = groups.setdefault(group_of(key), [0, 0])
             g[0] += 1
             g[1] += arr.nbytes
-        for group, (cnt, b) in sorted(groups.items()):
+        return [(group, b, cnt) for group, (cnt, b) in sorted(groups.items())]
+
+    def add_state(self, client: int, direction: str, arrays: dict[str, np.ndarray] | list[tuple[str, int, int]],
+                  group_of: Callable[[str], str] | None = None) -> None:
+        """Model tensors, one row per tensor group (or their ``group_sizes``,
+        when many clients receive the same tensors)."""
+        sizes = arrays if isinstance(arrays, list) else self.group_sizes(arrays, group_of or str)
+        for group, b, cnt in sizes:
             self.add(client, direction, group, b, cnt)
 
     def add_payload(self, client: int, direction: str, payload: dict[str, np.ndarray], prefix: str = "payload") -> None:

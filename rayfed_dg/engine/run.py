@@ -8,7 +8,8 @@ a Tune reporter).  Records of a run directory:
 
 ``config.yaml``        the resolved config
 ``metrics.parquet/``   target, round, split (source_val | target_test |
-                       personal_val), domain, client (personal_val only),
+                       personal_val | source_test | heldout_val), domain,
+                       client (personal_val only),
                        accuracy, loss, samples, clients_dropped
 ``ledger.parquet/``    target, round, client, direction (up | down), group,
                        tensors, bytes (a dropped client: group ``dropped``)
@@ -140,7 +141,7 @@ class ProgressBar:
         tgt = [m["accuracy"] for m in out.metrics if m["split"] == Split.TARGET_TEST]
         post = {"loss": f"{out.train_loss:.3f}"}
         if src:
-            post |= {"src_val": f"{np.mean(src):.3f}", "target": f"{np.mean(tgt):.3f}"}
+            post |= {"src_val": f"{100 * np.mean(src):.1f}%", "target": f"{100 * np.mean(tgt):.1f}%"}
         if out.dropped:
             post["dropped"] = len(out.dropped)
         self.bar.set_postfix(post)
@@ -237,6 +238,10 @@ def _rounds(host, cfg, split, num_classes, state, res, run_dir, progress, on_rou
         # a resumed run hides what the killed one logged from the first round it repeats
         purge = res.rounds_done + 1 if res.rounds_done else None
         callbacks.append(TensorBoardLogger(tensorboard / split.target, purge))
+    if run_dir is not None and (cfg.output.wandb is not None or cfg.output.mlflow is not None):
+        from .trackers import tracker_callbacks  # W&B / MLflow: imported only when the config asks for them
+
+        callbacks += tracker_callbacks(cfg, run_dir, split.target)
     callbacks += [RunDirWriter(cfg, run_dir, split.target)] if run_dir is not None else []
     callbacks += [OnRound(on_round)] if on_round is not None else []
     try:

@@ -7,6 +7,11 @@ global model a run reports, from its evaluation rows (``metrics``).
                      source domains of the global model on their validation
                      splits.  Only ``source_val`` rows are read, so target
                      accuracy can never influence it.
+``heldout_domain``   held-out-domain validation (FedDG-Benchmark, Bai et
+                     al., ICLR 2024): the round that maximises the accuracy
+                     on ``data.heldout_val_domain``, a domain neither
+                     trained on nor a target.  Only runs that hold one out
+                     have it; ``report`` shows it for those.
 ``last_round``       the last evaluated round.
 ``oracle``           test-domain oracle: the round that maximises the target
                      accuracy itself.  An upper bound, reported beside the
@@ -44,6 +49,7 @@ class SelectionRule:
     name = ""
     label = ""
     upper_bound = False  # True: reported as a bound, never used to choose
+    needs: str | None = None  # a split only some runs evaluate; without it the rule has nothing to say
 
     def choose(self, rows: list[dict]) -> int | None:
         raise NotImplementedError
@@ -54,6 +60,13 @@ class TrainingDomainValidation(SelectionRule):
 
     def choose(self, rows):
         return _argmax_first(_mean_by_round(rows, Split.SOURCE_VAL))
+
+
+class HeldOutDomainValidation(SelectionRule):
+    name, label, needs = "heldout_domain", "held-out-domain validation", Split.HELDOUT_VAL
+
+    def choose(self, rows):
+        return _argmax_first(_mean_by_round(rows, Split.HELDOUT_VAL))
 
 
 class LastRound(SelectionRule):
@@ -72,17 +85,22 @@ class TestDomainOracle(SelectionRule):
         return _argmax_first(_mean_by_round(rows, Split.TARGET_TEST))
 
 
-RULES: tuple[SelectionRule, ...] = (TrainingDomainValidation(), LastRound(), TestDomainOracle())
+RULES: tuple[SelectionRule, ...] = (TrainingDomainValidation(), HeldOutDomainValidation(), LastRound(),
+                                    TestDomainOracle())
 
 
 def select(rows: list[dict], rule: SelectionRule) -> dict | None:
-    """{round, source_val, target_acc} of the round ``rule`` picks among one
-    target's evaluation rows, or None when there are none."""
+    """{round, source_val, target_acc, source_test, personal_val} of the
+    round ``rule`` picks among one target's evaluation rows (means over
+    domains / clients; None for a split the run did not evaluate), or None
+    when there are no rows."""
     rnd = rule.choose(rows)
     if rnd is None:
         return None
-    src, tgt = _mean_by_round(rows, Split.SOURCE_VAL), _mean_by_round(rows, Split.TARGET_TEST)
-    return {"round": rnd, "source_val": src.get(rnd), "target_acc": tgt.get(rnd)}
+    at = {s: _mean_by_round(rows, s).get(rnd) for s in (Split.SOURCE_VAL, Split.TARGET_TEST, Split.SOURCE_TEST,
+                                                         Split.PERSONAL_VAL)}
+    return {"round": rnd, "source_val": at[Split.SOURCE_VAL], "target_acc": at[Split.TARGET_TEST],
+            "source_test": at[Split.SOURCE_TEST], "personal_val": at[Split.PERSONAL_VAL]}
 
 
 def select_round(rows: list[dict]) -> tuple[int | None, float | None]:

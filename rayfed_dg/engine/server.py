@@ -13,7 +13,9 @@ One ``run_round`` call is one federated round:
    flight per worker, retries, drops);
 5. fold updates into the average as they arrive, in client-id order, and
    write each client's local state back into the client store;
-6. let the method set the tensors it assembles itself (``assemble_global``),
+6. with a server optimizer (``server_opt.py``), step from the global model
+   along the average minus it (FedAvgM, FedAdam, ...); then
+   let the method set the tensors it assembles itself (``assemble_global``),
    put the new global model in the object store and evaluate it on every
    source domain's validation split and on the target domain.
 """
@@ -38,6 +40,7 @@ from .evaluation import evaluate_global, evaluate_on_clients
 from .plan import clients_per_round
 from .pool import WorkerPool
 from .records import ClientRow, ClientStore, ClientTask, Ledger, RoundResult
+from .server_opt import ServerOptimizer, stepped_keys
 from .stagehost import StageHost
 from .worker import to_numpy_state
 
@@ -78,6 +81,9 @@ class Server:
         self.groups = {k: self.method.tensor_group(k, k in self.local_keys) for k in sd}
         self.store = ClientStore({k: self.global_state[k] for k in sorted(self.local_keys)})
         self.server_state: dict = {}
+        # None for server.optimizer none: the average is the new global model, as it always was
+        self.server_opt = ServerOptimizer.from_config(cfg.server, self.global_state,
+                                                      stepped_keys(model, self.local_keys))
         self.round = 0
         e = cfg.engine
         self.pool.retries, self.pool.restart_timeout_s = e.max_task_retries, e.worker_restart_timeout_s
@@ -107,13 +113,16 @@ class Server:
 
     def get_state(self) -> dict:
         return {"round": self.round, "global_state": self.global_state, "client_store": self.store.states,
-                "server_state": self.server_state}
+                "server_state": self.server_state,
+                **({"server_optimizer": self.server_opt.state_dict()} if self.server_opt is not None else {})}
 
     def set_state(self, state: dict) -> None:
         self.round = int(state["round"])
         self.global_state = state["global_state"]
         self.store.states = state["client_store"]
         self.server_state = state["server_state"]
+        if self.server_opt is not None:  # a config with a server optimizer resumes only its own runs (check_resume_dir)
+            self.server_opt.load_state_dict(state["server_optimizer"])
         self.global_ref = ray.put(self.global_state)
 
     def client_val(self, cid: int) -> np.ndarray | None:
@@ -148,6 +157,7 @@ class Server:
         payloads = self.method.server_payloads(r, sampled, self.server_state, numpy_rng(seed, Stream.PAYLOAD, r),
                                                self.global_state, prepared)
         bcast = self.broadcast_state()
+        bcast_sizes = Ledger.group_sizes(bcast, self.groups.__getitem__)  # every client receives these
         updates: dict[int, ClientUpdate] = {}
 
         def on_update(cid: int, upd: ClientUpdate | None) -> None:
@@ -158,7 +168,7 @@ class Server:
             self.store.put(cid, upd.update, upd.private)
             ledger.add_state(cid, "up", upd.update, self.groups.__getitem__)
             ledger.add_payload(cid, "up", upd.payload)
-            ledger.add_state(cid, "down", bcast, self.groups.__getitem__)
+            ledger.add_state(cid, "down", bcast_sizes)
             ledger.add_payload(cid, "down", payloads.get(cid, {}))
 
         task = lambda cid, attempt: _retry(self._task(r, cid, payloads.get(cid, {})), attempt)
@@ -172,7 +182,9 @@ class Server:
         if len(reducer.dropped) == len(sampled):
             raise EngineError(f"round {r}: every sampled client failed ({dropped[0][1]})")
         results = [updates[c] for c in sorted(updates)]
-        self.global_state = reducer.result(self.global_state)
+        x_t, self.global_state = self.global_state, reducer.result(self.global_state)
+        if self.server_opt is not None:  # before the tensors a method assembles itself: those replace the step's
+            self.global_state = self.server_opt.step(x_t, self.global_state)
         self.global_state.update(self.method.assemble_global(r, results, self.global_state, self.server_state))
         self.global_ref = ray.put(self.global_state)
         if self.method.evaluates_global_on_clients:

@@ -5,10 +5,15 @@ Tune trial: ``<trial dir>/tensorboard/<target>/``), so that ``tensorboard
 --logdir runs`` lists every run, method (compare sub-directory), seed and
 target, and overlays them on the same charts.  Tags, with the round as step:
 
-``accuracy/source_val``    mean over source domains, global model
+``accuracy/source_val``    mean over source domains, global model, in percent
+                           (as ``report``, the tables and the plots)
 ``accuracy/target``        mean over target domains, global model
 ``accuracy/personal_val``  mean over clients of each client's own model
                            (methods with client-local state)
+``accuracy/source_test``   mean over source domains' in-domain test splits
+                           (``data.source_test_fraction`` > 0)
+``accuracy/heldout_val``   the held-out validation domain
+                           (``data.heldout_val_domain``)
 ``loss/train``             mean local training loss of the returned clients
 ``time/round_seconds``     wall-clock seconds of the round (with evaluation)
 ``comm/bytes_up``          bytes the round's clients sent (the ledger's sum)
@@ -37,7 +42,8 @@ import numpy as np
 
 from .records import RoundResult, Split
 
-TAGS = ("accuracy/source_val", "accuracy/target", "accuracy/personal_val", "loss/train", "time/round_seconds",
+TAGS = ("accuracy/source_val", "accuracy/target", "accuracy/personal_val", "accuracy/source_test",
+        "accuracy/heldout_val", "loss/train", "time/round_seconds",
         "comm/bytes_up", "comm/bytes_down")
 
 
@@ -48,9 +54,10 @@ def round_scalars(out: RoundResult) -> dict[str, float]:
         acc.setdefault(m["split"], []).append(float(m["accuracy"]))
     s: dict[str, float] = {}
     for split, tag in ((Split.SOURCE_VAL, "accuracy/source_val"), (Split.TARGET_TEST, "accuracy/target"),
-                       (Split.PERSONAL_VAL, "accuracy/personal_val")):
+                       (Split.PERSONAL_VAL, "accuracy/personal_val"), (Split.SOURCE_TEST, "accuracy/source_test"),
+                       (Split.HELDOUT_VAL, "accuracy/heldout_val")):
         if acc.get(split):
-            s[tag] = float(np.mean(acc[split]))
+            s[tag] = 100 * float(np.mean(acc[split]))
     s["loss/train"] = float(out.train_loss)
     s["time/round_seconds"] = float(out.seconds_total)
     for direction in ("up", "down"):

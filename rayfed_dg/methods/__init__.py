@@ -7,12 +7,15 @@ from . import (  # noqa: F401
                    elcfs,
                    fedbn,
                    feddg_ga,
+                   feddyn,
                    fedfd,
                    fedprox,
                    fedsr,
                    gperxan,
                    mixstyle,
+                   moon,
                    rsc,  # (register)
+                   scaffold,
                    silobn,
                    stablefdg,
 )

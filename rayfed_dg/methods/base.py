@@ -36,6 +36,8 @@ Server side (in the server actor):
                            itself from the round's updates instead of the
                            weighted average (COPA's head ensemble, CSAC's
                            layer-wise aggregation); default: none
+  ``averages_global``      False when ``assemble_global`` replaces the weighted
+                           average of the whole model (no server optimizer then)
   ``after_round``          update server-side method state from the round's
                            ``ClientUpdate`` records
   ``evaluates_global_on_clients``  when True, the engine evaluates the new
@@ -176,6 +178,10 @@ class Method:
     local_state_predicts = True
     stages_needed: tuple[str, ...] = ()  # data stages whose shared arrays the method reads
     num_clients: int | None = None  # the partition's clients, set by ``build_method`` (None: unknown)
+    # whether the global model's broadcast weights are the round's weighted average of the clients' models,
+    # so that a server optimizer (``server:`` config, engine/server_opt.py) may step along it; False where
+    # ``assemble_global`` replaces the average of the whole model (the config is then rejected with one)
+    averages_global = True
 
     def __init__(self, params: Any, model_cfg, training_cfg):
         self.p = params

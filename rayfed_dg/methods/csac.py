@@ -82,6 +82,9 @@ def layerwise_weights(tensors: list[np.ndarray]) -> np.ndarray:
 @register_method
 class CSAC(Method):
     name = "csac"
+    # the layer-wise aggregation replaces the average of every shared float tensor, so a server optimizer's
+    # step would be overwritten; per class, so ``aggregation: fedavg`` (an average) is refused with it too
+    averages_global = False
 
     class Params(BaseModel):
         model_config = ConfigDict(extra="forbid")

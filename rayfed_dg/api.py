@@ -1,0 +1,116 @@
+"""``rayfed_dg.run``: ``rayfed-dg run`` from Python (a notebook, a script).
+
+    import rayfed_dg
+    result = rayfed_dg.run("configs/quickstart.yaml", target="colour",
+                           overrides={"training.rounds": 2, "compare": None})
+    result.metrics          # DataFrame: every evaluation row of every method and seed
+    print(result.table())   # what ``rayfed-dg report RUN_DIR`` prints
+
+It is the CLI's own run (``cli.execute_run``: the same checks, run
+directory, ``run.json`` and federations), so the numbers are those of
+``rayfed-dg run`` with the same config, bit for bit, and ``rayfed-dg
+report`` / ``plot`` / ``run --resume`` read its run directory as any other.
+``overrides`` are ``--set`` values with Python values: ``{"training.lr":
+0.01}`` is ``--set training.lr=0.01`` (``None`` is ``null``).
+"""
+from __future__ import annotations
+
+import csv
+import io
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RunResult", "run"]
+
+TABLES = ("metrics", "clients", "ledger")
+
+
+@dataclass
+class RunResult:
+    """A finished run.  ``metrics``, ``clients`` and ``ledger`` are the run
+    directory's tables (pandas DataFrames, or pyarrow Tables without pandas)
+    over every row (method) and seed, in the order they ran, with two
+    leading columns ``label`` and ``seed``; past those, each sub-run's rows
+    are exactly its ``<table>.parquet``.  ``summary`` is the table ``rayfed-dg
+    report`` prints, one dict a row (cells as printed: percent, mean ± SE);
+    ``table()`` is that table in Markdown."""
+
+    run_dir: Path
+    metrics: Any
+    clients: Any
+    ledger: Any
+    summary: list[dict[str, str]]
+    _markdown: str = field(default="", repr=False)
+
+    def table(self) -> str:
+        return self._markdown
+
+
+def _value(v: Any) -> str:
+    """A Python value as ``--set`` text that YAML reads back as the same value."""
+    import yaml
+
+    return yaml.safe_dump(v, default_flow_style=True, width=1 << 30).strip().removesuffix("\n...")
+
+
+def _overrides(overrides: Mapping[str, Any] | None) -> list[str]:
+    from rayfed_dg.config import ConfigError
+
+    if overrides is None:
+        return []
+    if not isinstance(overrides, Mapping):
+        raise ConfigError("overrides: expected a mapping of dotted keys to values, e.g. {'training.lr': 0.01}")
+    return [f"{k}={_value(v)}" for k, v in overrides.items()]
+
+
+def _seeds(seeds: Sequence[int] | str | None) -> str | None:
+    if seeds is None or isinstance(seeds, str):
+        return seeds
+    return ",".join(str(int(s)) for s in seeds)
+
+
+def _tables(out) -> dict[str, Any]:
+    """Each table over the experiment's rows and seeds, as DataFrames if pandas is there."""
+    import pyarrow as pa
+
+    from rayfed_dg.engine.records import read_table
+
+    parts: dict[str, list] = {name: [] for name in TABLES}
+    for row in out.exp.rows:
+        where = out.exp.row_dir(out.run_dir, row)
+        for name in TABLES:
+            t = read_table(where, name)
+            t = t.add_column(0, "seed", pa.array([row.cfg.training.seed] * len(t), pa.int64()))
+            parts[name].append(t.add_column(0, "label", pa.array([row.label] * len(t), pa.string())))
+    tables = {name: pa.concat_tables(ts) for name, ts in parts.items()}
+    try:
+        import pandas  # noqa: F401
+    except ImportError:
+        return tables
+    return {name: t.to_pandas() for name, t in tables.items()}
+
+
+def run(config: str | Path | None = None, overrides: Mapping[str, Any] | None = None, *,
+        target: str | Sequence[str] | None = None, run_dir: str | Path | None = None,
+        seeds: Sequence[int] | str | None = None, resume: str | Path | None = None,
+        progress: bool = True) -> RunResult:
+    """``rayfed-dg run CONFIG [--set k=v ...] [--target T] [--run-dir DIR]
+    [--seeds S,S] [--resume RUN]``: trains, writes the run directory and
+    returns its tables.  ``target``: a domain, a list, or "all" (default);
+    ``seeds``: ``[0, 1, 2]``; ``resume``: a run directory to continue (its
+    own config, targets and seeds).  Bad input raises ``ConfigError`` (or
+    ``DataError``) with the CLI's one-line message; Ctrl-C raises
+    ``cli.RunInterrupted`` (a ``KeyboardInterrupt``) naming the resume."""
+    from rayfed_dg.cli import RunRequest, execute_run
+    from rayfed_dg.reporting import seeds_table
+
+    if target is not None and not isinstance(target, str):
+        target = ",".join(target)
+    req = RunRequest(config=None if config is None else str(config), target=target, overrides=_overrides(overrides),
+                     run_dir=None if run_dir is None else str(run_dir), resume=None if resume is None else str(resume),
+                     seeds=_seeds(seeds), no_progress=not progress)
+    out = execute_run(req)
+    summary = list(csv.DictReader(io.StringIO(seeds_table([out.run_dir], "csv"))))
+    return RunResult(out.run_dir, **_tables(out), summary=summary, _markdown=seeds_table([out.run_dir], "md"))

@@ -1,0 +1,234 @@
+"""Server optimizers (engine/server_opt.py): FedAvgM, FedAdagrad, FedYogi, FedAdam.
+
+Hand-computed steps over two rounds; ``none`` is the plain average bit for
+bit; the engine steps the global parameters only (buffers and a method's
+local keys keep the average); a run is deterministic, differs from FedAvg
+and resumes bit-identically (the optimizer's state is in the checkpoint);
+a method whose global model is not an average is refused with one line.
+"""
+import math
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_cfg, tiny_federation
+
+from rayfed_dg.config import ConfigError, load_config, method_variants, validate
+from rayfed_dg.data import leave_one_domain_out
+from rayfed_dg.engine import ClientRunner, OrderedReducer
+from rayfed_dg.engine.checkpoint import load_latest
+from rayfed_dg.engine.server_opt import ServerOptimizer, stepped_keys
+from rayfed_dg.methods import build_method
+
+ETA, B1, B2, TAU = 0.1, 0.5, 0.75, 0.5
+
+
+def two_rounds(kind, eta=ETA, b1=B1, b2=B2, tau=TAU):
+    """Round 1: x0 = [1, -1], Delta = [2, 0]; round 2: Delta = [-0.5, 2]. Also a
+    float buffer, an integer buffer and a local key the optimizer must pass through."""
+    x0 = {"w": np.array([1.0, -1.0]), "bn.running_mean": np.array([5.0]),
+          "bn.num_batches_tracked": np.array(7, np.int64), "local.w": np.array([0.0])}
+    opt = ServerOptimizer(kind, eta, b1, b2, tau, x0, ["w", "bn.num_batches_tracked"])
+    v_init = {k: v.copy() for k, v in opt.v.items()}
+    avg1 = {"w": x0["w"] + [2.0, 0.0], "bn.running_mean": np.array([6.0]),
+            "bn.num_batches_tracked": np.array(9, np.int64), "local.w": np.array([3.0])}
+    x1 = opt.step(x0, avg1)
+    m1, v1 = opt.m["w"].copy(), {k: v.copy() for k, v in opt.v.items()}
+    avg2 = dict(avg1, w=x1["w"] + [-0.5, 2.0])
+    x2 = opt.step(x1, avg2)
+    return opt, v_init, x1, m1, v1, x2, avg1
+
+
+@pytest.mark.parametrize("kind,v1,v2", [
+    # v_{-1} = tau^2 = 0.25
+    ("fedadagrad", [0.25 + 4.0, 0.25 + 0.0], [4.25 + 0.25, 0.25 + 4.0]),
+    # round 1: sign(0.25 - 4) = -1 and sign(0.25 - 0) = +1; round 2: sign(1.25 - 0.25) = +1, sign(0.25 - 4) = -1
+    ("fedyogi", [0.25 + 0.25 * 4.0, 0.25 - 0.0], [1.25 - 0.25 * 0.25, 0.25 + 0.25 * 4.0]),
+    ("fedadam", [0.75 * 0.25 + 0.25 * 4.0, 0.75 * 0.25], [0.75 * 1.1875 + 0.25 * 0.25, 0.75 * 0.1875 + 0.25 * 4.0]),
+])
+def test_adaptive_optimizers_two_rounds_by_hand(kind, v1, v2):
+    opt, v_init, x1, m1, got_v1, x2, avg1 = two_rounds(kind)
+    np.testing.assert_array_equal(v_init["w"], [0.25, 0.25])  # Algorithm 2: v_{-1} >= tau^2, we take tau^2
+    # m_1 = 0.5 * 0 + 0.5 * [2, 0];  m_2 = 0.5 * [1, 0] + 0.5 * [-0.5, 2] = [0.25, 1]
+    np.testing.assert_array_equal(m1, [1.0, 0.0])
+    np.testing.assert_array_equal(opt.m["w"], [0.25, 1.0])
+    np.testing.assert_allclose(got_v1["w"], v1, rtol=1e-15)
+    np.testing.assert_allclose(opt.v["w"], v2, rtol=1e-15)
+    # x_1 = x_0 + 0.1 m_1 / (sqrt(v_1) + 0.5): the second weight had Delta = 0, m = 0: it stays
+    e1 = [1.0 + 0.1 * 1.0 / (math.sqrt(v1[0]) + 0.5), -1.0]
+    np.testing.assert_allclose(x1["w"], e1, rtol=1e-14)
+    e2 = [e1[0] + 0.1 * 0.25 / (math.sqrt(v2[0]) + 0.5), e1[1] + 0.1 * 1.0 / (math.sqrt(v2[1]) + 0.5)]
+    np.testing.assert_allclose(x2["w"], e2, rtol=1e-14)
+    # what it does not step keeps the average: buffers (integer or float) and keys it was not given
+    for k in ("bn.running_mean", "bn.num_batches_tracked", "local.w"):
+        assert x1[k] is avg1[k]
+    assert opt.keys == ["w"] and opt.steps == 2
+
+
+def test_fedavgm_two_rounds_by_hand():
+    """Hsu et al.'s buffer without dampening, m = beta m + Delta, and x += eta m (eta 0.5, beta 0.5)."""
+    x0 = {"w": np.array([1.0, 2.0])}
+    opt = ServerOptimizer("fedavgm", 0.5, 0.5, 0.99, 1e-3, x0, ["w"])
+    assert opt.v == {}  # no second moment
+    x1 = opt.step(x0, {"w": np.array([3.0, 1.0])})  # Delta = [2, -1], m = [2, -1]
+    np.testing.assert_array_equal(opt.m["w"], [2.0, -1.0])
+    np.testing.assert_array_equal(x1["w"], [2.0, 1.5])  # [1 + 0.5 * 2, 2 - 0.5 * 1]
+    x2 = opt.step(x1, {"w": np.array([3.0, 1.5])})  # Delta = [1, 0], m = 0.5 [2, -1] + [1, 0] = [2, -0.5]
+    np.testing.assert_array_equal(opt.m["w"], [2.0, -0.5])
+    np.testing.assert_array_equal(x2["w"], [3.0, 1.25])  # [2 + 0.5 * 2, 1.5 - 0.5 * 0.5]
+
+
+def test_fedavgm_without_momentum_at_rate_one_is_the_average_bit_for_bit():
+    rng = np.random.default_rng(0)
+    x = {"w": rng.normal(size=1000).astype(np.float32)}
+    avg = {"w": (x["w"] + rng.normal(scale=1e-3, size=1000)).astype(np.float32)}
+    out = ServerOptimizer("fedavgm", 1.0, 0.0, 0.99, 1e-3, x, ["w"]).step(x, avg)
+    assert out["w"].dtype == np.float32 and np.array_equal(out["w"], avg["w"])
+
+
+def test_stepped_keys_are_the_global_parameters():
+    cfg = tiny_cfg("method.name=gperxan")
+    method = build_method(cfg)
+    model = method.build_model(10)
+    local = method.local_keys(model)
+    keys = set(stepped_keys(model, local))
+    params = {n for n, _ in model.named_parameters()}
+    assert keys == params - local and keys and local & params  # some BN-side parameters are local: not stepped
+    assert not any(k.endswith(("running_mean", "running_var", "num_batches_tracked")) for k in keys)
+
+
+# ------------------------------------------------------------------ config
+
+def test_config_defaults_ranges_and_compare_rows():
+    s = load_config(None).server
+    assert s.optimizer == "none"
+    assert {o: load_config(None, [f"server.optimizer={o}"]).server.eta
+            for o in ("fedavgm", "fedadam", "fedyogi", "fedadagrad")} == \
+        {"fedavgm": 1.0, "fedadam": 1e-2, "fedyogi": 1e-2, "fedadagrad": 1e-1}
+    assert load_config(None, ["server.optimizer=fedadam", "server.lr=0.03"]).server.eta == 0.03
+    for bad in ("server.momentum=1", "server.beta2=-0.1", "server.tau=0", "server.lr=0", "server.optimizer=adam"):
+        with pytest.raises(ConfigError, match=bad.split("=")[0]):
+            load_config(None, [bad])
+    cfg = validate({"server": {"tau": 0.01}, "compare": [{"name": "fedavg"},
+                                                          {"name": "fedavg", "label": "adam",
+                                                           "server": {"optimizer": "fedadam"}}]})
+    rows = dict(method_variants(cfg))
+    assert rows["fedavg"].server.optimizer == "none"
+    assert rows["adam"].server.optimizer == "fedadam" and rows["adam"].server.tau == 0.01  # merged over the top level
+
+
+def test_a_method_whose_global_model_is_not_an_average_is_refused_in_one_line():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["method.name=csac", "server.optimizer=fedyogi"])
+    msg = str(e.value)
+    assert "\n" not in msg and "csac" in msg and "fedyogi" in msg
+    load_config(None, ["method.name=csac"])  # without a server optimizer it runs
+    for ok in ("gperxan", "feddg_ga", "copa"):  # averages (FedDG-GA reweights; COPA assembles local heads only)
+        load_config(None, [f"method.name={ok}", "server.optimizer=fedadam"])
+    cfg = validate({"server": {"optimizer": "fedadam"}, "compare": [{"name": "fedavg"}, {"name": "csac"}]})
+    with pytest.raises(ConfigError, match="compare \\(csac\\).*fedadam.*csac"):
+        method_variants(cfg)
+
+
+# ------------------------------------------------------------------ engine
+
+TARGET = "colour"
+
+
+@pytest.mark.slow
+def test_engine_steps_parameters_and_averages_the_rest(ray_session, tiny_ds, engine_host):
+    """One round of gPerXAN on a server with ``none`` and with FedAdam, against
+    the clients' updates recomputed here: ``none`` is their plain average bit
+    for bit; FedAdam moves each global parameter by Algorithm 2's first step
+    and leaves buffers and gPerXAN's local (BN-side) keys at the average."""
+    ray = ray_session
+    states = {}
+    for opt in ("none", "fedadam"):
+        cfg = tiny_cfg("method.name=gperxan", "training.local_steps=2", f"server.optimizer={opt}")
+        split = leave_one_domain_out(tiny_ds, TARGET, cfg.data.val_fraction, cfg.data.split_seed)
+        server = engine_host(tiny_ds, 1).open(cfg, split, tiny_ds.num_classes)
+        g0 = ray.get(server.get_state.remote())["global_state"]
+        ray.get(server.run_round.remote())
+        states[opt] = ray.get(server.get_state.remote())
+    assert "server_optimizer" not in states["none"]
+    method = build_method(cfg, split.num_clients)
+    model = method.build_model(tiny_ds.num_classes)
+    local = method.local_keys(model)
+    runner = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, tiny_ds.num_classes, split.num_clients)
+    ups = {c: runner.run_client(c, 1, split.clients[c], g0, {k: g0[k] for k in local}).update
+           for c in range(split.num_clients)}
+    red = OrderedReducer(list(range(split.num_clients)), dict(enumerate(split.client_sizes().astype(float))))
+    for c in ups:
+        red.add(c, ups[c])
+    avg = red.result(g0)
+    for k in g0:
+        np.testing.assert_array_equal(states["none"]["global_state"][k], avg[k], err_msg=k)
+    got = states["fedadam"]["global_state"]
+    params = {n for n, _ in model.named_parameters()}
+    stepped = params - local
+    for k in set(g0) - stepped:  # buffers, local keys: the plain average
+        np.testing.assert_array_equal(got[k], avg[k], err_msg=k)
+    # round 1 by hand: m = 0.1 D, v = 0.99 tau^2 + 0.01 D^2, x + 0.01 m / (sqrt(v) + 1e-3)
+    for k in sorted(stepped):
+        d = avg[k].astype(np.float64) - g0[k].astype(np.float64)
+        expect = g0[k] + 0.01 * (0.1 * d) / (np.sqrt(0.99 * 1e-6 + 0.01 * d * d) + 1e-3)
+        np.testing.assert_allclose(got[k], expect, rtol=1e-6, atol=1e-7, err_msg=k)
+    k = "head.weight"
+    assert k in stepped and not np.allclose(got[k], avg[k])  # the step is not the average
+    np.testing.assert_allclose(states["fedadam"]["server_optimizer"]["m"][k],
+                               0.1 * (avg[k].astype(np.float64) - g0[k]), rtol=1e-5, atol=1e-9)
+
+
+def federation(ray, ds, run_dir, *sets, on_round=None, host=None):
+    return tiny_federation(ds, TARGET, "training.rounds=3", "training.local_steps=3", "output.checkpoint_every=1",
+                           *sets, run_dir=run_dir, on_round=on_round, host=host)
+
+
+class Killed(Exception):
+    pass
+
+
+def weights(run_dir):
+    return torch.load(run_dir / f"final_{TARGET}.pt", weights_only=True)
+
+
+def same_weights(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_fedadam_run_is_deterministic_and_differs_from_fedavg(ray_session, tiny_ds, engine_host, tmp_path):
+    host = engine_host(tiny_ds, 2)
+    runs = {name: federation(ray_session, tiny_ds, tmp_path / name, "training.rounds=2", *sets, host=host)
+            for name, sets in [("fedavg", ()), ("adam1", ("server.optimizer=fedadam",)),
+                               ("adam2", ("server.optimizer=fedadam",))]}
+    assert runs["adam1"].metrics == runs["adam2"].metrics  # same seed, same numbers
+    assert same_weights(weights(tmp_path / "adam1"), weights(tmp_path / "adam2"))
+    assert not same_weights(weights(tmp_path / "adam1"), weights(tmp_path / "fedavg"))
+    assert runs["adam1"].metrics != runs["fedavg"].metrics
+
+
+@pytest.mark.slow
+def test_resume_mid_run_equals_uninterrupted_gperxan_fedyogi(ray_session, tiny_ds, engine_host, tmp_path):
+    """gPerXAN with FedYogi (the adaptive state and gPerXAN's client state both
+    in the checkpoint), killed after round 2 of 3, then resumed on actors of
+    its own, as in a new process: it has only the checkpoint."""
+    sets = ("method.name=gperxan", "server.optimizer=fedyogi")
+    host = engine_host(tiny_ds, 2)
+
+    def kill_after_2(out, res):
+        if out.round == 2:
+            raise Killed
+
+    with pytest.raises(Killed):
+        federation(ray_session, tiny_ds, tmp_path / "killed", *sets, on_round=kill_after_2, host=host)
+    assert not (tmp_path / "killed" / f"final_{TARGET}.pt").exists()
+    resumed = federation(ray_session, tiny_ds, tmp_path / "killed", *sets)
+    clean = federation(ray_session, tiny_ds, tmp_path / "clean", *sets, host=host)
+    assert resumed.metrics == clean.metrics and len(clean.metrics) > 0
+    assert same_weights(weights(tmp_path / "killed"), weights(tmp_path / "clean"))
+    a, b = (load_latest(tmp_path / d / "checkpoints" / TARGET)["server"]["server_optimizer"]
+            for d in ("killed", "clean"))
+    assert a["steps"] == b["steps"] == 3
+    for part in ("m", "v"):
+        assert all(np.array_equal(a[part][k], b[part][k]) for k in b[part])
