@@ -354,7 +354,8 @@ def test_ctrl_c_prints_the_resume_command_and_resume_needs_only_the_run_director
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "rayfed_dg", "run", str(REPO / "configs" / "quickstart.yaml"), "--target", "colour",
            "--run-dir", str(run), "--no-progress"]
-    for kv in ("training.rounds=4", "data.resolution=16", "model.width=8", "compare=null", "output.checkpoint_every=1"):
+    # 12 short rounds: on a busy machine this process may not poll for seconds, and Ctrl-C must land mid-run
+    for kv in ("training.rounds=12", "data.resolution=16", "model.width=8", "compare=null", "output.checkpoint_every=1"):
         cmd += ["--set", kv]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -364,6 +365,7 @@ def test_ctrl_c_prints_the_resume_command_and_resume_needs_only_the_run_director
         while not list((run / "checkpoints" / "colour").glob("round_*.json")):
             assert proc.poll() is None and time.time() < deadline, "the run ended or stalled before a round was saved"
             time.sleep(0.05)
+        seen = sorted(p.name for p in (run / "checkpoints" / "colour").glob("round_*.json"))
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends: the whole process group
         out, err = proc.communicate(timeout=120)
     finally:
@@ -371,7 +373,7 @@ def test_ctrl_c_prints_the_resume_command_and_resume_needs_only_the_run_director
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    assert proc.returncode == 130, err[-2000:]
+    assert proc.returncode == 130, (seen, err[-2000:])
     assert err.strip().splitlines()[-1] == f"rayfed-dg: interrupted; resume with: rayfed-dg run --resume {run}"
     assert not (run / "summary.json").exists()
     assert json.loads((run / "run.json").read_text())["targets"] == ["colour"]
