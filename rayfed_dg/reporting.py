@@ -426,26 +426,30 @@ def _resume_hint(root: Path) -> str:
     return f"rayfed-dg run CONFIG --resume {root} --target TARGETS"
 
 
-def rule_accuracies(run: RunRecord, targets: list[str], what: str = "target_acc") -> dict[str, dict[str, float | None]]:
-    """{rule name: {target: ``what`` at the round the rule selects}} for one
-    run: ``target_acc``, or ``source_test`` / ``personal_val`` (means over
-    source domains / clients); without a metrics table only the
-    training-domain rule's target accuracy is known (``summary.json``)."""
+FIGURES = ("target_acc", "source_test", "personal_val")  # what report reads at a rule's round
+
+
+def rule_accuracies(run: RunRecord, targets: list[str]) -> dict[str, dict[str, dict[str, float | None]]]:
+    """{figure: {rule name: {target: figure at the round the rule selects}}}
+    for one run, the metrics read once: ``target_acc``, ``source_test`` and
+    ``personal_val`` (means over source domains / clients); without a metrics
+    table only the training-domain rule's target accuracy is known
+    (``summary.json``)."""
     from rayfed_dg.engine.selection import RULES, select
 
     rows = run.metrics()
-    out: dict[str, dict[str, float | None]] = {}
+    out: dict[str, dict[str, dict[str, float | None]]] = {w: {} for w in FIGURES}
     for rule in RULES:
-        accs: dict[str, float | None] = {}
+        for w in FIGURES:
+            out[w][rule.name] = {}
         for t in targets:
             if rows is None:
                 s = run.summary["targets"].get(t)
-                accs[t] = s["target_acc"] if s is not None and rule.name == "training_domain" and \
-                    what == "target_acc" else None
+                sel = {"target_acc": s["target_acc"]} if s is not None and rule.name == "training_domain" else {}
             else:
-                sel = select([r for r in rows if r["target"] == t], rule)
-                accs[t] = None if sel is None else sel[what]
-        out[rule.name] = accs
+                sel = select([r for r in rows if r["target"] == t], rule) or {}
+            for w in FIGURES:
+                out[w][rule.name][t] = sel.get(w)
     return out
 
 
@@ -462,11 +466,11 @@ def mean_se_cell(values: list[float]) -> str:
     return f"{m:.2f}" if se is None else f"{m:.2f} ± {se:.2f}"
 
 
-def _per_seed(label: str, runs: list[RunRecord], what: str = "target_acc") -> list[dict[str, dict[str, float | None]]]:
-    """One ``rule_accuracies`` per seed: runs of one label and seed that
-    hold different targets (one run directory per target) are one seed's
-    figures.  Runs whose summary names no seed count as a seed each."""
-    merged: dict[object, dict[str, dict[str, float | None]]] = {}
+def _per_seed(label: str, runs: list[RunRecord]) -> dict[str, list[dict[str, dict[str, float | None]]]]:
+    """{figure: one ``rule_accuracies`` per seed}: runs of one label and seed
+    that hold different targets (one run directory per target) are one
+    seed's figures.  Runs whose summary names no seed count as a seed each."""
+    merged: dict[object, dict[str, dict[str, dict[str, float | None]]]] = {}
     where: dict[tuple[object, str], Path] = {}
     for i, run in enumerate(runs):
         seed = run.summary.get("seed")
@@ -476,11 +480,12 @@ def _per_seed(label: str, runs: list[RunRecord], what: str = "target_acc") -> li
                 raise ConfigError(f"report: {label} seed {seed} has target {t} in two runs ({where[key, t]} and "
                                   f"{run.path}); pass only one of them")
             where[key, t] = run.path
-        accs = rule_accuracies(run, list(run.summary["targets"]), what)
-        into = merged.setdefault(key, {rule: {} for rule in accs})
-        for rule, by_target in accs.items():
-            into[rule].update(by_target)
-    return list(merged.values())
+        figs = rule_accuracies(run, list(run.summary["targets"]))
+        into = merged.setdefault(key, {w: {rule: {} for rule in by_rule} for w, by_rule in figs.items()})
+        for w, by_rule in figs.items():
+            for rule, by_target in by_rule.items():
+                into[w][rule].update(by_target)
+    return {w: [m[w] for m in merged.values()] for w in FIGURES}
 
 
 def seeds_table(run_dirs: list[Path], fmt: str = "md") -> str:
@@ -504,8 +509,7 @@ def seeds_table(run_dirs: list[Path], fmt: str = "md") -> str:
         return [float(np.mean([a[rule][t] for t in targets])) for a in per_seed
                 if all(a[rule].get(t) is not None for t in targets)]
 
-    figures = {label: {w: _per_seed(label, rs, w) for w in ("target_acc", *EXTRA_COLUMNS)}
-               for label, rs in runs.items()}
+    figures = {label: _per_seed(label, rs) for label, rs in runs.items()}
     extras = [w for w in EXTRA_COLUMNS if any(avg_over_targets(f[w], rule.name) for f in figures.values()
                                               for rule in RULES)]
     rows = []

@@ -136,3 +136,16 @@ def server_rounds(ray, cfg, ds, target="texture", workers=1, rounds=1, host=None
     if host is None:
         ray.get(server.shutdown.remote())
     return split, states, bcast
+
+
+def tiny_space(path, *sets):
+    """gPerXAN's lambda over {0, 1} on the quickstart at 16 px, width 8 (``sets``: the
+    space's extra ``set`` overrides, e.g. ``training.rounds=4``), written to ``path``."""
+    import yaml
+
+    path.write_text(yaml.safe_dump({
+        "config": "configs/quickstart.yaml",
+        "set": ["compare=null", "method.name=gperxan", "data.resolution=16", "model.width=8", *sets],
+        "params": {"method.lam": {"grid": [0.0, 1.0]}}}))
+    return path
+

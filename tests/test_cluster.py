@@ -16,7 +16,7 @@ import time
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from conftest import REPO
+from conftest import REPO, tiny_space
 
 from rayfed_dg.cluster import ADDRESS, PORT, LocalCluster, client_env
 
@@ -71,12 +71,7 @@ def test_a_pool_the_cluster_can_never_fit_fails_within_the_timeout(cluster, tmp_
 
 
 def test_sweep_scales_up_from_zero_on_fractional_gpus_and_matches_local_ray(cluster, tmp_path):
-    space = tmp_path / "tiny.yaml"
-    space.write_text(yaml.safe_dump({
-        "config": "configs/quickstart.yaml",
-        "set": ["compare=null", "method.name=gperxan", "data.resolution=16", "model.width=8", "training.rounds=2",
-                "engine.num_workers=4"],
-        "params": {"method.lam": {"grid": [0.0, 1.0]}}}))
+    space = tiny_space(tmp_path / "tiny.yaml", "training.rounds=2", "engine.num_workers=4")
     assert _gpus() == 0  # the head has no GPU and no worker node runs yet
     r = _run(["tune.py", "--space", str(space), "--target", "colour", "--storage", str(tmp_path / "cluster"),
               "--set", f"engine.ray_address={ADDRESS}", "--set", "engine.num_gpus_per_worker=0.25",

@@ -21,8 +21,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-import yaml
-from conftest import REPO
+from conftest import REPO, tiny_space
 from slurm_local import LocalSlurm, missing
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -65,12 +64,7 @@ def slurm():
 
 
 def test_sbatch_runs_the_sweep_on_the_gpus_it_asked_slurm_for(slurm, tmp_path):
-    space = tmp_path / "tiny.yaml"
-    space.write_text(yaml.safe_dump({
-        "config": "configs/quickstart.yaml",
-        "set": ["compare=null", "method.name=gperxan", "data.resolution=16", "model.width=8", "training.rounds=2",
-                "evaluation.batch_size=512"],
-        "params": {"method.lam": {"grid": [0.0, 1.0]}}}))
+    space = tiny_space(tmp_path / "tiny.yaml", "training.rounds=2", "evaluation.batch_size=512")
     token = slurm.dir / "ray_token"  # this Ray's own token, not ~/.ray's
     token.write_text(secrets.token_hex(32))
     log = tmp_path / "job.log"

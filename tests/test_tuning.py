@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import yaml
-from conftest import REPO
+from conftest import REPO, tiny_space
 
 from rayfed_dg.tuning import select_value
 
@@ -111,10 +111,7 @@ def test_two_trial_sweep_writes_table_and_resumes_without_rerunning(ray_session,
     space_dir = tmp_path / "spaces"
     space_dir.mkdir()
     monkeypatch.chdir(REPO)  # relative config path, as `python tune.py` users give it
-    (space_dir / "tiny.yaml").write_text(yaml.safe_dump({
-        "config": "configs/quickstart.yaml",
-        "set": ["compare=null", "method.name=gperxan", "data.resolution=16", "model.width=8", "training.rounds=2"],
-        "params": {"method.lam": {"grid": [0.0, 1.0]}}}))
+    tiny_space(space_dir / "tiny.yaml", "training.rounds=2")
     store = tmp_path / "store"
     out = run_sweep("tiny", None, "colour", 1, "fifo", False, [], str(store), space_dir=space_dir, verbose=0,
                     seeds=[3])
@@ -164,12 +161,7 @@ def test_sweep_interrupted_mid_trial_exits_130_chooses_nothing_and_resumes_to_an
 
     import pyarrow.parquet as pq
 
-    space = tmp_path / "tiny.yaml"
-    space.write_text(yaml.safe_dump({
-        "config": "configs/quickstart.yaml",
-        "set": ["compare=null", "method.name=gperxan", "data.resolution=16", "model.width=8", "training.rounds=4",
-                "output.checkpoint_every=1"],
-        "params": {"method.lam": {"grid": [0.0, 1.0]}}}))
+    space = tiny_space(tmp_path / "tiny.yaml", "training.rounds=4", "output.checkpoint_every=1")
     cmd = [sys.executable, "tune.py", "--space", str(space), "--target", "colour"]
     proc = subprocess.Popen(cmd + ["--storage", str(tmp_path / "killed")], cwd=REPO, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
