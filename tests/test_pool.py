@@ -1,6 +1,7 @@
 """The worker pool on local Ray: a diverged client stops ``map`` with the
 engine's error, after fetching the other jobs in flight, and never waits
-without bound for a job that hangs."""
+without bound for a job that hangs; the round's tail goes out in ever smaller
+groups, to idle workers only."""
 import time
 
 import pytest
@@ -25,6 +26,10 @@ def _actor_class(ray):
             if what == "diverge":
                 raise DivergedError(f"client {seconds} diverged")
             return what
+
+        def run_many(self, jobs: list, seconds_per_cost: float, cost: dict):
+            time.sleep(seconds_per_cost * sum(cost[j] for j, _ in jobs))
+            return [j for j, _ in jobs]
 
     return Job
 
@@ -106,4 +111,50 @@ def test_a_worker_not_back_in_time_leaves_the_pool_and_its_lone_job_is_charged_o
         assert time.monotonic() - t0 < 30  # it left at the timeout, not after the 60 s restart
     finally:
         for h in (slow, fine):
+            ray.kill(h)
+
+
+def test_the_round_tail_goes_out_in_shrinking_groups_to_idle_workers_only(ray_session):
+    """Largest first, small jobs grouped up to 1/32 of the map's cost (16
+    tasks per worker, 2 workers) and to 1/4 of the cost still queued (guided
+    self-scheduling); a second task is queued behind a running one only while
+    the queue behind it holds at least twice its cost (pool.py).  Group
+    compositions depend on the queue alone, so they are fixed whatever the
+    timing: computed by hand below."""
+    ray = ray_session
+    job = _actor_class(ray)
+    workers = [job.remote(), job.remote()]
+    try:
+        cost = {0: 10.0, 1: 40.0, 2: 20.0, 3: 30.0, **{j: 1.0 for j in range(4, 34)}}  # 130 in all
+        pool = WorkerPool(workers, retries=0)
+        sent, inflight, done = [], {0: 0, 1: 0}, []
+        where: dict[int, int] = {}
+
+        def submit_many(w, jobs):
+            i = workers.index(w)
+            group = [j for j, _ in jobs]
+            left = sum(cost.values()) - sum(cost[j] for g, _ in sent for j in g) - sum(cost[j] for j in group)
+            sent.append((group, (inflight[i], left)))
+            inflight[i] += 1
+            for j in group:
+                where[j] = i
+            return w.run_many.remote(jobs, 0.01, cost)
+
+        def on_result(j, r):
+            assert r == j
+            done.append(j)
+            if all(x in done for x in next(g for g, _ in sent if j in g)):
+                inflight[where[j]] -= 1
+
+        assert pool.map(list(cost), None, on_result, cost=cost, submit_many=submit_many) == []
+        assert sorted(done) == list(range(34))
+        # 1/32 of 130 = 4.06; 1/4 of what is queued: 30 -> 7.5, 26 -> 6.5, 22 -> 5.5, 18 -> 4.5 (4 jobs each), 14 ->
+        # 3.5 (3), 11 -> 2.75 (2), 9 -> 2.25 (2), then 7 single jobs
+        assert [g for g, _ in sent] == [[1], [3], [2], [0], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15],
+                                        [16, 17, 18, 19], [20, 21, 22], [23, 24], [25, 26]] + [[j] for j in range(27, 34)]
+        for group, (busy, left) in sent:  # queued behind a running task only with twice its cost still to come
+            assert not busy or left >= 2 * sum(cost[j] for j in group), (group, busy, left)
+        assert any(busy for _, (busy, _) in sent)  # the check above was exercised
+    finally:
+        for h in workers:
             ray.kill(h)

@@ -4,7 +4,12 @@ Jobs run on whichever worker is free, at most two tasks in flight per
 worker (the next one starts while the server is still folding in the
 previous result), in the order given, or largest first (longest-processing-
 time-first list scheduling: a large client dispatched last would leave the
-other workers idle at the end of the round).
+other workers idle at the end of the round).  A task waiting behind another
+on a busy worker is committed to it before anyone knows which worker frees
+first, so with job costs known the second task goes out only while the queue
+behind it still holds more than ``workers`` times its cost: the round's tail
+is handed to workers as they become idle (list scheduling proper), and a
+worker that finishes early never watches another one's queued task.
 
 Small jobs travel together.  A Ray task costs about a millisecond of
 submission, argument and result handling whatever it carries, which is
@@ -12,9 +17,11 @@ the whole cost of a client that trains in a few milliseconds (cross-device
 partitions, a fast GPU).  When the caller can run several jobs in one task
 (``submit_many``) and gives each job a cost, consecutive jobs of the
 dispatch order are grouped until a group holds ``1 / (TASKS_PER_WORKER x
-workers)`` of the map's total cost; a job larger than that goes alone, so
-the large clients that decide the makespan are scheduled one by one and the
-small tail in tasks of many.  Grouping changes which process runs a job,
+workers)`` of the map's total cost, and at most ``1 / (2 x workers)`` of
+the cost still queued (guided self-scheduling: the last groups are single
+clients); a job larger than that goes alone, so the large clients that
+decide the makespan are scheduled one by one and the small tail in tasks of
+many.  Grouping changes which process runs a job,
 never what it computes (every job is seeded by its own ids).
 
 Retry accounting that no timing can change.  A job's *attempt* number seeds
@@ -270,12 +277,15 @@ class WorkerPool:
 
         def take() -> list[_Queued]:
             """The queue's head, and the jobs after it that fit its group."""
+            # guided self-scheduling: a group holds at most 1 / (2 x workers) of what is left, so the
+            # groups shrink to single clients at the round's end and no worker finishes far behind
+            limit = min(group_cost, sum(cost[q.job] for q in queue) / (2 * usable)) if cost is not None else 0.0
             group = [queue.pop(0)]
-            if group[0].solo or cost is None or cost[group[0].job] >= group_cost:
+            if group[0].solo or cost is None or cost[group[0].job] >= limit:
                 return group
             total = cost[group[0].job]
             while (queue and not queue[0].solo and len(group) < MAX_GROUP
-                   and total + cost[queue[0].job] <= group_cost):
+                   and total + cost[queue[0].job] <= limit):
                 total += cost[queue[0].job]
                 group.append(queue.pop(0))
             return group
@@ -292,6 +302,10 @@ class WorkerPool:
                         break
                     w = pick
                     group = take()
+                    if load[w] and cost is not None and \
+                            sum(cost[q.job] for q in queue) < usable * sum(cost[q.job] for q in group):
+                        queue[:0] = group  # the round's tail goes to idle workers only (see the docstring)
+                        break
                     for task in inflight.values():
                         if task.worker == w:
                             task.share()

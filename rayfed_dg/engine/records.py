@@ -107,6 +107,7 @@ class RoundResult:
     seconds_train: float
     seconds_total: float
     tasks_rerun: int = 0  # over the run so far: re-runs after a shared worker died (scheduling, like seconds)
+    seconds_clients: float = 0.0  # the clients' phase: first dispatch to last update in (its makespan)
 
 
 class Ledger:

@@ -77,6 +77,7 @@ class TargetResult:
     clients: list[dict] = field(default_factory=list)
     dropped: list[dict] = field(default_factory=list)
     seconds_per_round: list[float] = field(default_factory=list)
+    seconds_clients_per_round: list[float] = field(default_factory=list)  # each round's clients' phase
     selected_round: int | None = None
     selected_val: float | None = None
     selected_target_acc: float | None = None
@@ -90,6 +91,7 @@ class TargetResult:
         t = self.target
         self.rounds_done, self.tasks_retried, self.tasks_rerun = out.round, out.tasks_retried, out.tasks_rerun
         self.seconds_per_round.append(out.seconds_total)
+        self.seconds_clients_per_round.append(out.seconds_clients)
         rec = round_records(t, out)
         rows = rec["metrics"]
         self.metrics += rows

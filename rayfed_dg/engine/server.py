@@ -172,12 +172,14 @@ class Server:
             ledger.add_payload(cid, "down", payloads.get(cid, {}))
 
         task = lambda cid, attempt: _retry(self._task(r, cid, payloads.get(cid, {})), attempt)
+        t_clients = time.perf_counter()
         dropped = self.pool.map(
             sampled, lambda w, cid, attempt: w.train_in.remote(self.federation, task(cid, attempt), self.global_ref),
             on_update, cost=dict(zip(sampled, sizes.tolist())),
             largest_first=self.cfg.engine.schedule == "largest_first",
             submit_many=None if not self.cfg.engine.group_small_clients else lambda w, jobs: w.train_many_in.remote(
                 self.federation, [task(cid, attempt) for cid, attempt in jobs], self.global_ref))
+        seconds_clients = time.perf_counter() - t_clients
         retries = dict(self.pool.last_retries)
         if len(reducer.dropped) == len(sampled):
             raise EngineError(f"round {r}: every sampled client failed ({dropped[0][1]})")
@@ -200,7 +202,7 @@ class Server:
             clients=self._client_rows(r, sampled, updates, dict(dropped), retries, ledger),
             train_loss=float(np.mean([u.train_loss for u in results])), tasks_retried=self.pool.retried,
             tasks_rerun=self.pool.reruns,
-            seconds_train=seconds_train, seconds_total=time.perf_counter() - t0)
+            seconds_train=seconds_train, seconds_total=time.perf_counter() - t0, seconds_clients=seconds_clients)
 
     def _client_rows(self, r: int, sampled: list[int], updates: dict[int, ClientUpdate], dropped: dict[int, str],
                      retries: dict[int, int], ledger: Ledger) -> list[dict]:
