@@ -96,6 +96,26 @@ def test_exploration_with_alpha_zero_is_identity_and_moves_otherwise():
     assert torch.allclose(d3, 4 * d0, atol=1e-4)  # mu + 3 (mu - mean): four times as far
 
 
+def test_explored_styles_are_adain_targets_without_gradient():
+    """Summed over a map, an AdaIN output is H W mu_new: with the new styles
+    detached (the default, as AdaIN and the reference code) nothing of it
+    depends on the features, so its gradient is zero; with
+    ``detach=False`` (Eq. 4 differentiated) each explored map sums to
+    H W ((1 + alpha) mu - alpha mu_bar), whose gradient is computed by hand
+    below."""
+    x = (torch.randn(4, 2, 3, 3) * 2 + 1).requires_grad_()
+    pick = torch.tensor([1, 1, 3, 0])
+    explore(x, pick, 3.0)[4:].sum().backward()
+    assert torch.allclose(x.grad, torch.zeros_like(x), atol=1e-5)
+    x.grad = None
+    explore(x, pick, 3.0, detach=False)[4:].sum().backward()
+    # d/dx of sum over picked maps of HW (4 mu_e - 3 mu_bar), mu_bar over the 8 samples of the concatenated batch:
+    # an element of sample i gets 4 x (times picked) - 3 x 4 x (1 + times picked) / 8
+    times = torch.bincount(pick, minlength=4).float()
+    expect = 4 * times - 3 * 4 * (1 + times) / 8
+    assert torch.allclose(x.grad, expect[:, None, None, None].expand_as(x), atol=1e-4)
+
+
 def test_attention_sums_to_one_and_test_forward_is_self_attention():
     st = StyleState()
     hl = FeatureHighlighter(8, st, d=5)

@@ -28,6 +28,15 @@ Federated Domain Generalization", NeurIPS 2023.  Modules in
   (default B), exploration (step 4, Eq. 4-5, alpha = 3) and MixStyle over the
   enlarged batch (step 5, Beta(0.1, 0.1)), after blocks 1, 2 and 3, each
   firing with probability 0.5; only the first firing one enlarges the batch.
+  The extrapolated styles are AdaIN targets without gradient, as the
+  reference code detaches every target style; differentiated through
+  (``detach_explored: false``, as this engine did until issue 28.4) half of each
+  enlarged batch carried (1 + alpha) = 4 times the gradient, and from
+  scratch the model fitted its own source domains far worse than FedAvg
+  (digits: mean source validation 67.3% vs 91.6%; docs/results.md).  The
+  batch average of Eq. 4-5 is over the concatenated batch, as the paper's
+  text says; the reference code takes it over the batch before
+  oversampling.
 * Placement: blocks 1-3 and the last block are ResNet ``layer1``..``layer4``
   (the conv net's blocks; a timm CNN's last four ``feature_info`` stages,
   EfficientNet-Lite0 ``blocks.1``, ``blocks.2``, ``blocks.4`` and its last
@@ -74,6 +83,8 @@ class StableFDG(Method):
         oversample: str = Field("balanced", pattern="^(balanced|random|none)$")  # Table 12
         oversample_size: int | None = Field(None, ge=1)  # default: the batch size
         alpha: float = Field(3.0, ge=0.0)  # exploration level
+        # the extrapolated styles as AdaIN targets without gradient (models/style.py explore; issue 28.4)
+        detach_explored: bool = True
         explore_p: float = Field(0.5, ge=0.0, le=1.0)  # probability per block (Table 13)
         mix_alpha: float = Field(0.1, gt=0.0)
         styles_per_client: int = Field(1, ge=1)  # Table 10
@@ -86,6 +97,7 @@ class StableFDG(Method):
         p = self.p
         state = StyleState(shift=p.style, shift_p=p.shift_p, selection=p.selection, oversample=p.oversample,
                            oversample_size=p.oversample_size, explore=p.style, alpha=p.alpha,
+                           detach_explored=p.detach_explored,
                            explore_p=p.explore_p, mix_alpha=p.mix_alpha)
         model.style_state = state
         # on a timm CNN: its last four feature_info stages and, for the highlighter, a head that only pools

@@ -88,6 +88,7 @@ class StyleState:
     oversample_size: int | None = None  # None: the batch size
     explore: bool = True
     alpha: float = 3.0
+    detach_explored: bool = True  # the extrapolated styles are AdaIN targets, no gradient (see ``explore``)
     explore_p: float = 0.5
     mix_alpha: float = 0.1
     fired: bool = False  # has a style op enlarged this forward's batch
@@ -151,17 +152,29 @@ class StyleExplore(nn.Module):
                 pick = balanced_oversample(st.labels[:b].cpu(), size, st.gen)
             else:
                 pick = torch.randint(b, (size,), generator=st.gen)
-            x = explore(x, pick.to(x.device), st.alpha)
+            x = explore(x, pick.to(x.device), st.alpha, st.detach_explored)
             st.labels = torch.cat([st.labels, st.labels[:b][pick.to(st.labels.device)]])
         return mixstyle(x, st.mix_alpha, st.gen)
 
 
-def explore(x: torch.Tensor, pick: torch.Tensor, alpha: float) -> torch.Tensor:
+def explore(x: torch.Tensor, pick: torch.Tensor, alpha: float, detach: bool = True) -> torch.Tensor:
     """[x, oversampled x[pick] with extrapolated styles] (Eq. 4-5): each
     oversampled feature's mean and std move away from the concatenated
-    batch's average by ``alpha`` times their distance to it."""
+    batch's average by ``alpha`` times their distance to it.
+
+    ``detach``: the new styles are AdaIN's targets, constants as in AdaIN
+    and MixStyle (and the reference code, which detaches every target
+    style before applying it); the gradient flows through the
+    normalisation only.  Without it the explored feature is
+    (1 + alpha) x - alpha (x_hat sigma_bar + mu_bar), whose gradient is
+    (1 + alpha) = 4 times the plain one on half of the enlarged batch:
+    from scratch the model then fits its own source domains far worse
+    (issue 28.4, docs/results.md); ``method.detach_explored: false`` keeps
+    that variant for the ablation."""
     extra = x[pick]
     mu_all, sig_all = channel_stats(torch.cat([x, extra]))
+    if detach:
+        mu_all, sig_all = mu_all.detach(), sig_all.detach()
     b = x.shape[0]
     mu_e, sig_e = mu_all[b:], sig_all[b:]
     new_mu = mu_e + alpha * (mu_e - mu_all.mean(0, keepdim=True))
