@@ -236,6 +236,10 @@ def run_label(run_dir: Path, summary: dict, depth: int = 0) -> str:
     (``_data_stage``)."""
     run_dir = Path(run_dir)
     cfg = _yaml(run_dir / "config.yaml")
+    if cfg.get("plugins"):  # a plugin stage or method is looked up below, as the run that wrote it did
+        from rayfed_dg.plugins import import_plugins
+
+        import_plugins(cfg["plugins"], str(run_dir / "config.yaml"))
     method = cfg.get("method") or {}
     if "targets" in summary:
         # runs before summaries named their label: a compare run's sub-directory is named after it

@@ -212,3 +212,37 @@ def test_a_search_space_file_of_ones_own_sweeps_the_plugin_method(clean_registri
     assert space["params"] == {"method.smoothing": {"grid": [0.0, 0.2]}}
     cfg = load_config(tmp_path / space["config"], overrides_of({"method.smoothing": 0.2, "target": "mono"}))
     assert cfg.method.name == "fedavg_ls" and cfg.method.params.smoothing == 0.2
+
+
+STAGE_PLUGIN = """
+from pydantic import BaseModel
+
+from rayfed_dg.stages import Stage, register_stage
+
+
+@register_stage
+class Recolour(Stage):
+    name = "recolour"
+
+    class Params(BaseModel):
+        strength: int = 1
+
+    def run(self, server):
+        return {}
+"""
+
+
+def test_report_on_a_run_with_a_plugin_stage_imports_the_plugin_in_a_fresh_process(tmp_path):
+    """``report`` names a run by its label and its data stages' settings
+    (``reporting._data_stage``), which looks the stage's class up: a fresh
+    ``rayfed-dg report`` must import the run's plugins as the run did."""
+    from test_selection import SRC, make_run
+
+    (tmp_path / "recolour.py").write_text(STAGE_PLUGIN)
+    make_run(tmp_path / "run", "fedavg", 0, {"x": (SRC, {1: 0.5, 2: 0.6, 3: 0.5, 4: 0.4})})
+    (tmp_path / "run" / "config.yaml").write_text(
+        "plugins: [recolour]\nmethod: {name: fedavg}\nstages: {recolour: {strength: 2}}\n")
+    proc = subprocess.run([sys.executable, "-m", "rayfed_dg", "report", "run"], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| fedavg + recolour(strength=2) | training-domain validation |" in proc.stdout, proc.stdout

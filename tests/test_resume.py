@@ -30,11 +30,14 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path):
     proc = subprocess.Popen(cli("--run-dir", str(killed)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     marker = killed / "checkpoints" / "negative" / "round_00003.json"
+    t0 = time.time()
     try:
-        deadline = time.time() + 240
-        while not marker.exists() and time.time() < deadline and proc.poll() is None:
+        # no fixed budget for a busy machine (Ray's workers run at niceness 15 and starve beside busy loops): the
+        # bound only catches a hang; the two later runs get three times what these three rounds took
+        while not marker.exists() and time.time() < t0 + 1200 and proc.poll() is None:
             time.sleep(0.05)
         assert marker.exists(), "the run never reached round 3"
+        budget = max(300.0, 3 * (time.time() - t0))
         os.kill(proc.pid, signal.SIGKILL)  # the driver dies mid-run
         proc.wait()
     finally:
@@ -54,9 +57,9 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path):
         assert rounds == list(range(1, len(rounds) + 1)) and len(rounds) >= 3, (name, rounds)
         done = len(rounds) if done is None else min(done, len(rounds))
     assert len(read_rows(killed, "metrics")) >= 4 * done
-    r = subprocess.run(cli("--resume", str(killed)), capture_output=True, text=True, timeout=300)
+    r = subprocess.run(cli("--resume", str(killed)), capture_output=True, text=True, timeout=budget)
     assert r.returncode == 0, r.stderr[-2000:]
-    r = subprocess.run(cli("--run-dir", str(clean)), capture_output=True, text=True, timeout=300)
+    r = subprocess.run(cli("--run-dir", str(clean)), capture_output=True, text=True, timeout=budget)
     assert r.returncode == 0, r.stderr[-2000:]
     a = pq.read_table(killed / "metrics.parquet").to_pylist()
     b = pq.read_table(clean / "metrics.parquet").to_pylist()
