@@ -236,10 +236,13 @@ def run_label(run_dir: Path, summary: dict, depth: int = 0) -> str:
     (``_data_stage``)."""
     run_dir = Path(run_dir)
     cfg = _yaml(run_dir / "config.yaml")
-    if cfg.get("plugins"):  # a plugin stage or method is looked up below, as the run that wrote it did
+    if cfg.get("plugins"):  # a plugin stage is looked up below (_data_stage), as the run that wrote it did
         from rayfed_dg.plugins import import_plugins
 
-        import_plugins(cfg["plugins"], str(run_dir / "config.yaml"))
+        try:
+            import_plugins(cfg["plugins"], str(run_dir / "config.yaml"))
+        except ConfigError as e:  # only a run whose label needs a plugin stage fails (_data_stage)
+            cfg["_plugin_error"] = str(e)
     method = cfg.get("method") or {}
     if "targets" in summary:
         # runs before summaries named their label: a compare run's sub-directory is named after it
@@ -309,7 +312,12 @@ def _data_stage(cfg: dict, label: str, method: str | None) -> str:
     for name, params in (cfg.get("stages") or {}).items():
         if params is None:
             continue
-        p_cls = get_stage_class(name).Params
+        try:
+            p_cls = get_stage_class(name).Params
+        except KeyError:
+            raise ConfigError(f"a run uses data stage {name!r}, which is not registered here"
+                              + (f" ({cfg['_plugin_error']})" if "_plugin_error" in cfg else
+                                 "; run report where its plugins import")) from None
         given, default = p_cls.model_validate(params).model_dump(), p_cls().model_dump()
         changed = [f"{k}={v}" for k, v in sorted(given.items()) if v != default[k] and not k.endswith(
             ("_vgg", "_decoder", "cache_dir"))]

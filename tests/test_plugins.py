@@ -246,3 +246,8 @@ def test_report_on_a_run_with_a_plugin_stage_imports_the_plugin_in_a_fresh_proce
                           timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "| fedavg + recolour(strength=2) | training-domain validation |" in proc.stdout, proc.stdout
+    (tmp_path / "recolour.py").unlink()  # the plugin gone: one line naming the stage and why, no traceback
+    proc = subprocess.run([sys.executable, "-m", "rayfed_dg", "report", "run"], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert len(proc.stderr.strip().splitlines()) == 1 and "data stage 'recolour'" in proc.stderr, proc.stderr

@@ -114,6 +114,21 @@ def test_explored_styles_are_adain_targets_without_gradient():
     times = torch.bincount(pick, minlength=4).float()
     expect = 4 * times - 3 * 4 * (1 + times) / 8
     assert torch.allclose(x.grad, expect[:, None, None, None].expand_as(x), atol=1e-4)
+    # any weighting of the output (the sum above cancels the std path): the gradient is AdaIN's with the new
+    # mean and std as constants, computed here from the batch's statistics by hand
+    w = torch.randn(4, 2, 3, 3, generator=torch.Generator().manual_seed(0))
+    x.grad = None
+    (explore(x, pick, 3.0)[4:] * w).sum().backward()
+    got = x.grad.clone()
+    with torch.no_grad():
+        xs = torch.cat([x, x[pick]])
+        mu, sd = xs.mean((2, 3)), torch.sqrt(xs.var((2, 3), unbiased=False) + 1e-6)
+        new_mu, new_sd = mu[4:] + 3 * (mu[4:] - mu.mean(0)), sd[4:] + 3 * (sd[4:] - sd.mean(0))
+    x.grad = None
+    e = x[pick]
+    m, s = e.mean((2, 3), keepdim=True), torch.sqrt(e.var((2, 3), unbiased=False, keepdim=True) + 1e-6)
+    ((((e - m) / s) * new_sd[:, :, None, None] + new_mu[:, :, None, None]) * w).sum().backward()
+    assert torch.allclose(got, x.grad, atol=1e-4)
 
 
 def test_attention_sums_to_one_and_test_forward_is_self_attention():

@@ -6,8 +6,9 @@ previous result), in the order given, or largest first (longest-processing-
 time-first list scheduling: a large client dispatched last would leave the
 other workers idle at the end of the round).  A task waiting behind another
 on a busy worker is committed to it before anyone knows which worker frees
-first, so with job costs known the second task goes out only while the queue
-behind it still holds more than ``workers`` times its cost: the round's tail
+first, so with job costs known (and two workers or more) the second task
+goes out only while the queue behind it holds at least ``workers`` times its
+cost: the round's tail
 is handed to workers as they become idle (list scheduling proper), and a
 worker that finishes early never watches another one's queued task.
 
@@ -279,7 +280,7 @@ class WorkerPool:
             """The queue's head, and the jobs after it that fit its group."""
             # guided self-scheduling: a group holds at most 1 / (2 x workers) of what is left, so the
             # groups shrink to single clients at the round's end and no worker finishes far behind
-            limit = min(group_cost, sum(cost[q.job] for q in queue) / (2 * usable)) if cost is not None else 0.0
+            limit = min(group_cost, sum(cost[q.job] for q in queue) / (2 * usable)) if group_cost > 0 and cost else 0.0
             group = [queue.pop(0)]
             if group[0].solo or cost is None or cost[group[0].job] >= limit:
                 return group
@@ -302,7 +303,7 @@ class WorkerPool:
                         break
                     w = pick
                     group = take()
-                    if load[w] and cost is not None and \
+                    if load[w] and usable > 1 and cost is not None and \
                             sum(cost[q.job] for q in queue) < usable * sum(cost[q.job] for q in group):
                         queue[:0] = group  # the round's tail goes to idle workers only (see the docstring)
                         break

@@ -211,7 +211,12 @@ class OnRound:
 def _resume(run_dir: Path | None, target: str) -> tuple[TargetResult, dict | None]:
     ckpt_dir = run_dir / "checkpoints" / target if run_dir is not None else None
     state = load_latest(ckpt_dir) if ckpt_dir is not None and ckpt_dir.exists() else None
-    return (TargetResult(target) if state is None else TargetResult(**state["result"])), state
+    if state is None:
+        return TargetResult(target), None
+    res = TargetResult(**state["result"])
+    # a checkpoint written before rounds recorded their clients' phase: unknown, one entry per round all the same
+    res.seconds_clients_per_round += [float("nan")] * (len(res.seconds_per_round) - len(res.seconds_clients_per_round))
+    return res, state
 
 
 def _open(host: EngineHost, cfg, split, num_classes, state):

@@ -31,7 +31,7 @@ Federated Domain Generalization", NeurIPS 2023.  Modules in
   The extrapolated styles are AdaIN targets without gradient, as the
   reference code detaches every target style; differentiated through
   (``detach_explored: false``, as this engine did until issue 28.4) half of each
-  enlarged batch carried (1 + alpha) = 4 times the gradient, and from
+  enlarged batch carried 4 times the gradient along its style directions, and from
   scratch the model fitted its own source domains far worse than FedAvg
   (digits: mean source validation 67.3% vs 91.6%; docs/results.md).  The
   batch average of Eq. 4-5 is over the concatenated batch, as the paper's

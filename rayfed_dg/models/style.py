@@ -166,8 +166,9 @@ def explore(x: torch.Tensor, pick: torch.Tensor, alpha: float, detach: bool = Tr
     and MixStyle (and the reference code, which detaches every target
     style before applying it); the gradient flows through the
     normalisation only.  Without it the explored feature is
-    (1 + alpha) x - alpha (x_hat sigma_bar + mu_bar), whose gradient is
-    (1 + alpha) = 4 times the plain one on half of the enlarged batch:
+    (1 + alpha) x - alpha (x_hat sigma_bar + mu_bar): along each channel's
+    mean and std directions (1 + alpha) = 4 times the gradient, on half of
+    the enlarged batch:
     from scratch the model then fits its own source domains far worse
     (issue 28.4, docs/results.md); ``method.detach_explored: false`` keeps
     that variant for the ablation."""
