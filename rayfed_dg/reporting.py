@@ -236,13 +236,14 @@ def run_label(run_dir: Path, summary: dict, depth: int = 0) -> str:
     (``_data_stage``)."""
     run_dir = Path(run_dir)
     cfg = _yaml(run_dir / "config.yaml")
+    plugin_error = None
     if cfg.get("plugins"):  # a plugin stage is looked up below (_data_stage), as the run that wrote it did
         from rayfed_dg.plugins import import_plugins
 
         try:
             import_plugins(cfg["plugins"], str(run_dir / "config.yaml"))
         except ConfigError as e:  # only a run whose label needs a plugin stage fails (_data_stage)
-            cfg["_plugin_error"] = str(e)
+            plugin_error = str(e)
     method = cfg.get("method") or {}
     if "targets" in summary:
         # runs before summaries named their label: a compare run's sub-directory is named after it
@@ -252,7 +253,7 @@ def run_label(run_dir: Path, summary: dict, depth: int = 0) -> str:
         label = run_dir.name if run_dir.name in compare_labels(run_dir.parent) else \
             method.get("label") or method.get("name", run_dir.name)
         name = method.get("name")
-    return label + _data_stage(cfg, label, name)
+    return label + _data_stage(cfg, label, name, plugin_error)
 
 
 def find_runs(run_dir: Path, depth: int = 0, unfinished: bool = False) -> list[RunRecord]:
@@ -291,7 +292,7 @@ def collect_summaries(run_dirs: list[Path]) -> dict[str, list[dict]]:
     return {label: [r.summary for r in runs] for label, runs in collect_runs(run_dirs).items()}
 
 
-def _data_stage(cfg: dict, label: str, method: str | None) -> str:
+def _data_stage(cfg: dict, label: str, method: str | None, plugin_error: str | None = None) -> str:
     """' + stage(k=v, ...)' for each data stage the run's config enabled
     (settings that differ from the stage's defaults), so runs with different
     stage settings (e.g. CCST's K or style) are not averaged together.  A
@@ -316,7 +317,7 @@ def _data_stage(cfg: dict, label: str, method: str | None) -> str:
             p_cls = get_stage_class(name).Params
         except KeyError:
             raise ConfigError(f"a run uses data stage {name!r}, which is not registered here"
-                              + (f" ({cfg['_plugin_error']})" if "_plugin_error" in cfg else
+                              + (f" ({plugin_error})" if plugin_error else
                                  "; run report where its plugins import")) from None
         given, default = p_cls.model_validate(params).model_dump(), p_cls().model_dump()
         changed = [f"{k}={v}" for k, v in sorted(given.items()) if v != default[k] and not k.endswith(

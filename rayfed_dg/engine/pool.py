@@ -8,9 +8,9 @@ other workers idle at the end of the round).  A task waiting behind another
 on a busy worker is committed to it before anyone knows which worker frees
 first, so with job costs known (and two workers or more) the second task
 goes out only while the queue behind it holds at least ``workers`` times its
-cost: the round's tail
-is handed to workers as they become idle (list scheduling proper), and a
-worker that finishes early never watches another one's queued task.
+cost: the round's tail is handed to workers as they become idle (list
+scheduling proper), and a worker that finishes early never watches another
+one's queued task.
 
 Small jobs travel together.  A Ray task costs about a millisecond of
 submission, argument and result handling whatever it carries, which is
@@ -276,11 +276,12 @@ class WorkerPool:
                 dropped.append((run.job, run.error))
                 on_result(run.job, None)
 
-        def take() -> list[_Queued]:
-            """The queue's head, and the jobs after it that fit its group."""
+        def take(left: float) -> list[_Queued]:
+            """The queue's head, and the jobs after it that fit its group;
+            ``left``: the queue's cost."""
             # guided self-scheduling: a group holds at most 1 / (2 x workers) of what is left, so the
             # groups shrink to single clients at the round's end and no worker finishes far behind
-            limit = min(group_cost, sum(cost[q.job] for q in queue) / (2 * usable)) if group_cost > 0 and cost else 0.0
+            limit = min(group_cost, left / (2 * usable)) if group_cost > 0 else 0.0
             group = [queue.pop(0)]
             if group[0].solo or cost is None or cost[group[0].job] >= limit:
                 return group
@@ -302,11 +303,13 @@ class WorkerPool:
                     if pick is None:
                         break
                     w = pick
-                    group = take()
-                    if load[w] and usable > 1 and cost is not None and \
-                            sum(cost[q.job] for q in queue) < usable * sum(cost[q.job] for q in group):
-                        queue[:0] = group  # the round's tail goes to idle workers only (see the docstring)
-                        break
+                    left = sum(cost[q.job] for q in queue) if cost is not None else 0.0  # once per dispatch
+                    group = take(left)
+                    if load[w] and usable > 1 and cost is not None:
+                        g = sum(cost[q.job] for q in group)
+                        if left - g < usable * g:
+                            queue[:0] = group  # the round's tail goes to idle workers only (see the docstring)
+                            break
                     for task in inflight.values():
                         if task.worker == w:
                             task.share()
