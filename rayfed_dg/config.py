@@ -286,6 +286,16 @@ class ExperimentConfig(_Strict):
 
     def to_dict(self) -> dict[str, Any]:
         tree = self.model_dump(mode="json")
+        # a method's and a stage's parameters are written resolved, defaults included: a run resumed (or re-run
+        # from its config.yaml) after a default changed keeps the variant it started with
+        for sec, node in [(self.method, tree["method"])] + list(zip(self.compare or [], tree["compare"] or [])):
+            node.update(_resolved_params(sec))
+            for name, raw in (node.get("stages") or {}).items():  # a compare row's own stages
+                if raw is not None:
+                    node["stages"][name] = _resolved_stage(name, raw)
+        for name, sc in self.stages.items():
+            if sc is not None:
+                tree["stages"][name].update(_resolved_params(sc))
         if self.training.local_steps is not None:  # local_epochs has no effect then: the dump names only what applies
             del tree["training"]["local_epochs"]
         for section, key in (("output", "wandb"), ("output", "mlflow"), (None, "plugins")):  # unset: not written
@@ -301,6 +311,21 @@ class ExperimentConfig(_Strict):
     def stage_params(self, name: str) -> Any:
         sc = self.stages.get(name)
         return None if sc is None else sc.params
+
+
+def _resolved_params(section: _Named) -> dict[str, Any]:
+    return section._typed.model_dump(mode="json") if section._typed is not None else section.raw_params()
+
+
+def _resolved_stage(name: str, raw: dict) -> dict:
+    """A compare row's stage parameters with their defaults; as written when
+    they do not validate (``method_variants`` reports that, with its row)."""
+    from rayfed_dg.stages import get_stage_class
+
+    try:
+        return {**raw, **get_stage_class(name).Params.model_validate(raw).model_dump(mode="json")}
+    except (KeyError, ValidationError):
+        return raw
 
 
 def _unpickle_config(cls: type[ExperimentConfig], plugins: tuple) -> ExperimentConfig:

@@ -137,3 +137,36 @@ def test_every_shipped_config_reads_its_data_through_the_data_root():
     for path in sorted((REPO / "configs").rglob("*.yaml")):
         root = load_config(path).data.root
         assert root is None or not (Path(root).is_absolute() or ".." in Path(root).parts), (path, root)
+
+
+def test_a_saved_config_keeps_the_parameter_defaults_it_ran_with(tmp_path):
+    """config.yaml (what --resume and re-runs read) spells out every method and stage parameter, so a default
+    changed in a later release (StableFDG's detach_explored, session 13) cannot switch a resumed run's variant."""
+    from rayfed_dg.config import save_config, validate
+    from rayfed_dg.methods import get_method_class, method_names
+
+    for name in method_names():  # every method's defaults survive the round trip through YAML
+        cls = get_method_class(name)
+        cfg = load_config(None, [f"method.name={name}"] + [f"stages.{s}={{}}" for s in cls.stages_needed])
+        save_config(cfg, tmp_path / "config.yaml")
+        again = load_config(tmp_path / "config.yaml")
+        assert again.method.raw_params() == cls.Params().model_dump(mode="json"), name
+        assert validate(again.to_dict()).to_dict() == again.to_dict() == cfg.to_dict()
+    cfg = load_config(None, ["compare=[{name: fedavg, stages: {ccst: {k: 2}}}, {name: stablefdg}]",
+                             "stages.ccst={backend: adain}"])
+    save_config(cfg, tmp_path / "config.yaml")
+    stable = get_method_class("stablefdg").Params
+    field = stable.model_fields["detach_explored"]
+    try:  # the next release's default
+        stable.model_fields["detach_explored"] = type(field).merge_field_infos(field, default=False)
+        stable.model_rebuild(force=True)
+        assert stable().detach_explored is False
+        variants = dict(method_variants(load_config(tmp_path / "config.yaml")))
+    finally:
+        stable.model_fields["detach_explored"] = field
+        stable.model_rebuild(force=True)
+    assert stable().detach_explored is True
+    assert variants["stablefdg"].method.params.detach_explored is True
+    assert variants["fedavg"].stage_params("ccst").k == 2
+    assert variants["fedavg"].stage_params("ccst").max_style_images == 256  # written although never set
+    assert load_config(tmp_path / "config.yaml").stage_params("ccst").backend == "adain"

@@ -140,3 +140,21 @@ def test_a_worker_given_gpus_never_trains_on_the_cpu_in_silence(monkeypatch):
     assert resolve_device("auto", 0.0).type == "cpu" and resolve_device("cpu", 0.0).type == "cpu"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert resolve_device("auto", 0.25).type == "cuda"
+
+
+def test_silobns_global_model_is_fedavgs(ray_session, tiny_ds, engine_host):
+    """Why SiloBN's unseen-target row equals FedAvg's (docs/results.md): BN trains on batch statistics, so the
+    running statistics SiloBN keeps on the clients never reach a gradient, and the server averages them into
+    the global model as FedAvg does.  Only the clients' own models (personal validation) differ."""
+    host = engine_host(tiny_ds, 1)
+    _, (_, avg), _ = server_rounds(ray_session, tiny_cfg("method.name=fedavg"), tiny_ds, rounds=2, host=host)
+    _, (_, silo), _ = server_rounds(ray_session, tiny_cfg("method.name=silobn"), tiny_ds, rounds=2, host=host)
+    assert set(avg["global_state"]) == set(silo["global_state"])
+    stats = {k for k in avg["global_state"] if k.endswith(("running_mean", "running_var"))}
+    for k, v in avg["global_state"].items():
+        if k in stats:  # the average of momentum updates = the momentum update of the average, up to rounding
+            np.testing.assert_allclose(silo["global_state"][k], v, rtol=1e-6, atol=1e-7, err_msg=k)
+        else:
+            np.testing.assert_array_equal(silo["global_state"][k], v, err_msg=k)
+    k = next(k for k in silo["client_store"][0] if k.endswith("running_var"))
+    assert not np.array_equal(silo["client_store"][0][k], silo["global_state"][k])
