@@ -194,7 +194,7 @@ def _resume_plan(args, seeds: list[int] | None):
     """(run directory, configs per seed, target argument) of ``--resume``:
     the run's own config(s), targets and seeds, unless given again (then they
     must match)."""
-    from rayfed_dg.config import ConfigError, load_config
+    from rayfed_dg.config import ConfigError, load_config, unrecorded_defaults
 
     run_dir = Path(args.resume)
     if args.run_dir is not None:
@@ -230,6 +230,9 @@ def _resume_plan(args, seeds: list[int] | None):
     _check_overrides(path, args.overrides)
     base = [(s, load_config(path, args.overrides + ([] if s is None else [f"training.seed={s}"])))
             for s in (list(seeds) if seeds else [None])]
+    for line in unrecorded_defaults(path):  # a default changed since the run began would change its variant
+        print(f"rayfed-dg: warning: {path} does not record {line}; resuming with these (this release's "
+              "defaults)", file=sys.stderr)
     return run_dir, base, target_arg, rec
 
 

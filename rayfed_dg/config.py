@@ -31,7 +31,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from .errors import ConfigError
 
-__all__ = ["ConfigError", "ExperimentConfig", "load_config", "method_variants", "save_config", "validate"]
+__all__ = ["ConfigError", "ExperimentConfig", "load_config", "method_variants", "save_config", "unrecorded_defaults",
+           "validate"]
 
 
 class _Strict(BaseModel):
@@ -326,6 +327,29 @@ def _resolved_stage(name: str, raw: dict) -> dict:
         return {**raw, **get_stage_class(name).Params.model_validate(raw).model_dump(mode="json")}
     except (KeyError, ValidationError):
         return raw
+
+
+def unrecorded_defaults(path: str | Path) -> list[str]:
+    """``where (method): key=value, ...`` for each method row of a saved
+    config.yaml that omits parameters (written before they were resolved, or
+    added since): the values this release's defaults give them on resume."""
+    from rayfed_dg.methods import get_method_class
+
+    tree = _read_yaml(Path(path))
+    rows = [("method", tree.get("method") or {})] + [(f"compare.{i}", m) for i, m in
+                                                     enumerate(tree.get("compare") or []) if isinstance(m, dict)]
+    out = []
+    for where, row in rows:
+        try:
+            params = get_method_class(row.get("name", "fedavg")).Params
+        except KeyError:
+            continue  # validation names it
+        missing = [k for k in params.model_fields if k not in row]
+        if missing:
+            fields = params.model_fields
+            out.append(f"{where} ({row.get('label') or row.get('name', 'fedavg')}): "
+                       + ", ".join(f"{k}={fields[k].get_default(call_default_factory=True)}" for k in missing))
+    return out
 
 
 def _unpickle_config(cls: type[ExperimentConfig], plugins: tuple) -> ExperimentConfig:

@@ -170,3 +170,23 @@ def test_a_saved_config_keeps_the_parameter_defaults_it_ran_with(tmp_path):
     assert variants["fedavg"].stage_params("ccst").k == 2
     assert variants["fedavg"].stage_params("ccst").max_style_images == 256  # written although never set
     assert load_config(tmp_path / "config.yaml").stage_params("ccst").backend == "adain"
+
+
+def test_resuming_a_run_saved_without_its_defaults_names_the_values_it_now_takes(tmp_path, capsys):
+    import json
+
+    from rayfed_dg.cli import main
+    from rayfed_dg.config import save_config, unrecorded_defaults
+
+    old = write(tmp_path, "method:\n  name: gperxan\n  lam: 0.25\ncompare:\n- name: stablefdg\n  alpha: 2.0\n"
+                "  label: sfdg\n- name: fedavg\n", "config.yaml")
+    lines = unrecorded_defaults(old)
+    assert len(lines) == 2 and lines[0].startswith("method (gperxan): norm=xan, personalize=True, placement=auto")
+    assert "lam=" not in lines[0] and lines[1].startswith("compare.0 (sfdg): style=True")
+    assert "detach_explored=True" in lines[1] and " alpha=" not in lines[1]
+    save_config(load_config(old), tmp_path / "new.yaml")  # written by this release: nothing left to name
+    assert unrecorded_defaults(tmp_path / "new.yaml") == []
+    (tmp_path / "run.json").write_text(json.dumps({"targets": ["colour"], "seeds": None}))
+    assert main(["run", "--resume", str(tmp_path), "--target", "mono"]) == 2  # refused, after the warning
+    err = capsys.readouterr().err
+    assert f"rayfed-dg: warning: {old} does not record compare.0 (sfdg): style=True" in err
