@@ -48,8 +48,11 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
+        from rayfed_dg.config import EngineConfig
+
+        # workers at the niceness a run gives them (engine.worker_niceness), not Ray's 15
         ray.init(num_cpus=2, include_dashboard=False, configure_logging=True, logging_level="ERROR",
-                 log_to_driver=False)
+                 log_to_driver=False, _system_config={"worker_niceness": EngineConfig().worker_niceness})
     yield ray
 
 

@@ -155,20 +155,28 @@ def test_a_saved_config_keeps_the_parameter_defaults_it_ran_with(tmp_path):
     cfg = load_config(None, ["compare=[{name: fedavg, stages: {ccst: {k: 2}}}, {name: stablefdg}]",
                              "stages.ccst={backend: adain}"])
     save_config(cfg, tmp_path / "config.yaml")
-    stable = get_method_class("stablefdg").Params
-    field = stable.model_fields["detach_explored"]
-    try:  # the next release's default
-        stable.model_fields["detach_explored"] = type(field).merge_field_infos(field, default=False)
-        stable.model_rebuild(force=True)
-        assert stable().detach_explored is False
-        variants = dict(method_variants(load_config(tmp_path / "config.yaml")))
+    from rayfed_dg.stages import get_stage_class
+
+    patched = [(get_method_class("stablefdg").Params, "detach_explored", False),
+               (get_stage_class("ccst").Params, "max_style_images", 128)]
+    kept = [(cls, key, cls.model_fields[key]) for cls, key, _ in patched]
+    try:  # the next release's defaults
+        for cls, key, value in patched:
+            cls.model_fields[key] = type(cls.model_fields[key]).merge_field_infos(cls.model_fields[key], default=value)
+            cls.model_rebuild(force=True)
+            assert getattr(cls(), key) == value
+        saved = load_config(tmp_path / "config.yaml")
+        variants = dict(method_variants(saved))
     finally:
-        stable.model_fields["detach_explored"] = field
-        stable.model_rebuild(force=True)
-    assert stable().detach_explored is True
+        for cls, key, field in kept:
+            cls.model_fields[key] = field
+            cls.model_rebuild(force=True)
+    assert get_method_class("stablefdg").Params().detach_explored is True
     assert variants["stablefdg"].method.params.detach_explored is True
     assert variants["fedavg"].stage_params("ccst").k == 2
-    assert variants["fedavg"].stage_params("ccst").max_style_images == 256  # written although never set
+    # written although never set: a compare row's own stage and the top-level one
+    assert variants["fedavg"].stage_params("ccst").max_style_images == 256
+    assert saved.stage_params("ccst").max_style_images == 256
     assert load_config(tmp_path / "config.yaml").stage_params("ccst").backend == "adain"
 
 

@@ -158,3 +158,30 @@ def test_silobns_global_model_is_fedavgs(ray_session, tiny_ds, engine_host):
             np.testing.assert_array_equal(silo["global_state"][k], v, err_msg=k)
     k = next(k for k in silo["client_store"][0] if k.endswith("running_var"))
     assert not np.array_equal(silo["client_store"][0][k], silo["global_state"][k])
+
+
+@pytest.mark.slow
+def test_a_run_gives_its_workers_the_drivers_niceness_unless_told_otherwise():
+    """Ray's default (15 added) would put the clients' training below every other job on the machine."""
+    import subprocess
+    import sys
+
+    code = """
+import os, ray
+from rayfed_dg.config import load_config
+from rayfed_dg.engine import init_ray
+
+@ray.remote(num_cpus=0)
+def nice():
+    return os.nice(0)
+
+out = [os.nice(0)]
+for sets in ([], ["engine.worker_niceness=7"]):
+    init_ray(load_config(None, sets))
+    out.append(ray.get(nice.remote()))
+    ray.shutdown()
+print(out)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    base, default, seven = eval(r.stdout.strip().splitlines()[-1])
+    assert default == base and seven == min(19, base + 7), (base, default, seven)

@@ -32,8 +32,8 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path):
     marker = killed / "checkpoints" / "negative" / "round_00003.json"
     t0 = time.time()
     try:
-        # no fixed budget for a busy machine (Ray's workers run at niceness 15 and starve beside busy loops): the
-        # bound only catches a hang; the two later runs get three times what these three rounds took
+        # no fixed budget for a busy machine: the bound only catches a hang; the two later runs get three times
+        # what these three rounds took
         while not marker.exists() and time.time() < t0 + 1200 and proc.poll() is None:
             time.sleep(0.05)
         assert marker.exists(), "the run never reached round 3"
@@ -139,10 +139,11 @@ def cpu_hog():
     """One busy process per core for the test's duration, ended by process id:
     the fault tests must give the fault-free numbers on a busy machine too
     (slow restarts, tasks finishing in any order).  The hog runs at the
-    niceness Ray gives its workers (15), so they compete on equal terms, as
-    other experiments' workers would; at niceness 0 it would leave them about
-    3% of the cores (scheduler weights 1024 vs 36): slower still, same rule."""
-    nice = int(os.environ.get("RAY_worker_niceness", "15"))
+    niceness a run gives its workers (engine.worker_niceness, 0), so they
+    compete on equal terms, as the user's other jobs would."""
+    from rayfed_dg.config import EngineConfig
+
+    nice = EngineConfig().worker_niceness
     procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=lambda: os.nice(nice))
              for _ in range(os.cpu_count() or 2)]
     try:

@@ -127,4 +127,4 @@ def init_ray(cfg: ExperimentConfig) -> None:
         ray.init(address=e.ray_address, **kwargs)
     else:
         use_token_auth_if_available(local=True)
-        ray.init(**kwargs)
+        ray.init(_system_config={"worker_niceness": e.worker_niceness}, **kwargs)
