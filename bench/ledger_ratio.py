@@ -26,14 +26,16 @@ def main() -> None:
 
     import ray
 
-    from rayfed_dg.config import load_config
+    from rayfed_dg.config import EngineConfig, load_config
     from rayfed_dg.data import leave_one_domain_out, load_dataset
     from rayfed_dg.engine import run_federation
     from rayfed_dg.methods import get_method_class
 
     ds = load_dataset("embedded_digits", None, 32)
     split = leave_one_domain_out(ds, "mono", 0.2, 0)
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    # workers at the niceness a run gives them (engine.worker_niceness), not Ray's 15
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
+             _system_config={"worker_niceness": EngineConfig().worker_niceness})
     refs = ray.put(ds.images), ray.put(ds.labels)
     totals = {}
     for spec in ["fedavg"] + args.methods:

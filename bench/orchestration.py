@@ -141,7 +141,11 @@ def main() -> None:
     args = ap.parse_args()
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    from rayfed_dg.config import EngineConfig
+
+    # workers at the niceness a run gives them (engine.worker_niceness), not Ray's 15
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
+             _system_config={"worker_niceness": EngineConfig().worker_niceness})
     parts = args.part.split(",")
     if "startup" in parts:
         startup()
