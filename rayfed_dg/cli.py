@@ -230,8 +230,11 @@ def _resume_plan(args, seeds: list[int] | None):
     _check_overrides(path, args.overrides)
     base = [(s, load_config(path, args.overrides + ([] if s is None else [f"training.seed={s}"])))
             for s in (list(seeds) if seeds else [None])]
-    for line in unrecorded_defaults(path):  # a default changed since the run began would change its variant
-        print(f"rayfed-dg: warning: {path} does not record {line}; resuming with these (this release's "
+    # the run's own config.yaml (a config given again is the user's, written without defaults): a default changed
+    # since the run began would change its variant
+    saved = _seed_dir(run_dir, seeds[0] if seeds else None) / "config.yaml"
+    for line in unrecorded_defaults(saved) if saved.is_file() else []:
+        print(f"rayfed-dg: warning: {saved} does not record {line}; resuming with these (this release's "
               "defaults)", file=sys.stderr)
     return run_dir, base, target_arg, rec
 

@@ -195,7 +195,7 @@ class EngineConfig(_Strict):
     autoscaler: Literal["auto", "on", "off"] = "auto"
     scale_up_timeout_s: float = Field(600.0, ge=0.0)
     # niceness added to the driver's for the workers, when rayfed-dg starts Ray itself.  Ray's own default, 15,
-    # puts the clients' training below every other job on the machine (beside two busy processes a 3-round
+    # puts the clients' training below every other busy process (beside two busy loops of the same shell a 3-round
     # quickstart did not finish its first round in 240 s; 97 s at 0); a cluster's nodes keep their `ray start`'s
     worker_niceness: int = Field(0, ge=0, le=19)
 
