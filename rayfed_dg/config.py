@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -194,9 +195,10 @@ class EngineConfig(_Strict):
     # a pool the cluster cannot fit now: ask the autoscaler for it and wait this long (auto: when one runs)
     autoscaler: Literal["auto", "on", "off"] = "auto"
     scale_up_timeout_s: float = Field(600.0, ge=0.0)
-    # niceness added to the driver's for the workers, when rayfed-dg starts Ray itself.  Ray's own default, 15,
-    # puts the clients' training below every other busy process (beside two busy loops of the same shell a 3-round
-    # quickstart did not finish its first round in 240 s; 97 s at 0); a cluster's nodes keep their `ray start`'s
+    # niceness added to the driver's for the workers, when rayfed-dg starts Ray itself (a cluster's nodes keep what
+    # their `ray start` gave them).  Ray's own default, 15, puts the clients' training below every other busy
+    # process: beside two busy loops of the same shell, a 3-round quickstart had not finished round 1 in 240 s
+    # (97 s at 0)
     worker_niceness: int = Field(0, ge=0, le=19)
 
 
@@ -334,24 +336,29 @@ def _resolved_stage(name: str, raw: dict) -> dict:
 
 
 def unrecorded_defaults(path: str | Path) -> list[str]:
-    """``where (method): key=value, ...`` for each method row of a saved
-    config.yaml that omits parameters (written before they were resolved, or
-    added since): the values this release's defaults give them on resume."""
+    """``where (name): key=value, ...`` for each method row and data stage of
+    a saved config.yaml that omits parameters (written before they were
+    resolved, or added since): the values this release's defaults give them."""
     from rayfed_dg.methods import get_method_class
+    from rayfed_dg.stages import get_stage_class
 
     tree = _read_yaml(Path(path))
-    rows = [("method", tree.get("method") or {})] + [(f"compare.{i}", m) for i, m in
-                                                     enumerate(tree.get("compare") or []) if isinstance(m, dict)]
+    rows = [(f"compare.{i}", m) for i, m in enumerate(tree.get("compare") or []) if isinstance(m, dict)]
+    rows = rows or [("method", tree.get("method") or {})]  # with compare rows, method: is never trained
+    items: list[tuple[str, str, Callable[[str], Any], str, dict]] = [
+        (where, row.get("label") or row.get("name", "fedavg"), get_method_class, row.get("name", "fedavg"), row)
+        for where, row in rows]
+    for where, stages in [("stages", tree.get("stages"))] + [(f"{w}.stages", r.get("stages")) for w, r in rows]:
+        items += [(f"{where}.{n}", n, get_stage_class, n, p) for n, p in (stages or {}).items() if isinstance(p, dict)]
     out = []
-    for where, row in rows:
+    for where, shown, lookup, name, given in items:
         try:
-            params = get_method_class(row.get("name", "fedavg")).Params
+            fields = lookup(name).Params.model_fields
         except KeyError:
             continue  # validation names it
-        missing = [k for k in params.model_fields if k not in row]
+        missing = [k for k in fields if k not in given]
         if missing:
-            fields = params.model_fields
-            out.append(f"{where} ({row.get('label') or row.get('name', 'fedavg')}): "
+            out.append(f"{where} ({shown}): "
                        + ", ".join(f"{k}={fields[k].get_default(call_default_factory=True)}" for k in missing))
     return out
 
@@ -483,6 +490,15 @@ def _typed(section: _Named, params_model: type[BaseModel], where: str, source: s
         section._typed = params_model.model_validate(section.raw_params())
     except ValidationError as err:
         line = _one_line(err, source, params_model, tuple(type(section).model_fields))
+        e = err.errors()[0]
+        if isinstance(section, MethodConfig) and e["type"] == "extra_forbidden":
+            from rayfed_dg.methods import get_method_class, method_names
+
+            key = str(e["loc"][-1])
+            owners = [n for n in method_names() if key in get_method_class(n).Params.model_fields]
+            if owners:  # e.g. --set method.name=fedavg on a saved config.yaml, which spells out every parameter
+                line += (f" (a parameter of {', '.join(owners[:3])}; to change method, replace the whole section: "
+                         f"--set 'method={{name: {section.name}}}')")
         raise ConfigError(line.replace(f"{source}: ", f"{source}: {where}.", 1)) from None
 
 

@@ -139,7 +139,7 @@ def test_every_shipped_config_reads_its_data_through_the_data_root():
         assert root is None or not (Path(root).is_absolute() or ".." in Path(root).parts), (path, root)
 
 
-def test_a_saved_config_keeps_the_parameter_defaults_it_ran_with(tmp_path):
+def test_a_saved_config_keeps_the_parameter_defaults_it_ran_with(tmp_path, monkeypatch):
     """config.yaml (what --resume and re-runs read) spells out every method and stage parameter, so a default
     changed in a later release (StableFDG's detach_explored, session 13) cannot switch a resumed run's variant."""
     from rayfed_dg.config import save_config, validate
@@ -157,20 +157,16 @@ def test_a_saved_config_keeps_the_parameter_defaults_it_ran_with(tmp_path):
     save_config(cfg, tmp_path / "config.yaml")
     from rayfed_dg.stages import get_stage_class
 
-    patched = [(get_method_class("stablefdg").Params, "detach_explored", False),
-               (get_stage_class("ccst").Params, "max_style_images", 128)]
-    kept = [(cls, key, cls.model_fields[key]) for cls, key, _ in patched]
-    try:  # the next release's defaults
-        for cls, key, value in patched:
-            cls.model_fields[key] = type(cls.model_fields[key]).merge_field_infos(cls.model_fields[key], default=value)
-            cls.model_rebuild(force=True)
-            assert getattr(cls(), key) == value
-        saved = load_config(tmp_path / "config.yaml")
-        variants = dict(method_variants(saved))
-    finally:
-        for cls, key, field in kept:
-            cls.model_fields[key] = field
-            cls.model_rebuild(force=True)
+    # the next release's defaults
+    stable, ccst = get_method_class("stablefdg"), get_stage_class("ccst")
+    monkeypatch.setattr(stable, "Params", type("Params", (stable.Params,), {"__annotations__": {
+        "detach_explored": bool}, "detach_explored": False}))
+    monkeypatch.setattr(ccst, "Params", type("Params", (ccst.Params,), {"__annotations__": {
+        "max_style_images": int}, "max_style_images": 128}))
+    assert stable.Params().detach_explored is False and ccst.Params().max_style_images == 128
+    saved = load_config(tmp_path / "config.yaml")
+    variants = dict(method_variants(saved))
+    monkeypatch.undo()
     assert get_method_class("stablefdg").Params().detach_explored is True
     assert variants["stablefdg"].method.params.detach_explored is True
     assert variants["fedavg"].stage_params("ccst").k == 2
@@ -186,15 +182,38 @@ def test_resuming_a_run_saved_without_its_defaults_names_the_values_it_now_takes
     from rayfed_dg.cli import main
     from rayfed_dg.config import save_config, unrecorded_defaults
 
-    old = write(tmp_path, "method:\n  name: gperxan\n  lam: 0.25\ncompare:\n- name: stablefdg\n  alpha: 2.0\n"
-                "  label: sfdg\n- name: fedavg\n", "config.yaml")
+    old = write(tmp_path, "method:\n  name: gperxan\n  lam: 0.25\nstages:\n  ccst: {k: 2}\ncompare:\n"
+                "- name: stablefdg\n  alpha: 2.0\n  label: sfdg\n- name: fedavg\n", "config.yaml")
     lines = unrecorded_defaults(old)
-    assert len(lines) == 2 and lines[0].startswith("method (gperxan): norm=xan, personalize=True, placement=auto")
-    assert "lam=" not in lines[0] and lines[1].startswith("compare.0 (sfdg): style=True")
-    assert "detach_explored=True" in lines[1] and " alpha=" not in lines[1]
+    # the method: section is not named (compare rows replace it), a method without parameters neither
+    assert [x.split(":")[0] for x in lines] == ["compare.0 (sfdg)", "stages.ccst (ccst)"]
+    assert lines[0].startswith("compare.0 (sfdg): style=True") and "detach_explored=True" in lines[0]
+    assert " alpha=" not in lines[0] and " k=" not in lines[1] and "max_style_images=256" in lines[1]
+    assert unrecorded_defaults(write(tmp_path, "method:\n  name: gperxan\n", "one.yaml")) == [
+        "method (gperxan): lam=0.5, norm=xan, personalize=True, placement=auto"]
     save_config(load_config(old), tmp_path / "new.yaml")  # written by this release: nothing left to name
     assert unrecorded_defaults(tmp_path / "new.yaml") == []
     (tmp_path / "run.json").write_text(json.dumps({"targets": ["colour"], "seeds": None}))
     assert main(["run", "--resume", str(tmp_path), "--target", "mono"]) == 2  # refused, after the warning
     err = capsys.readouterr().err
     assert f"rayfed-dg: warning: {old} does not record compare.0 (sfdg): style=True" in err
+    # a config given again is the user's (written without defaults): the run's own config.yaml is what is named
+    assert main(["run", str(tmp_path / "one.yaml"), "--resume", str(tmp_path), "--target", "mono"]) == 2
+    err = capsys.readouterr().err
+    assert f"warning: {old} does not record compare.0" in err and "one.yaml does not record" not in err
+
+
+def test_changing_the_method_of_a_saved_config_says_how():
+    import tempfile
+    from pathlib import Path
+
+    from rayfed_dg.config import save_config
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "config.yaml"
+        save_config(load_config(None, ["method.name=fedprox"]), path)
+        with pytest.raises(ConfigError) as e:
+            load_config(path, ["method.name=fedavg"])
+        assert str(e.value).endswith("method.mu: unknown key (a parameter of fedprox, moon; to change method, "
+                                     "replace the whole section: --set 'method={name: fedavg}')")
+        assert load_config(path, ["method={name: fedavg}"]).method.name == "fedavg"

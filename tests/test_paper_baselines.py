@@ -478,3 +478,15 @@ def test_a_compare_row_with_the_centralized_partition_keeps_the_step_budget(tiny
             "compare=[{name: fedavg, partition: {strategy: centralized}}]"]), tiny_ds, ["texture"])
     with pytest.raises(ConfigError, match="only compare rows"):
         load_config(None, ["method.partition={strategy: centralized}"])
+
+
+def test_compare_rows_with_the_comparisons_stages_share_its_splits(tiny_ds):
+    """Built once for every row whose partition and data stages are the comparison's (a row's config is written
+    with its stage parameters resolved, the comparison's as given: equal all the same)."""
+    from rayfed_dg.config import load_config
+    from rayfed_dg.engine import resolve_variants
+
+    sets = ["data.resolution=16", "stages.ccst={k: 2}",
+            "compare=[{name: fedavg}, {name: fedprox}, {name: fedavg, label: other, stages: {ccst: {k: 1}}}]"]
+    rows = {label: splits for label, _, splits in resolve_variants(load_config(None, sets), tiny_ds, ["texture"])}
+    assert rows["fedavg"] is rows["fedprox"] and rows["other"] is not rows["fedavg"]

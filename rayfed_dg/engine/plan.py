@@ -114,7 +114,8 @@ def resolve_variants(cfg: ExperimentConfig, ds: DomainDataset,
     out = []
     for label, vcfg in method_variants(cfg):
         if vcfg.partition == cfg.partition:
-            out.append((label, vcfg, base_splits if vcfg.stages == cfg.stages else make_splits(vcfg, ds, targets)))
+            same = vcfg.active_stages() == cfg.active_stages()  # typed: the row's are written resolved
+            out.append((label, vcfg, base_splits if same else make_splits(vcfg, ds, targets)))
             continue
         splits = [split_for(vcfg, ds, t) for t in targets]
         vcfg = match_budget(cfg, base_splits[0], vcfg, splits[0])

@@ -114,6 +114,8 @@ def use_token_auth_if_available(local: bool = False) -> None:
 
 
 def init_ray(cfg: ExperimentConfig) -> None:
+    import os
+
     import ray
 
     if ray.is_initialized():
@@ -127,4 +129,14 @@ def init_ray(cfg: ExperimentConfig) -> None:
         ray.init(address=e.ray_address, **kwargs)
     else:
         use_token_auth_if_available(local=True)
-        ray.init(_system_config={"worker_niceness": e.worker_niceness}, **kwargs)
+        # read by the raylet ray.init starts (Ray's job manager sets it the same way); ignored when ray.init joins a
+        # running cluster (RAY_ADDRESS, a `ray start` on this machine), which refuses a _system_config
+        old = os.environ.get("RAY_worker_niceness")
+        os.environ["RAY_worker_niceness"] = str(e.worker_niceness)
+        try:
+            ray.init(**kwargs)
+        finally:
+            if old is None:
+                del os.environ["RAY_worker_niceness"]
+            else:
+                os.environ["RAY_worker_niceness"] = old
