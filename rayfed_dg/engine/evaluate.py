@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rayfed_dg.config import ConfigError, ExperimentConfig, load_config
+from rayfed_dg.config import ConfigError, ExperimentConfig, apply_overrides, load_config, method_variants, validate
 
 from .records import Split
 
@@ -27,9 +27,15 @@ def load_run_config(run_dir: Path, overrides: list[str]) -> ExperimentConfig:
                           "subdirectory, e.g. RUN/fedfda)")
     old = load_config(saved)
     if old.compare:
-        raise ConfigError(f"{run_dir} holds several methods; pass one of its subdirectories: "
-                          + ", ".join(m.label or m.name for m in old.compare))
-    cfg = load_config(saved, overrides)
+        rows = method_variants(old)
+        if len(rows) > 1 or (run_dir / rows[0][0] / "config.yaml").is_file():
+            raise ConfigError(f"{run_dir} holds several methods; pass one of its subdirectories: "
+                              + ", ".join(m.label or m.name for m in old.compare))
+        # a comparison of one row keeps that row's files in the run directory itself
+        old = rows[0][1]
+        cfg = validate(apply_overrides(old.to_dict(), overrides), f"{saved} (its one compare row, with --set)")
+    else:
+        cfg = load_config(saved, overrides)
     a, b = old.to_dict(), cfg.to_dict()
     changed = sorted(s for s in b if s not in EVAL_SECTIONS and a.get(s) != b.get(s))
     if changed:
