@@ -342,24 +342,28 @@ def unrecorded_defaults(path: str | Path) -> list[str]:
     from rayfed_dg.methods import get_method_class
     from rayfed_dg.stages import get_stage_class
 
-    tree = _read_yaml(Path(path))
-    rows = [(f"compare.{i}", m) for i, m in enumerate(tree.get("compare") or []) if isinstance(m, dict)]
-    rows = rows or [("method", tree.get("method") or {})]  # with compare rows, method: is never trained
-    items: list[tuple[str, str, Callable[[str], Any], str, dict]] = [
-        (where, row.get("label") or row.get("name", "fedavg"), get_method_class, row.get("name", "fedavg"), row)
-        for where, row in rows]
-    for where, stages in [("stages", tree.get("stages"))] + [(f"{w}.stages", r.get("stages")) for w, r in rows]:
-        items += [(f"{where}.{n}", n, get_stage_class, n, p) for n, p in (stages or {}).items() if isinstance(p, dict)]
     out = []
-    for where, shown, lookup, name, given in items:
+
+    def note(where: str, shown: str, lookup: Callable[[str], Any], name: str, given: dict) -> None:
         try:
             fields = lookup(name).Params.model_fields
         except KeyError:
-            continue  # validation names it
+            return  # validation names it
         missing = [k for k in fields if k not in given]
         if missing:
             out.append(f"{where} ({shown}): "
                        + ", ".join(f"{k}={fields[k].get_default(call_default_factory=True)}" for k in missing))
+
+    tree = _read_yaml(Path(path))
+    rows = [(f"compare.{i}", m) for i, m in enumerate(tree.get("compare") or []) if isinstance(m, dict)]
+    rows = rows or [("method", tree.get("method") or {})]  # with compare rows, method: is never trained
+    for where, row in rows:
+        name = row.get("name", "fedavg")
+        note(where, row.get("label") or name, get_method_class, name, row)
+    for where, stages in [("stages", tree.get("stages"))] + [(f"{w}.stages", r.get("stages")) for w, r in rows]:
+        for name, given in (stages or {}).items():
+            if isinstance(given, dict):
+                note(f"{where}.{name}", name, get_stage_class, name, given)
     return out
 
 

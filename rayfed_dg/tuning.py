@@ -48,7 +48,7 @@ import yaml
 from rayfed_dg.config import ConfigError, ExperimentConfig, load_config
 from rayfed_dg.engine.records import Split
 from rayfed_dg.errors import EngineError
-from rayfed_dg.utils import did_you_mean, render_table, write_table, write_text
+from rayfed_dg.utils import did_you_mean, env_set, render_table, write_table, write_text
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SPACE_DIR = REPO_ROOT / "tuning"
@@ -516,15 +516,8 @@ def run_sweep(space_name: str, config: str | None, target: str, samples: int, sc
         watch.at_interrupt, watch.trials = None, []
     # Tune's newer console output prints its experiment box and a TensorBoard hint into Ray's session folder
     # whatever the verbosity; its legacy output at verbosity 0 prints nothing
-    before = os.environ.get("RAY_AIR_NEW_OUTPUT")
-    os.environ["RAY_AIR_NEW_OUTPUT"] = "1" if verbose == 2 else "0"
-    try:
+    with env_set("RAY_AIR_NEW_OUTPUT", "1" if verbose == 2 else "0"):
         results = tuner.fit()
-    finally:
-        if before is None:
-            os.environ.pop("RAY_AIR_NEW_OUTPUT")
-        else:
-            os.environ["RAY_AIR_NEW_OUTPUT"] = before
     params = list(sw.space["params"])
     records = _records(results, params, watch.at_interrupt if watch is not None else None)
     if not any(r["selected_round"] is not None for r in records):

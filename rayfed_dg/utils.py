@@ -156,6 +156,20 @@ def _nothing() -> Iterator[None]:
     yield
 
 
+@contextlib.contextmanager
+def env_set(name: str, value: str) -> Iterator[None]:
+    """``os.environ[name] = value`` for the block, then as it was (unset if it was)."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
 def run_cli(prog: str, fn: Callable[[], int], debug: bool = False) -> int:
     """Run a command's body: bad input ends with one line on stderr and exit
     code 2, an engine failure with exit code 1, no traceback unless

@@ -28,10 +28,10 @@ def load_run_config(run_dir: Path, overrides: list[str]) -> ExperimentConfig:
     old = load_config(saved)
     if old.compare:
         rows = method_variants(old)
-        if len(rows) > 1 or (run_dir / rows[0][0] / "config.yaml").is_file():
+        if len(rows) > 1:
             raise ConfigError(f"{run_dir} holds several methods; pass one of its subdirectories: "
-                              + ", ".join(m.label or m.name for m in old.compare))
-        # a comparison of one row keeps that row's files in the run directory itself
+                              + ", ".join(label for label, _ in rows))
+        # a comparison of one row keeps that row's files in the run directory itself (Experiment.row_dir)
         old = rows[0][1]
         cfg = validate(apply_overrides(old.to_dict(), overrides), f"{saved} (its one compare row, with --set)")
     else:

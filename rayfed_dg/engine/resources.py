@@ -114,9 +114,9 @@ def use_token_auth_if_available(local: bool = False) -> None:
 
 
 def init_ray(cfg: ExperimentConfig) -> None:
-    import os
-
     import ray
+
+    from rayfed_dg.utils import env_set
 
     if ray.is_initialized():
         return
@@ -131,12 +131,5 @@ def init_ray(cfg: ExperimentConfig) -> None:
         use_token_auth_if_available(local=True)
         # read by the raylet ray.init starts (Ray's job manager sets it the same way); ignored when ray.init joins a
         # running cluster (RAY_ADDRESS, a `ray start` on this machine), which refuses a _system_config
-        old = os.environ.get("RAY_worker_niceness")
-        os.environ["RAY_worker_niceness"] = str(e.worker_niceness)
-        try:
+        with env_set("RAY_worker_niceness", str(e.worker_niceness)):
             ray.init(**kwargs)
-        finally:
-            if old is None:
-                del os.environ["RAY_worker_niceness"]
-            else:
-                os.environ["RAY_worker_niceness"] = old
