@@ -163,7 +163,8 @@ def test_sweep_interrupted_mid_trial_exits_130_chooses_nothing_and_resumes_to_an
 
     # 12 rounds: on an idle machine a 16-px round takes a fraction of a second and the sweep's state is saved
     # once a second, so a window of two rounds (4 rounds, checkpoints 1-2) could pass unseen and the sweep end
-    space = tiny_space(tmp_path / "tiny.yaml", "training.rounds=12", "output.checkpoint_every=1")
+    rounds = 12
+    space = tiny_space(tmp_path / "tiny.yaml", f"training.rounds={rounds}", "output.checkpoint_every=1")
     cmd = [sys.executable, "tune.py", "--space", str(space), "--target", "colour"]
     proc = subprocess.Popen(cmd + ["--storage", str(tmp_path / "killed")], cwd=REPO, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -193,11 +194,11 @@ def test_sweep_interrupted_mid_trial_exits_130_chooses_nothing_and_resumes_to_an
     # Ray's session folder, or a trial's checkpoint log lines
     lines = clean.stdout.splitlines()
     assert lines[0] == f"sweep folder {tmp_path / 'clean' / 'tiny'} (tensorboard --logdir {tmp_path / 'clean' / 'tiny'})"
-    assert sorted(x.split(":")[0] for x in lines if "finished after 12 rounds, best source val" in x) == [
+    assert sorted(x.split(":")[0] for x in lines if f"finished after {rounds} rounds, best source val" in x) == [
         "method.lam=0.0 target=colour", "method.lam=1.0 target=colour"]
     assert len(lines) <= 12 and "/tmp/ray" not in clean.stdout + clean.stderr, clean.stdout
     assert "Traceback" not in clean.stderr and "Checkpoint successfully" not in clean.stderr, clean.stderr[-2000:]
-    assert "finished after 12 rounds" in resumed.stdout  # the bar and lines come back with a resumed sweep
+    assert f"finished after {rounds} rounds" in resumed.stdout  # the bar and lines come back with a resumed sweep
     cols = ["method.lam", "target", "selected_round", "selected_src_val", "selected_target_acc", "rounds_run"]
     key = lambda p: sorted(tuple(r[c] for c in cols) for r in pq.read_table(p).to_pylist())  # noqa: E731
     assert key(tmp_path / "killed" / "tiny" / "trials.parquet") == key(tmp_path / "clean" / "tiny" / "trials.parquet")
