@@ -4,7 +4,7 @@ Bad input (config, data, resources) ends with one line on stderr and a
 non-zero exit (2 for bad input, 1 for other failures); ``--debug`` shows the
 traceback.  Nothing is written before the config, the data and the targets
 have been checked.  A run records how it was started (``run.json``: targets,
-seeds, ``--set`` values) and its config before its first federation, so
+seeds, ``--set`` values, the code's commit and library versions) and its config before its first federation, so
 ``rayfed-dg run --resume RUN_DIR`` needs nothing else, and Ctrl-C prints
 that command.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rayfed_dg import __version__
-from rayfed_dg.utils import render_table, run_cli, write_table, write_text
+from rayfed_dg.utils import environment, environment_changes, render_table, run_cli, write_table, write_text
 
 RUN_RECORD = "run.json"  # how a run was started (rayfed-dg run), read by --resume and report
 
@@ -236,6 +236,10 @@ def _resume_plan(args, seeds: list[int] | None):
     for line in unrecorded_defaults(saved) if saved.is_file() else []:
         print(f"rayfed-dg: warning: {saved} does not record {line}; resuming with these (this release's "
               "defaults)", file=sys.stderr)
+    changed = environment_changes(rec.get("environment") if rec else None, environment())
+    if changed:
+        print(f"rayfed-dg: warning: {run_dir} was started with other code or libraries ({', '.join(changed)}); "
+              "its remaining rounds may not give the numbers an uninterrupted run would", file=sys.stderr)
     return run_dir, base, target_arg, rec
 
 
@@ -251,7 +255,8 @@ def _write_record(run_dir: Path, exp, args, seeds: list[int] | None) -> None:
             save_config(scfg, sdir / "config.yaml")
     rec = {"targets": list(exp.targets), "seeds": seeds, "labels": exp.labels,
            "rounds": next(iter(exp.configs.values())).training.rounds,
-           "config": args.config, "overrides": list(args.overrides), "rayfed_dg": __version__}
+           "config": args.config, "overrides": list(args.overrides), "rayfed_dg": __version__,
+           "environment": environment()}
     write_text(json.dumps(rec, indent=2) + "\n", run_dir / RUN_RECORD)
 
 
@@ -409,11 +414,11 @@ def _evaluate(args) -> int:
 def _report(args) -> int:
     import warnings
 
-    from rayfed_dg.reporting import SE_NOTE, check_report_inputs, seeds_table, unfinished_runs
+    from rayfed_dg.reporting import SE_NOTE, check_report_inputs, mixed_environments, seeds_table, unfinished_runs
 
     dirs = [Path(p) for p in args.run_dirs]
     check_report_inputs(dirs)
-    for line in unfinished_runs(dirs):
+    for line in unfinished_runs(dirs) + mixed_environments(dirs):
         warnings.warn(line, stacklevel=1)
     caption = (f"Target accuracy (%) at the round each model-selection rule picks; {SE_NOTE}. "
                "The test-domain oracle is an upper bound and never chooses anything")

@@ -431,6 +431,34 @@ def unfinished_runs(run_dirs: list[Path]) -> list[str]:
     return lines
 
 
+def mixed_environments(run_dirs: list[Path]) -> list[str]:
+    """One warning line when the finished runs under ``run_dirs`` were made
+    with different code or library versions (their ``run.json``), which can
+    move a figure by more than a seed does; runs that predate the record
+    are not compared."""
+    roots: dict[Path, dict] = {}
+    for runs in collect_runs(run_dirs).values():
+        for run in runs:
+            found = experiment_record(run.path)
+            if found and isinstance(found[1].get("environment"), dict):
+                roots.setdefault(found[0], found[1]["environment"])
+    if len(roots) < 2:
+        return []
+    keys = dict.fromkeys(k for env in roots.values() for k in env)
+    parts = []
+    for k in keys:
+        by_value: dict[str, list[Path]] = {}
+        for root, env in roots.items():
+            by_value.setdefault(str(env.get(k)), []).append(root)
+        if len(by_value) > 1:
+            more = {v: f" and {len(w) - 1} more" if len(w) > 1 else "" for v, w in by_value.items()}
+            parts.append(f"{k} " + ", ".join(f"{v} ({w[0]}{more[v]})" for v, w in by_value.items()))
+    if not parts:
+        return []
+    return [f"these runs were made with different code or libraries: {'; '.join(parts)}; a difference between them "
+            "can come from those as well as from the seed or the method"]
+
+
 def _resume_hint(root: Path) -> str:
     if _json(root / RUN_RECORD):
         return f"rayfed-dg run --resume {root}"

@@ -201,3 +201,44 @@ def run_cli(prog: str, fn: Callable[[], int], debug: bool = False) -> int:
         # `rayfed-dg data list | head`: the reader left; Python's own flush at exit would raise again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+
+
+# --------------------------------------------------------------- environment
+
+# Besides its config and seed, a run's numbers depend on the code and on these libraries (Pillow decodes and
+# resizes the images, torch computes): run.json records them so a figure that moved can be traced.
+LIBRARIES = ("torch", "torchvision", "numpy", "pillow", "timm", "ray")
+
+
+def environment() -> dict[str, str | None]:
+    """Python's version, this package's git commit (``+dirty`` when its
+    tracked files differ from it; None outside a git checkout) and each of
+    ``LIBRARIES``' installed version (None: not installed)."""
+    import platform
+    import subprocess
+    from importlib import metadata
+
+    here = Path(__file__).resolve().parent
+    commit = None
+    try:
+        head = subprocess.run(["git", "-C", str(here), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode == 0:
+            dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no", "--",
+                                    str(here)], capture_output=True, text=True, timeout=10).stdout.strip()
+            commit = head.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    out: dict[str, str | None] = {"python": platform.python_version(), "rayfed_dg_commit": commit}
+    for name in LIBRARIES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def environment_changes(was: dict | None, now: dict) -> list[str]:
+    """``"pillow 12.1.0 -> 13.0.0"`` for each entry of a recorded ``was`` that
+    ``now`` has otherwise (nothing for a record made before run.json kept one)."""
+    return [f"{k} {v} -> {now.get(k)}" for k, v in (was or {}).items() if v != now.get(k)]

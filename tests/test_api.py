@@ -54,6 +54,7 @@ def test_the_readme_example_gives_the_numbers_of_rayfed_dg_run(ray_session, tmp_
     subprocess of its own: the same metrics bit for bit, the same table."""
     from rayfed_dg.cli import main
     from rayfed_dg.engine.records import read_table
+    from rayfed_dg.utils import environment
 
     (tmp_path / "configs").symlink_to(REPO / "configs")  # the example names configs/quickstart.yaml
     monkeypatch.chdir(tmp_path)
@@ -88,6 +89,7 @@ def test_the_readme_example_gives_the_numbers_of_rayfed_dg_run(ray_session, tmp_
     # it is a CLI run directory: resumable and recorded the same way
     rec = json.loads((result.run_dir / "run.json").read_text())
     assert rec["targets"] == ["colour"] and rec["overrides"] == TINY
+    assert rec["environment"] == environment()  # the commit and library versions the run was made with
 
 
 # ------------------------------------------------------------------ W&B and MLflow on rayfed-dg run

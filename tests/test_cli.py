@@ -309,6 +309,47 @@ def test_report_names_what_an_interrupted_run_has_not_finished(tmp_path, capsys)
     assert "| fedavg |" in out.out and "gperxan" not in out.out
 
 
+def test_report_and_resume_name_the_code_and_libraries_a_run_was_made_with(tmp_path, capsys):
+    """run.json records the commit and library versions (a PACS figure moved 1.3 points between two sessions
+    with the same config, seed and engine code); report warns when it averages or sets side by side runs
+    made with different ones, and --resume when it would continue a run with other ones."""
+    from test_selection import SRC, make_run
+
+    from rayfed_dg.cli import main
+    from rayfed_dg.utils import environment
+
+    now = environment()
+    assert set(now) == {"python", "rayfed_dg_commit", "torch", "torchvision", "numpy", "pillow", "timm", "ray"}
+    assert now["torch"] == torch.__version__.split("+")[0] and now["pillow"] is not None
+
+    def finished(name, seed, env):
+        run = tmp_path / name
+        make_run(run, "fedavg", seed, {"colour": (SRC, {1: 0.1, 2: 0.2, 3: 0.3, 4: 0.4})})
+        (run / "run.json").write_text(json.dumps({"targets": ["colour"], "seeds": None, "environment": env}))
+        return run
+
+    same = [finished("a", 0, now), finished("b", 1, dict(now))]  # seeds of one row
+    other = finished("c", 2, dict(now, pillow="12.1.0", numpy="1.26.4"))
+    old = finished("d", 3, None)  # made before run.json recorded an environment: not compared
+    assert main(["report", *map(str, same), str(old)]) == 0
+    assert capsys.readouterr().err == ""
+    assert main(["report", *map(str, same), str(other)]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"rayfed-dg: warning: these runs were made with different code or libraries: numpy {now['numpy']} "
+                   f"({same[0]} and 1 more), 1.26.4 ({other}); pillow {now['pillow']} ({same[0]} and 1 more), 12.1.0 "
+                   f"({other}); a difference between them can come from those as well as from the seed or the method"]
+    # --resume names what changed (here refused afterwards: another target than the run's)
+    (other / "config.yaml").write_text("method: {name: fedavg}\n")
+    assert main(["run", "--resume", str(other), "--target", "mono"]) == 2
+    err = capsys.readouterr().err
+    assert (f"rayfed-dg: warning: {other} was started with other code or libraries (numpy 1.26.4 -> {now['numpy']}, "
+            f"pillow 12.1.0 -> {now['pillow']}); its remaining rounds may not give the numbers an uninterrupted run "
+            "would") in err
+    (same[0] / "config.yaml").write_text("method: {name: fedavg}\n")
+    assert main(["run", "--resume", str(same[0]), "--target", "mono"]) == 2
+    assert "other code or libraries" not in capsys.readouterr().err
+
+
 def test_one_label_and_one_order_per_row(tmp_path, capsys):
     """Rows in the config's order (not by name), each under one label in
     run's table, report and the plots; a run named twice counts once."""
