@@ -221,12 +221,14 @@ def environment() -> dict[str, str | None]:
     here = Path(__file__).resolve().parent
     commit = None
     try:
-        head = subprocess.run(["git", "-C", str(here), "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                              text=True, timeout=10)
-        if head.returncode == 0:
+        head = subprocess.run(["git", "-C", str(here), "rev-parse", "--show-toplevel", "--short=12", "HEAD"],
+                              capture_output=True, text=True, timeout=10)
+        top, _, sha = head.stdout.strip().partition("\n")
+        # an installed copy inside some other repository (a virtualenv in a project) has no commit of its own
+        if head.returncode == 0 and Path(top).resolve() == here.parent:
             dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no", "--",
                                     str(here)], capture_output=True, text=True, timeout=10).stdout.strip()
-            commit = head.stdout.strip() + ("+dirty" if dirty else "")
+            commit = sha + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         pass
     out: dict[str, str | None] = {"python": platform.python_version(), "rayfed_dg_commit": commit}
