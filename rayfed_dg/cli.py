@@ -4,9 +4,9 @@ Bad input (config, data, resources) ends with one line on stderr and a
 non-zero exit (2 for bad input, 1 for other failures); ``--debug`` shows the
 traceback.  Nothing is written before the config, the data and the targets
 have been checked.  A run records how it was started (``run.json``: targets,
-seeds, ``--set`` values, the code's commit and library versions) and its config before its first federation, so
-``rayfed-dg run --resume RUN_DIR`` needs nothing else, and Ctrl-C prints
-that command.
+seeds, ``--set`` values, the code's commit and library versions) and its
+config before its first federation, so ``rayfed-dg run --resume RUN_DIR``
+needs nothing else, and Ctrl-C prints that command.
 """
 from __future__ import annotations
 
