@@ -1,4 +1,5 @@
-"""Small shared utilities: atomic files, registries, tables, CLI errors.
+"""Small shared utilities: atomic files, registries, tables, CLI errors, the
+environment a run records (commit and library versions).
 
 Bottom of the import graph: nothing here imports another ``rayfed_dg``
 module but ``errors``.

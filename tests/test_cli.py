@@ -311,7 +311,7 @@ def test_report_names_what_an_interrupted_run_has_not_finished(tmp_path, capsys)
 
 def test_report_and_resume_name_the_code_and_libraries_a_run_was_made_with(tmp_path, capsys):
     """run.json records the commit and library versions (a PACS figure moved 1.3 points between two sessions
-    with the same config, seed and engine code); report warns when it averages or sets side by side runs
+    with the same config and seed, and nothing recorded why); report warns when it averages or sets side by side runs
     made with different ones, and --resume when it would continue a run with other ones."""
     from test_selection import SRC, make_run
 
