@@ -41,15 +41,15 @@ class _Strict(BaseModel):
 
 
 class DataConfig(_Strict):
-    name: str = "embedded_digits"
+    name: str = "embedded_digits"  # dataset loader by registered name (pacs, office_home, digits, folder, ...)
     root: str | None = None  # dataset folder; None for embedded data
-    resolution: int = Field(32, ge=8, le=1024)
-    val_fraction: float = Field(0.2, gt=0.0, lt=1.0)
+    resolution: int = Field(32, ge=8, le=1024)  # image side in pixels the model sees
+    val_fraction: float = Field(0.2, gt=0.0, lt=1.0)  # share of each source domain held out for validation
     # an in-domain test split of each source domain (metrics split source_test); 0: none, training data as before
     source_test_fraction: float = Field(0.0, ge=0.0, lt=1.0)
     # a domain held out of training and never a target, whose accuracy feeds the held-out-domain selection rule
     heldout_val_domain: str | None = None
-    split_seed: int = 0
+    split_seed: int = 0  # seeds the train / validation / test split and the partition, apart from training.seed
     # colour normalisation applied on the fly (ImageNet stats by default)
     mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
     std: tuple[float, float, float] = (0.229, 0.224, 0.225)
@@ -86,8 +86,8 @@ class DataConfig(_Strict):
 
 
 class PartitionConfig(_Strict):
-    strategy: str = "per_domain"
-    num_clients: int | None = Field(None, ge=1)
+    strategy: str = "per_domain"  # per_domain, single_domain, dirichlet, label_dirichlet, explicit, heterogeneity, ...
+    num_clients: int | None = Field(None, ge=1)  # clients over all source domains (single_domain, dirichlet, ...)
     alpha: float | None = Field(None, gt=0.0)  # Dirichlet concentration (dirichlet, label_dirichlet)
     min_size: int = Field(1, ge=1)  # fewest training samples a client may have
     clients: list[list[str]] | None = None  # explicit: each client's domains
@@ -143,7 +143,7 @@ class MethodConfig(_Named):
     comparison holds rows that differ in more than the method; see
     ``method_variants``."""
 
-    name: str = "fedavg"
+    name: str = "fedavg"  # a registered method (rayfed_dg.methods.method_names())
     label: str | None = None  # row name in comparison tables
     partition: dict[str, Any] | None = None  # compare rows only: this row's partition settings
     stages: dict[str, Any] | None = None  # compare rows only: data stages of this row
@@ -155,29 +155,29 @@ class StageConfig(_Named):
 
 
 class TrainingConfig(_Strict):
-    rounds: int = Field(10, ge=1)
+    rounds: int = Field(10, ge=1)  # communication rounds per federation
     # local training per round: local_epochs passes over the client's data, or local_steps mini-batches
     # (when set, it replaces local_epochs); a layer that names one clears the other from below (_one_budget)
     local_epochs: int = Field(1, ge=1)
     local_steps: int | None = Field(None, ge=1)
     batch_size: int = Field(32, ge=1)
-    optimizer: Literal["sgd", "adam"] = "sgd"
-    lr: float = Field(0.01, gt=0.0)
+    optimizer: Literal["sgd", "adam"] = "sgd"  # the clients' local optimizer
+    lr: float = Field(0.01, gt=0.0)  # the clients' learning rate
     lr_schedule: Literal["constant", "cosine"] = "constant"  # cosine: over rounds, per round
-    momentum: float = Field(0.9, ge=0.0, lt=1.0)
-    weight_decay: float = Field(5e-4, ge=0.0)
+    momentum: float = Field(0.9, ge=0.0, lt=1.0)  # SGD momentum of the local optimizer
+    weight_decay: float = Field(5e-4, ge=0.0)  # L2 penalty of the local optimizer
     clients_per_round: int | None = Field(None, ge=1)  # None: all clients
-    seed: int = 0
+    seed: int = 0  # every random choice of training (sampling, data order, augmentation, method noise)
 
 
 class EngineConfig(_Strict):
     num_workers: int | None = Field(None, ge=1)  # None: as many as fit
-    num_cpus_per_worker: float = Field(1.0, gt=0.0)
-    num_gpus_per_worker: float = Field(0.0, ge=0.0)
+    num_cpus_per_worker: float = Field(1.0, gt=0.0)  # Ray CPUs of one worker actor
+    num_gpus_per_worker: float = Field(0.0, ge=0.0)  # fractional: 0.25 packs four workers on a GPU
     # GPUs Ray was told about that do not exist (a rehearsal cluster): workers given them train on the CPU
     # instead of stopping the run with "no usable CUDA"
     gpus_declared_only: bool = False
-    device: Literal["cpu", "cuda", "auto"] = "auto"
+    device: Literal["cpu", "cuda", "auto"] = "auto"  # auto: CUDA for workers given GPUs, else the CPU
     ray_address: str | None = None  # None: start or join a local Ray
     include_dashboard: bool = False  # when on, bound to 127.0.0.1
     max_restarts: int = Field(3, ge=0)  # Ray restarts of a dead worker actor
@@ -204,7 +204,7 @@ class EngineConfig(_Strict):
 
 class EvaluationConfig(_Strict):
     every: int = Field(1, ge=0)  # 0: only after the last round
-    batch_size: int = Field(256, ge=1)
+    batch_size: int = Field(256, ge=1)  # images per evaluation batch
     # methods with client-local state: also evaluate each client's own model on its domain's validation split
     personal: bool = True
 
@@ -221,7 +221,7 @@ class ServerConfig(_Strict):
     model along the pseudo-gradient (the round's weighted average minus the
     global model) instead of taking the average; ``none`` takes it (FedAvg)."""
 
-    optimizer: Literal["none", "fedavgm", "fedadam", "fedyogi", "fedadagrad"] = "none"
+    optimizer: Literal["none", "fedavgm", "fedadam", "fedyogi", "fedadagrad"] = "none"  # none: the average
     lr: float | None = Field(None, gt=0.0)  # eta; None: the optimizer's default (SERVER_LR)
     # beta1 of FedAdam / FedYogi / FedAdagrad (Reddi et al.'s experiments: 0.9), beta of FedAvgM (Hsu et al.: 0.9)
     momentum: float = Field(0.9, ge=0.0, lt=1.0)
@@ -234,8 +234,8 @@ class ServerConfig(_Strict):
 
 
 class WandbConfig(_Strict):
-    project: str
-    entity: str | None = None
+    project: str  # --wandb PROJECT
+    entity: str | None = None  # None: W&B's default entity
     mode: Literal["online", "offline", "disabled"] | None = None  # None: W&B's own default ($WANDB_MODE, online)
 
 
@@ -245,9 +245,9 @@ class MlflowConfig(_Strict):
 
 
 class OutputConfig(_Strict):
-    root: str = "runs"
-    name: str = "experiment"
-    save_best_checkpoint: bool = True
+    root: str = "runs"  # a run directory is <root>/<name>-<time> unless --run-dir names one
+    name: str = "experiment"  # the run directory's name before its time; MLflow's default experiment
+    save_best_checkpoint: bool = True  # best_<target>.pt: the global weights of the selected round
     # rounds between resumable checkpoints (only the newest few are kept); 0: none.  Every round by default:
     # a driver lost with its node resumes from the round before, not from up to five rounds back
     checkpoint_every: int = Field(1, ge=0)

@@ -56,6 +56,10 @@ def test_every_config_key_is_in_the_reference(generated):
     assert {"data.resolution", "output.wandb.project", "output.mlflow.tracking_uri", "server.tau", "plugins"} <= set(keys)
     missing = [k for k in keys if f"| `{k}` |" not in generated]
     assert not missing, f"keys missing from the generated reference: {missing}"
+    rows = {line.split(" | ")[0][3:-1]: line for line in generated.splitlines() if line.startswith("| `")}
+    # the description cell less the bounds the generator puts first (">= 8, <= 1024; ")
+    undescribed = [k for k in keys if not re.sub(r"^([<>]=? \S+?(, |; |$))+", "", rows[k].split(" | ")[3].strip(" |"))]
+    assert not undescribed, f"config keys without a description (a comment beside or above the field): {undescribed}"
 
 
 def test_every_method_and_stage_parameter_is_in_its_section(generated):
@@ -74,7 +78,7 @@ def test_reference_rows_carry_type_default_bounds_and_the_source_comment(generat
     assert "| `data.root` | `str \\| null` | `null` | dataset folder; None for embedded data |" in generated
     assert ("| `data.source_test_fraction` | `float` | `0.0` | >= 0.0, < 1.0; an in-domain test split of each source "
             "domain (metrics split source_test); 0: none, training data as before |") in generated
-    assert "| `data.resolution` | `int` | `32` | >= 8, <= 1024 |" in generated
+    assert "| `data.resolution` | `int` | `32` | >= 8, <= 1024; image side in pixels the model sees |" in generated
     assert '| `data.on_corrupt` | `"fail" \\| "skip"` | `"fail"` | an undecodable image: stop, or skip and count |' \
         in generated
     assert reference._comments(DataConfig)["heldout_val_domain"].startswith("a domain held out of training")

@@ -74,15 +74,22 @@ def _comments(cls: type) -> dict[str, str]:
     out = {}
     node = ast.parse(source).body[0]
     assert isinstance(node, ast.ClassDef)
+    shared, prev_end = "", 0  # a comment above a field also covers the uncommented fields right below it
     for stmt in node.body:
         if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
+            shared = ""
             continue
         beside = [comment_at[n] for n in range(stmt.lineno, (stmt.end_lineno or stmt.lineno) + 1) if n in comment_at]
         above, n = [], stmt.lineno - 1
         while n in comment_at and lines[n - 1].strip().startswith("#"):
             above.insert(0, comment_at[n])
             n -= 1
-        out[stmt.target.id] = " ".join(above + beside)
+        if above:
+            shared = " ".join(above)
+        elif beside or stmt.lineno != prev_end + 1:
+            shared = ""
+        out[stmt.target.id] = " ".join(above + beside) or shared
+        prev_end = stmt.end_lineno or stmt.lineno
     return out
 
 
@@ -101,10 +108,17 @@ def _section_model(ann: Any) -> type[BaseModel] | None:
     return None
 
 
+def _slug(key: str) -> str:
+    # Python-Markdown's toc slug of the heading `key`
+    return re.sub(r"[^\w\- ]", "", key).strip().lower().replace(" ", "-")
+
+
 def _rows(model: type[BaseModel], prefix: str) -> list[str]:
     rows = []
     for name, field in model.model_fields.items():
         desc = _description(model, name).replace("|", "\\|")
+        if not desc and _section_model(field.annotation) and typing.get_origin(field.annotation) not in (list, dict):
+            desc = f"the section [`{prefix}{name}`](#{_slug(prefix + name)}) below"
         bounds = _bounds(field)
         rows.append(f"| `{prefix}{name}` | `{_type_name(field.annotation)}` | `{_default(field)}` | "
                     f"{bounds + '; ' if bounds and desc else bounds}{desc} |")
