@@ -77,7 +77,7 @@ def test_the_readme_method_smooths_the_labels(clean_registries, tmp_path, monkey
 
     monkeypatch.syspath_prepend(str(_plugin_dir(tmp_path)))
     cfg = load_config(None, ["plugins=[my_method]", "method.name=fedavg_ls", "method.smoothing=0.3"])
-    method = build_method(cfg)
+    method = build_method(cfg, 3)
     logits = torch.tensor([[2.0, 0.0, -1.0], [0.5, 0.5, 3.0]])
     y = torch.tensor([0, 1])
     logp = torch.log_softmax(logits, 1)
@@ -145,7 +145,7 @@ def test_an_installed_entry_point_plugin_is_found_and_travels_with_the_config(cl
     assert cfg.__reduce_ex__(5)[1][1] == (("ep_plugin_mod", str(site.resolve())),)  # what the pickle carries
     # a process whose sys.path lacks the folder (a Ray worker) rebuilds the config and builds the method
     code = ("import pickle, sys; cfg = pickle.loads(sys.stdin.buffer.read()); "
-            "from rayfed_dg.methods import build_method; print(type(build_method(cfg)).__name__)")
+            "from rayfed_dg.methods import build_method; print(type(build_method(cfg, 3)).__name__)")
     r = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(cfg), capture_output=True, timeout=120,
                        cwd=REPO)
     assert r.returncode == 0 and r.stdout.decode().strip() == "EpFedAvg", r.stderr.decode()[-2000:]

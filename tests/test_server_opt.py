@@ -88,7 +88,7 @@ def test_fedavgm_without_momentum_at_rate_one_is_the_average_bit_for_bit():
 
 def test_stepped_keys_are_the_global_parameters():
     cfg = tiny_cfg("method.name=gperxan")
-    method = build_method(cfg)
+    method = build_method(cfg, 3)
     model = method.build_model(10)
     local = method.local_keys(model)
     keys = set(stepped_keys(model, local))
