@@ -105,6 +105,18 @@ def test_fedbn_ledger_sends_less_down_same_up(ray_session, tiny_ds, engine_host)
     assert totals["fedavg"]["down"] - totals["fedbn"]["down"] == 3 * bn_bytes
 
 
+def test_a_local_train_returning_a_dict_is_one_line(tiny_ds, monkeypatch):
+    """Contract v1's ``local_train`` returned a dict of magic keys: the worker
+    says what to return instead."""
+    from rayfed_dg.engine.worker import to_numpy_state
+
+    r = ClientRunner(tiny_cfg("training.local_steps=1"), tiny_ds.images, tiny_ds.labels, 10, 3)
+    g = to_numpy_state(r.model.state_dict(), r.model.state_dict().keys())
+    monkeypatch.setattr(r.method, "local_train", lambda *a: {"train_loss": 1.0})
+    with pytest.raises(TypeError, match="local_train returned dict; in method contract v2 it returns a LocalResult"):
+        r.run_client(0, 1, np.arange(64), g)
+
+
 def test_local_steps_and_epochs_bound_the_local_loop(tiny_ds):
     from rayfed_dg.engine.worker import to_numpy_state
 

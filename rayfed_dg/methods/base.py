@@ -1,55 +1,95 @@
-"""The method hook interface and the method registry.
+"""The method hook interface (contract v2) and the method registry.
 
 A federated (DG) method is one class in one file, registered by name with
 ``@register_method``.  Every hook defaults to FedAvg behaviour, so FedAvg
 overrides nothing; the engine calls hooks and never names a method.
 
-Config (in the driver, once, when the config is validated):
-  ``Params``             the method's typed hyper-parameters
-  ``check``              veto a config the method cannot run (``ConfigError``)
-  ``stages_needed``      data stages the method reads (``ctx.stage_data``);
-                         a config without them is rejected (ELCFS: amplitude)
-Everywhere the method is built (driver, server, workers):
-  ``num_clients``        the partition's number of clients, set by the
-                         engine before ``build_model`` (COPA sizes its head
-                         ensemble with it); None where no partition is known
-Client side (inside a worker actor, once per sampled client and round):
-  ``build_model``        the network, built identically on server and workers
-  ``client_val_size``    validation samples a client gets for local selection
-  ``local_keys``         state that stays on the client: never broadcast down,
-                         kept per client by the engine across rounds
-  ``private_keys``       the part of ``local_keys`` that is not uploaded either
-  ``round_prepare``      optional per-round client phase *before* training,
-                         with the round's global model: small named arrays
-                         the server may redistribute (``prepares_round``)
-  ``round_start``        snapshot what the loss needs (e.g. the global weights)
-  ``loss``               the local objective for one batch
-  ``local_train``        escape hatch owning the whole local loop (it can
-                         still run the shared step loop, ``train_steps``,
-                         with its own loss and per-step hook)
-  ``upload_payload``     extra small records to upload (named numpy arrays)
-Server side (in the server actor):
-  ``aggregation_weights``  per-client weights of the reduce (default |D_i|)
-  ``server_payloads``      extra records to broadcast to each sampled client
-                           (given the round's ``round_prepare`` results)
-  ``assemble_global``      tensors of the new global model the method builds
-                           itself from the round's updates instead of the
-                           weighted average (COPA's head ensemble, CSAC's
-                           layer-wise aggregation); default: none
-  ``averages_global``      False when ``assemble_global`` replaces the weighted
-                           average of the whole model (no server optimizer then)
-  ``after_round``          update server-side method state from the round's
-                           ``ClientUpdate`` records
-  ``evaluates_global_on_clients``  when True, the engine evaluates the new
-                         global model on each participant's validation
-                         samples after aggregation and hands ``after_round``
-                         the figures as ``result["global_eval"]``
+## Hook map
 
-Hooks receive a ``ClientContext`` that carries the round, the client id, the
-seeded generator for all of the client's randomness, the device, the data
-stages' shared arrays (``stage_data``), the colour normalisation of the
-batches (``pixel_mean`` / ``pixel_std``, for methods that work on pixels) and a
-``scratch`` dict for snapshots that live for one client task.
+Each hook, what it receives and returns, and where it runs.  The driver
+validates the config; the server actor holds the federation
+(``engine/federation.py``); worker actors run clients, one sampled client
+and round per task.
+
+| Hook | Receives -> returns | Runs in |
+|---|---|---|
+| ``Params`` | the config's ``method:`` keys -> typed hyper-parameters, ``self.p`` | driver, once |
+| ``check(cfg)`` | the whole config -> raises ``ConfigError`` to veto it | driver, once |
+| ``stages_needed`` | (attribute) the data stages it reads, ``ctx.stage_data`` (ELCFS) | driver, once |
+| ``phases`` | (attribute or property) the optional round phases it needs (below) | server, each round |
+| ``__init__`` | params, model and training config, ``num_clients`` (the partition's) | everywhere |
+| ``build_model`` | number of classes -> the network, identical everywhere | server, workers |
+| ``local_keys`` | model -> state kept per client, never broadcast | server, workers |
+| ``private_keys`` | model -> the part of ``local_keys`` never uploaded either | workers |
+| ``tensor_group`` | state key, whether local -> its ledger group | server |
+| ``assembles`` | model -> the global keys ``assemble_global`` sets | server, once |
+| ``client_val_size`` | -> validation samples a client gets for local selection | server |
+| ``round_prepare`` | model, ``ClientContext`` -> named arrays for ``server_payloads`` | worker, ``PREPARE`` |
+| ``aggregation_weights`` | sampled ids, sizes, server state -> reduce weights (sizes) | server, each round |
+| ``server_payloads`` | round, ids, server state, rng, global, prepared -> arrays per client | server, each round |
+| ``round_start`` | model, ``ClientContext`` -> snapshots what the loss needs | worker, each client |
+| ``loss`` | model, batch, ``ClientContext`` -> the local objective of one batch | worker, each step |
+| ``local_train`` | model, batches, ``ClientContext`` -> ``LocalResult`` | worker, each client |
+| ``upload_payload`` | model, ``ClientContext`` -> named arrays to upload | worker, each client |
+| ``assemble_global`` | round, updates, average, previous global, server state -> its tensors | server, each round |
+| ``after_round`` | round, updates (``global_eval`` set by its phase), server state | server, each round |
+
+``local_train`` owns the whole local loop; to keep one count of local
+steps it runs the shared loop, ``train_steps``, with its own loss and
+per-step hook, and returns (or amends the ``stats`` of) its ``LocalResult``.
+The new global model is the weighted average, then a server optimizer's
+step on the broadcast parameters outside ``assembles`` (``server:``), then
+``assemble_global``'s tensors; a method that assembles every parameter
+refuses a server optimizer in its ``check`` (FedDyn, CSAC's layer-wise
+aggregation).
+
+Hooks on a client receive a ``ClientContext``: the round, the client id, the
+seeded generator for all of the client's randomness, the device, its
+samples, payload and validation indices, the data stages' shared arrays
+(``stage_data``), the colour normalisation of the batches (``pixel_mean`` /
+``pixel_std``, for methods that work on pixels) and a ``scratch`` dict for
+snapshots that live for one client task.
+
+## Round phases
+
+A round always samples, sends, trains, reduces, aggregates and calls
+``after_round``.  Optional phases run only for a method that lists them in
+``phases``; the round runs each declared phase at its slot
+(``Slot``), in the order listed.
+
+| Phase | Slot: when | What runs | Declared by |
+|---|---|---|---|
+| ``PREPARE`` | ``BEFORE_TRAINING`` | ``round_prepare`` on every sampled client | StableFDG (``style``) |
+| ``EVALUATE_ON_CLIENTS`` | ``AFTER_AGGREGATION`` | new global model on each participant's samples | FedDG-GA |
+| ``PERSONAL_EVAL`` | ``AT_EVALUATION`` | each client's own model, ``personal_val`` rows | the default (*) |
+
+``PREPARE`` runs with the round's global model before any client trains;
+every sampled client must answer and ``server_payloads`` gets the results.
+``EVALUATE_ON_CLIENTS`` runs after aggregation and before ``after_round``,
+on each participant's ``client_val_size`` samples, setting
+``ClientUpdate.global_eval``.  ``PERSONAL_EVAL`` runs in the evaluated
+rounds: the global weights with each client's ``local_keys`` on its
+domain's validation split, only with local keys and ``evaluation.personal``.
+(*) Every method but COPA, SCAFFOLD, FedDyn, MOON and FedSR, whose local
+state only shapes the loss.
+
+Rule for a new phase: add one only when a method needs clients to compute
+something at a point of the round that no hook or phase reaches (with a
+model the existing hooks never see), and only as an optional phase: a
+``Phase`` member with its ``Slot``, one runner in ``engine/server.py``'s
+``_PHASES``, its own ``seeding.Stream`` if it draws randomness, ledger rows
+for what crosses the wire, and a row in this table.  A method that does not declare it must run
+exactly as before (no extra task, the same numbers).
+
+## Contract v1
+
+A method written for the first contract is refused when it registers, in
+one line saying what to change: ``prepares_round``,
+``evaluates_global_on_clients``, ``local_state_predicts`` and
+``averages_global`` became ``phases`` and ``assembles``;
+``assemble_global`` gained ``previous``; ``__init__`` takes
+``num_clients``; ``local_train`` returns a ``LocalResult`` (a dict is one
+line from the worker).
 """
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ the same update for eta = eta_g, over the same tensors (the model's
 trainable parameters; buffers keep the average in both), computed the same
 way in float64 (tests/test_server_opt.py compares the two on hand-made
 numbers).  So eta_g != 1 is ``server: {optimizer: fedavgm, momentum: 0,
-eta: eta_g}``, and eta_g = 1 is no server optimizer at all.
+lr: eta_g}``, and eta_g = 1 is no server optimizer at all.
 
 Client state.  c_i is a buffer ``scaffold_ci`` of the model (one flat vector
 over the trainable parameters, in ``named_parameters`` order), named both in
@@ -116,7 +116,7 @@ class Scaffold(Method):
         def _server_lr(cls, data: Any) -> Any:
             if isinstance(data, dict) and "server_lr" in data:
                 raise ValueError(f"scaffold's server_lr is the server optimizer's step now: set server: {{optimizer: "
-                                 f"fedavgm, momentum: 0, eta: {data['server_lr']}}} instead of method.server_lr")
+                                 f"fedavgm, momentum: 0, lr: {data['server_lr']}}} instead of method.server_lr")
             return data
 
     def __init__(self, params, model_cfg, training_cfg, num_clients):
