@@ -102,11 +102,12 @@ class Federation:
     def broadcast_state(self) -> dict[str, np.ndarray]:
         return {k: v for k, v in self.global_state.items() if k not in self.local_keys}
 
-    def task(self, r: int, cid: int, payload: dict) -> ClientTask:
+    def task(self, r: int, cid: int, payload: dict, attempt: int) -> ClientTask:
+        """Client ``cid``'s task in round ``r``; ``attempt``: its retries so far."""
         indices, extra = self.training_set(cid)
         return ClientTask(client=cid, round=r, indices=indices, local_state=self.store.get(cid), payload=payload,
                           extra=extra, val_indices=self.client_val(cid), fault_p=self.cfg.engine.fault_probability,
-                          stage_data=dict(self.stage_data))
+                          stage_data=dict(self.stage_data), attempt=attempt)
 
     def aggregate(self, r: int, reducer: OrderedReducer, results: list[ClientUpdate]) -> None:
         """The new global model (the module docstring's three steps)."""

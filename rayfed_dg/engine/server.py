@@ -22,13 +22,12 @@ One ``run_round`` call is one federated round:
    model on every source domain's validation split and on the target.
 
 The optional phases are those the method declares (``Method.phases``),
-each run at its slot by ``_PHASES`` (``methods/base.py`` has the table).
+each run at its slot (``phases.py``; ``methods/base.py`` has the table).
+Data stages run before round 1 (``stagehost.run_stages``).
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -37,25 +36,14 @@ import ray
 from rayfed_dg.config import ExperimentConfig
 from rayfed_dg.data.protocol import FederatedSplit
 from rayfed_dg.errors import EngineError
-from rayfed_dg.methods import ClientUpdate, Phase, Slot
-from rayfed_dg.stages import build_stages
+from rayfed_dg.methods import ClientUpdate, Slot
 
-from .evaluation import evaluate_global, evaluate_on_clients
+from .evaluation import evaluate_global
 from .federation import Federation
+from .phases import RoundWork, run_phases
 from .pool import WorkerPool
-from .records import ClientRow, ClientTask, Ledger, RoundResult
-from .stagehost import StageHost
-
-
-@dataclass
-class RoundWork:
-    """What a round's optional phases read and add to."""
-    round: int
-    sampled: list[int]
-    ledger: Ledger
-    prepared: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)  # ``Phase.PREPARE``'s results
-    results: list[ClientUpdate] = field(default_factory=list)  # the round's updates, in client order
-    own: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)  # ``Phase.PERSONAL_EVAL``: local states
+from .records import ClientRow, Ledger, RoundResult
+from .stagehost import run_stages
 
 
 class Server:
@@ -96,15 +84,7 @@ class Server:
         return self.fed
 
     def setup(self) -> dict:
-        """Run the configured data stages before round 1; returns their
-        ledger rows (round 0) and costs.  Stages are deterministic and
-        cached, so they are simply run again on resume."""
-        ledger, info = Ledger(0), {}
-        for i, stage in enumerate(build_stages(self.fed.cfg)):
-            host = StageHost(self.pool, self.fed, stage, i, ledger)
-            info[stage.name] = stage.run(host)
-            self.fed.add_stage_outputs(host.training_sets, host.shared)
-        return {"ledger": ledger.rows, "info": info}
+        return run_stages(self.pool, self.fed)
 
     def get_state(self) -> dict:
         return self.fed.get_state()
@@ -121,8 +101,8 @@ class Server:
         sampled = fed.sample(r)
         sizes = self.split.client_sizes()[sampled]
         reducer, ledger = fed.reducer(sampled), Ledger(r)
-        work = RoundWork(r, sampled, ledger)
-        self._phases(Slot.BEFORE_TRAINING, work)
+        work = RoundWork(r, sampled, ledger, fed, self.pool, self.global_ref)
+        run_phases(Slot.BEFORE_TRAINING, work)
         payloads = fed.payloads(r, sampled, work.prepared)
         bcast_sizes = Ledger.group_sizes(fed.broadcast_state(), fed.groups.__getitem__)  # every client receives these
         updates: dict[int, ClientUpdate] = {}
@@ -138,7 +118,7 @@ class Server:
             ledger.add_state(cid, "down", bcast_sizes)
             ledger.add_payload(cid, "down", payloads.get(cid, {}))
 
-        task = lambda cid, attempt: _retry(fed.task(r, cid, payloads.get(cid, {})), attempt)
+        task = lambda cid, attempt: fed.task(r, cid, payloads.get(cid, {}), attempt)
         t_clients = time.perf_counter()
         dropped = self.pool.map(
             sampled, lambda w, cid, attempt: w.train_in.remote(fed.id, task(cid, attempt), self.global_ref),
@@ -152,8 +132,8 @@ class Server:
             raise EngineError(f"round {r}: every sampled client failed ({dropped[0][1]})")
         results = work.results = [updates[c] for c in sorted(updates)]
         fed.aggregate(r, reducer, results)
-        self.global_ref = ray.put(fed.global_state)
-        self._phases(Slot.AFTER_AGGREGATION, work)
+        work.global_ref = self.global_ref = ray.put(fed.global_state)
+        run_phases(Slot.AFTER_AGGREGATION, work)
         fed.end_round(r, results)
         seconds_train = time.perf_counter() - t0
         every = fed.cfg.evaluation.every
@@ -185,47 +165,11 @@ class Server:
                 retried=retries.get(cid, 0), dropped=u is None, drop_reason=dropped.get(cid)).row())
         return rows
 
-    def _phases(self, slot: Slot, work: RoundWork) -> None:
-        """The optional phases the method declares for ``slot``, in its order."""
-        for phase in self.fed.method.phases:
-            if phase.slot is slot:
-                _PHASES[phase](self, work)
-
-    def _prepare(self, work: RoundWork) -> None:
-        """The method's per-round client phase; every sampled client must
-        answer (what it computes decides what the others receive)."""
-        r = work.round
-        work.prepared = self.pool.map_all(work.sampled, lambda w, cid, attempt: w.prepare_in.remote(
-            self.fed.id, _retry(self.fed.task(r, cid, {}), attempt), self.global_ref),
-            f"round {r}: the preparation phase")
-        for cid in sorted(work.prepared):  # the global model it used is the round's one broadcast (with training)
-            work.ledger.add_payload(cid, "up", work.prepared[cid], prefix="prepare")
-
-    def _evaluate_on_clients(self, work: RoundWork) -> None:
-        evaluate_on_clients(self.pool, self.fed.id, self.global_ref, work.results, self.fed.client_val,
-                            self.fed.cfg.evaluation.batch_size, work.ledger)
-
-    def _personal_states(self, work: RoundWork) -> None:
-        work.own = self.fed.own_states()
-
     def evaluate(self, work: RoundWork) -> list[dict]:
-        self._phases(Slot.AT_EVALUATION, work)
+        run_phases(Slot.AT_EVALUATION, work)
         return evaluate_global(self.pool, self.fed.id, self.global_ref, self.split, work.own,
                                self.fed.cfg.evaluation.batch_size, work.round)
 
     def shutdown(self) -> None:
         self.pool.shutdown()
         ray.kill(self.data_source)
-
-
-# each optional phase's runner (a new phase adds its runner here and its slot in ``Phase``)
-_PHASES: dict[Phase, Callable[[Server, RoundWork], None]] = {
-    Phase.PREPARE: Server._prepare,
-    Phase.EVALUATE_ON_CLIENTS: Server._evaluate_on_clients,
-    Phase.PERSONAL_EVAL: Server._personal_states,
-}
-
-
-def _retry(task: ClientTask, attempt: int) -> ClientTask:
-    task.attempt = attempt
-    return task

@@ -1,8 +1,9 @@
-"""The engine side of one data stage (``stages.base.StageServer``): the
+"""The engine side of a data stage (``stages.base.StageServer``): the
 stage's client phases on the worker pool, and what the stage produces,
 held here until the stage returns: the clients' new training sets, the
-arrays it shares with every client, its ledger rows (round 0).  The server
-hands the first two to the federation (``Federation.add_stage_outputs``)."""
+arrays it shares with every client, its ledger rows (round 0).
+``run_stages`` runs the configured stages in order and hands each one's
+sets and arrays to the federation (``Federation.add_stage_outputs``)."""
 from __future__ import annotations
 
 from typing import Any
@@ -10,12 +11,24 @@ from typing import Any
 import numpy as np
 import ray
 
-from rayfed_dg.stages import Stage
+from rayfed_dg.stages import Stage, build_stages
 from rayfed_dg.stages.base import ClientPhase
 
 from .federation import Federation
 from .pool import WorkerPool
 from .records import Ledger
+
+
+def run_stages(pool: WorkerPool, fed: Federation) -> dict:
+    """The configured data stages, before round 1; returns their ledger rows
+    (round 0) and costs.  Stages are deterministic and cached, so they are
+    simply run again on resume."""
+    ledger, info = Ledger(0), {}
+    for i, stage in enumerate(build_stages(fed.cfg)):
+        host = StageHost(pool, fed, stage, i, ledger)
+        info[stage.name] = stage.run(host)
+        fed.add_stage_outputs(host.training_sets, host.shared)
+    return {"ledger": ledger.rows, "info": info}
 
 
 class StageHost:
