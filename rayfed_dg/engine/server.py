@@ -6,7 +6,7 @@ One ``run_round`` call is one federated round:
 1. sample ``clients_per_round`` of the N clients with the round's seed;
 2. the global weights are already in the object store (one ``ray.put`` per
    round, after the previous aggregation); workers read them zero-copy;
-3. the method's ``Phase.BEFORE_TRAINING`` phases (``Phase.PREPARE``: every
+3. the phases the method declares at ``Slot.BEFORE_TRAINING`` (``Phase.PREPARE``: every
    sampled client computes with this global model, and the method's
    ``server_payloads`` gets the results);
 4. dispatch the sampled clients' training to the worker pool (``pool.py``:
@@ -16,7 +16,7 @@ One ``run_round`` call is one federated round:
    write each client's local state back into the client store;
 6. the new global model (``Federation.aggregate``: the average, a server
    optimizer's step, the method's own tensors), put in the object store;
-7. the phases after aggregation (``Phase.EVALUATE_ON_CLIENTS``), the
+7. the phases at ``Slot.AFTER_AGGREGATION`` (``Phase.EVALUATE_ON_CLIENTS``), the
    method's ``after_round``; in an evaluated round, the phases at
    evaluation (``Phase.PERSONAL_EVAL``) and the evaluation of the global
    model on every source domain's validation split and on the target.
