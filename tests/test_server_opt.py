@@ -272,6 +272,8 @@ def test_scaffold_server_lr_is_refused_naming_the_server_optimizer():
         load_config(None, ["method.name=scaffold", "method.server_lr=0.5"])
     msg = str(e.value)
     assert "\n" not in msg and "server: {optimizer: fedavgm, momentum: 0, lr: 0.5}" in msg, msg
+    # an old run directory's config.yaml holds the default, server_lr: 1.0 (no server step): it still reads
+    assert load_config(None, ["method.name=scaffold", "method.server_lr=1.0"]).server.optimizer == "none"
     cfg = load_config(None, ["method.name=scaffold", "server.optimizer=fedavgm", "server.momentum=0", "server.lr=0.5"])
     method = build_method(cfg, 3)
     model = method.build_model(10)

@@ -114,6 +114,9 @@ class Scaffold(Method):
         @model_validator(mode="before")
         @classmethod
         def _server_lr(cls, data: Any) -> Any:
+            # run directories written before the server step moved hold server_lr: 1.0 (no step): still read
+            if isinstance(data, dict) and data.get("server_lr") == 1.0:
+                return {k: v for k, v in data.items() if k != "server_lr"}
             if isinstance(data, dict) and "server_lr" in data:
                 raise ValueError(f"scaffold's server_lr is the server optimizer's step now: set server: {{optimizer: "
                                  f"fedavgm, momentum: 0, lr: {data['server_lr']}}} instead of method.server_lr")
