@@ -44,7 +44,7 @@ def main() -> None:
                                  f"data.augment={mode}", f"training.batch_size={args.batch}",
                                  f"training.local_steps={args.steps}", f"engine.num_cpus_per_worker={args.threads}"])
         ds = load_dataset("embedded_digits", None, cfg.data.decode_size)
-        r = ClientRunner(cfg, ds.images, ds.labels, ds.num_classes)
+        r = ClientRunner(cfg, ds.images, ds.labels, ds.num_classes, 3)
         state = to_numpy_state(r.model.state_dict(), r.model.state_dict().keys())
         runners[mode] = (r, state, ds)
         r.run_client(0, 1, idx, state)  # warm-up

@@ -42,7 +42,7 @@ class LocalStageServer:
         return self.clients[c]
 
     def map(self, phase, args):
-        return {c: self.runner.run_stage(self.index, phase, c, self.clients[c], a) for c, a in args.items()}
+        return {c: self.runner.run_stage(self.index, phase.__name__, c, self.clients[c], a) for c, a in args.items()}
 
     def set_training_set(self, client_id, keep, images, labels):
         raise NotImplementedError("stages that replace training sets (CCST) are timed by bench/ccst_cost.py")
@@ -70,7 +70,7 @@ def main() -> None:
     from rayfed_dg.config import load_config
     from rayfed_dg.engine import ClientRunner
     from rayfed_dg.engine.worker import to_numpy_state
-    from rayfed_dg.methods import GlobalEval, get_method_class, method_names
+    from rayfed_dg.methods import GlobalEval, Phase, get_method_class, method_names
 
     methods = args.methods or [m for m in DEFAULT if m in method_names()]
     rng = np.random.default_rng(0)
@@ -105,16 +105,16 @@ def main() -> None:
         val = {c: idx[:nval] if nval else None for c, idx in ((0, own), (1, peer))}
         results = [r.run_client(c, 1, idx, g, local, first.get(c, {}), val_indices=val[c], stage_data=stage_data)
                    for c, idx in ((0, own), (1, peer))]
-        if r.method.evaluates_global_on_clients:  # e.g. FedDG-GA: the global model on each client's data
+        if Phase.EVALUATE_ON_CLIENTS in r.method.phases:  # e.g. FedDG-GA: the global model on each client's data
             for res, idx in zip(results, (own, peer)):
                 correct, loss, cnt = r.evaluate(g, idx, args.batch)
                 res.global_eval = GlobalEval(accuracy=correct / cnt, loss=loss / cnt, samples=cnt)
-        g = dict(g, **r.method.assemble_global(1, results, g, state))  # e.g. COPA's head ensemble
+        g = dict(g, **r.method.assemble_global(1, results, g, g, state))  # e.g. COPA's head ensemble
         r.method.after_round(1, results, state)
         # the timed client continues from its own state after round 1 (e.g. CSAC's pre-trained private model)
         local0 = {**{k: results[0].update[k] for k in r.local_keys if k in results[0].update}, **results[0].private}
         prepared = {}
-        if r.method.prepares_round:  # e.g. StableFDG: styles computed with round 2's model before training
+        if Phase.PREPARE in r.method.phases:  # e.g. StableFDG: styles computed with round 2's model before training
             from rayfed_dg.engine import ClientTask
 
             prepared = {c: r.prepare(ClientTask(client=c, round=2, indices=idx, local_state=local), g)

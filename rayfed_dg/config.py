@@ -545,11 +545,6 @@ def validate(tree: dict, source: str = "<config>") -> ExperimentConfig:
     if missing:
         raise ConfigError(f"{source}: method {cfg.method.name} needs the data stage(s) {', '.join(missing)}: "
                           f"add stages: {{{missing[0]}: {{}}}} (in a compare row: stages: {{{missing[0]}: {{}}}})")
-    opt = cfg.server.optimizer
-    if opt != "none" and not mcls.averages_global:  # compare rows: checked as method_variants builds them
-        raise ConfigError(f"{source}: server.optimizer {opt} steps along the clients' weighted average minus the "
-                          f"global model, but method {cfg.method.name} does not build its global model as a weighted "
-                          "average; use server.optimizer: none with it")
     try:
         mcls.check(cfg)
         for scls in stage_classes:

@@ -23,7 +23,9 @@ a folder the workers' ``sys.path`` lacks (a notebook's ``sys.path.insert``)
 is found there too.
 
 Nothing here imports torch or Ray; a name that does not import is one
-``ConfigError`` line naming it.
+``ConfigError`` line naming it.  That includes a method written for the
+first hook contract: ``register_method`` refuses it at import, saying what
+to change (``methods/base.py``, "Contract v1").
 """
 from __future__ import annotations
 

@@ -135,7 +135,7 @@ def server_rounds(ray, cfg, ds, target="texture", workers=1, rounds=1, host=None
     for _ in range(rounds):
         ray.get(server.run_round.remote())
         states.append(ray.get(server.get_state.remote()))
-    bcast = ray.get(server.broadcast_state.remote())
+    bcast = ray.get(server.current.remote()).broadcast_state()
     if host is None:
         ray.get(server.shutdown.remote())
     return split, states, bcast

@@ -105,7 +105,7 @@ def test_worker_batches_are_the_same_on_any_worker_and_sized_to_the_resolution(t
     idx = np.arange(0, 200)
     batches = []
     for _ in range(2):  # two workers (runners) given the same client and round
-        runner = ClientRunner(cfg, ds.images, ds.labels, 10)
+        runner = ClientRunner(cfg, ds.images, ds.labels, 10, 3)
         batches.append([x for x, _ in runner.batches(idx, gen(11))])
     assert len(batches[0]) == 3 and all(b.shape == (32, 3, 16, 16) for b in batches[0])
     assert all(torch.equal(p, q) for p, q in zip(*batches))

@@ -50,7 +50,7 @@ def test_mixstyle_mixes_detached_statistics_by_hand():
 def test_placements_name_the_official_sites():
     def sites(method, arch):
         cfg = tiny_cfg(f"method.name={method}", f"model.arch={arch}")
-        model = build_method(cfg).build_model(7)
+        model = build_method(cfg, 3).build_model(7)
         return [n for n, m in model.named_modules() if isinstance(m, RandomStyleLayer)]
 
     assert sites("mixstyle", "resnet18") == ["body.layer1.1", "body.layer2.1", "body.layer3.1"]
@@ -62,7 +62,7 @@ def test_placements_name_the_official_sites():
 def test_style_baselines_are_seeded_and_change_training(tiny_ds):
     def update(method):
         cfg = tiny_cfg(f"method.name={method}", "training.local_steps=4")
-        r = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, 10)
+        r = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, 10, 3)
         sd = r.model.state_dict()
         g = to_numpy_state(sd, sd.keys())
         return r.run_client(0, 1, np.arange(128), g, {}, {}).update
@@ -84,7 +84,7 @@ def test_fedsr_kl_and_loss_by_hand(tiny_ds):
     assert torch.allclose(gaussian_kl(mq, sq, mp, sp), kl_divergence(Normal(mq, sq), Normal(mp, sp)).sum(-1),
                           atol=1e-5)
     cfg = tiny_cfg("method.name=fedsr", "method.z_dim=6", "method.l2r=0.3", "method.cmi=0.7")
-    method = build_method(cfg)
+    method = build_method(cfg, 3)
     model = method.build_model(10).train()
     ctx = ClientContext(0, 1, torch.device("cpu"), torch.Generator().manual_seed(0), 10)
     method.round_start(model, ctx)
@@ -108,7 +108,7 @@ def test_fedsr_reference_distribution_never_leaves_the_client(ray_session, tiny_
 
     cfg = tiny_cfg("method.name=fedsr", "method.z_dim=6")
     split, (s1, s2), bcast = server_rounds(ray_session, cfg, tiny_ds, rounds=2)
-    init = build_method(cfg).build_model(10).state_dict()
+    init = build_method(cfg, 3).build_model(10).state_dict()
     assert "head.r_mu" not in bcast
     # the global model keeps the initial reference distribution: no client's reached it
     assert np.array_equal(s2["global_state"]["head.r_mu"], init["head.r_mu"].numpy())
@@ -124,7 +124,7 @@ def test_fedprox_proximal_term_by_hand():
     from rayfed_dg.methods import ClientContext, build_method
 
     cfg = tiny_cfg("method.name=fedprox", "method.mu=0.3")
-    method = build_method(cfg)
+    method = build_method(cfg, 3)
     model = method.build_model(10)
     ctx = ClientContext(client_id=0, round=1, device=torch.device("cpu"), generator=torch.Generator(), num_samples=4)
     method.round_start(model, ctx)
@@ -153,7 +153,7 @@ def test_fedbn_and_silobn_keep_the_shortcut_batchnorm_local(name, kinds):
     # ResNet-18's projection shortcuts (layerK.0.downsample.1) are BatchNorm too: a name filter on "bn" misses them
     from rayfed_dg.methods import build_method
 
-    method = build_method(tiny_cfg(f"method.name={name}", "model.arch=resnet18"))
+    method = build_method(tiny_cfg(f"method.name={name}", "model.arch=resnet18"), 3)
     model = method.build_model(7)
     local = method.local_keys(model)
     for stage in (2, 3, 4):

@@ -111,7 +111,8 @@ def test_engine_stage_grows_training_sets_without_validation_images(ray_session,
     host = engine_host(tiny_ds, 2)
     server = host.open(cfg, split, 10)
     info = ray.get(server.setup.remote())
-    received = [ray.get(server.training_set.remote(c)) for c in range(split.num_clients)]
+    fed = ray.get(server.current.remote())
+    received = [fed.training_set(c) for c in range(split.num_clients)]
     sizes = [len(c) for c in split.clients]
     # overall style: each client's whole set restyled once per other client's style (K = 2 of 3 clients)
     st = info["info"]["ccst"]
@@ -292,3 +293,21 @@ def test_single_style_bank_draws_among_each_clients_j_styles(tmp_path):
     out = augment_client(_TaggingBackend(), cfg, images, np.zeros(40, int), bank, owners, seed=0, client_id=0)
     assert np.array_equal(out["images"][:, 0, 0, 0], 10 * out["style_row"] + 5)
     assert set(out["style_row"].tolist()) == {3, 4, 5, 6, 7, 8}  # all six foreign styles used
+
+
+def test_a_stage_maps_its_own_client_phases_only(tiny_ds):
+    """``StageHost.map`` takes the stage's own method, not a name (a
+    misspelt phase fails where it is written), nor another stage's method."""
+    from rayfed_dg.engine.federation import Federation
+    from rayfed_dg.engine.records import Ledger
+    from rayfed_dg.engine.stagehost import StageHost
+    from rayfed_dg.stages import build_stages
+
+    cfg = tiny_cfg("stages.ccst.k=2")
+    split = leave_one_domain_out(tiny_ds, "colour", 0.2, 0)
+    stage, other = build_stages(cfg)[0], build_stages(cfg)[0]
+    host = StageHost(None, Federation(cfg, split, 10, 1), stage, 0, Ledger(0))  # type: ignore[arg-type]
+    for wrong in ("style", other.client_style):
+        with pytest.raises(TypeError, match="map takes one of its own client phases"):
+            host.map(wrong, {0: {}})  # type: ignore[arg-type]
+    assert host.training_set(1) is split.clients[1]  # before the stage sets one: the partition's

@@ -75,11 +75,11 @@ def test_cosine_learning_rate_by_hand():
 
     from rayfed_dg.methods import build_method
 
-    m = build_method(load_config(None, ["training.lr=0.1", "training.rounds=4", "training.lr_schedule=cosine"]))
+    m = build_method(load_config(None, ["training.lr=0.1", "training.rounds=4", "training.lr_schedule=cosine"]), 3)
     assert [round(m.lr_at(r), 12) for r in (1, 2, 3, 4)] == [
         round(0.1 * 0.5 * (1 + math.cos(math.pi * k / 4)), 12) for k in range(4)]
     assert abs(m.lr_at(3) - 0.05) < 1e-12
-    assert build_method(load_config(None, ["training.lr=0.1"])).lr_at(7) == 0.1
+    assert build_method(load_config(None, ["training.lr=0.1"]), 3).lr_at(7) == 0.1
 
 
 @pytest.mark.parametrize("sets,hint", [

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from conftest import tiny_cfg
 
+from rayfed_dg.engine.federation import Federation
 from rayfed_dg.methods import method_names
 
 # methods whose defaults need more than the contract's tiny setup
@@ -55,7 +56,8 @@ def _run(hosts, name, workers):
     ray.get(server.setup.remote())  # the data stages, as run_federation does (ELCFS's amplitude bank)
     outs = [ray.get(server.run_round.remote()) for _ in range(2)]
     state = ray.get(server.get_state.remote())
-    keys = ray.get(server.__ray_call__.remote(lambda s: (sorted(s.local_keys), sorted(s.groups))))
+    fed = Federation(cfg, split, ds.num_classes, 0)  # the server's state, built here: no reaching into the actor
+    keys = sorted(fed.local_keys), sorted(fed.groups)
     return split, outs, state, keys
 
 
@@ -159,8 +161,8 @@ def test_method_contract_on_a_timm_backbone(timm_host, name):
     out = ray.get(server.run_round.remote())
     assert np.isfinite(out.train_loss) and not out.dropped, name
     assert out.metrics and all(np.isfinite(m["loss"]) for m in out.metrics), name
-    keys, private = ray.get(server.__ray_call__.remote(
-        lambda s: (sorted(s.groups), sorted(s.method.private_keys(s.method.build_model(ds.num_classes))))))
+    fed = Federation(cfg, split, ds.num_classes, 0)
+    keys, private = sorted(fed.groups), sorted(fed.method.private_keys(fed.method.build_model(ds.num_classes)))
     for c in out.sampled:  # exactly the non-private state leaves each client
         up = [r for r in out.ledger if r["client"] == c and r["direction"] == "up"
               and not r["group"].startswith(("payload:", "eval:", "prepare:"))]

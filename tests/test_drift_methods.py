@@ -101,23 +101,19 @@ def test_scaffold_with_momentum_keeps_option_ii_the_mean_gradient():
     assert torch.allclose(model.scaffold_ci, expect, atol=1e-4)
 
 
-def test_scaffold_server_step_and_control_variate_by_hand():
-    """Lines 16-17 over two rounds, N = 4: x <- x + eta_g (mean_S y_i - x)
-    (unweighted), c <- c + (|S|/N) mean_S Delta c_i; c goes down as float32."""
-    method = build_method(tiny_cfg("method.name=scaffold", "method.server_lr=0.5"), 4)
+def test_scaffold_server_control_variate_by_hand():
+    """Line 17 over two rounds, N = 4: c <- c + (|S|/N) mean_S Delta c_i over
+    an unweighted reduce; c goes down as float32.  Line 16 (x) is the server
+    optimizer's step (tests/test_server_opt.py)."""
+    method = build_method(tiny_cfg("method.name=scaffold"), 4)
     model = method.build_model(10)
     n = method.numel
     x = to_numpy_state(model.state_dict(), model.state_dict().keys())
     assert np.array_equal(method.aggregation_weights([0, 3], np.array([10, 90]), {}), [1.0, 1.0])
+    assert method.assembles(model) == set()
     state: dict = {}
     down = method.server_payloads(1, [1, 3], state, np.random.default_rng(0), x, {})
     assert sorted(down) == [1, 3] and np.array_equal(down[1]["scaffold_c"], np.zeros(n, np.float32))
-    k = method.param_keys[0]
-    mean = dict(x)
-    mean[k] = x[k] + 2.0  # the engine's unweighted mean of the uploads
-    got = method.assemble_global(1, [], mean, state)
-    assert sorted(got) == sorted(method.param_keys)
-    np.testing.assert_allclose(got[k], x[k] + 1.0, atol=1e-6)  # eta_g = 0.5
     rng = np.random.default_rng(1)
     dc1, dc3, dc0 = (rng.normal(size=n).astype(np.float32) for _ in range(3))
     method.after_round(1, [_update(1, {"scaffold_dc": dc1}), _update(3, {"scaffold_dc": dc3})], state)
@@ -128,8 +124,6 @@ def test_scaffold_server_step_and_control_variate_by_hand():
     np.testing.assert_allclose(down[0]["scaffold_c"], c1.astype(np.float32))
     method.after_round(2, [_update(0, {"scaffold_dc": dc0})], state)
     np.testing.assert_allclose(state["scaffold_c"], c1 + dc0.astype(np.float64) / 4, rtol=1e-12)
-    with pytest.raises(RuntimeError, match="server_payloads"):
-        method.assemble_global(3, [], mean, state)  # x of round 3 was never kept
 
 
 def test_scaffold_refuses_adam():
@@ -196,19 +190,18 @@ def test_feddyn_server_h_and_model_over_two_rounds_by_hand():
     assert np.array_equal(method.aggregation_weights([0, 1], np.array([5, 50]), {}), [1.0, 1.0])
     state: dict = {}
     th0 = {"w": np.array([1.0, 2.0], np.float32), "bn": np.array([7.0], np.float32)}
-    assert method.server_payloads(1, [0, 1], state, np.random.default_rng(0), th0, {}) == {}
+    assert method.assembles(None) == {"w"}  # a server optimizer would have nothing to step
     t0, t1 = np.array([1.5, 2.0]), np.array([0.5, 3.0])
     mean1 = {"w": ((t0 + t1) / 2).astype(np.float32), "bn": np.array([8.0], np.float32)}
-    got1 = method.assemble_global(1, [_update(0), _update(1)], mean1, state)
+    got1 = method.assemble_global(1, [_update(0), _update(1)], mean1, th0, state)
     h1 = -0.1 / 3 * ((t0 - th0["w"]) + (t1 - th0["w"]))  # = [0, -1/30]
     np.testing.assert_allclose(state["feddyn_h"]["w"], h1, rtol=1e-12)
     th1 = (t0 + t1) / 2 - h1 / 0.1  # = [1, 2.5] + [0, 1/3]
     assert sorted(got1) == ["w"] and got1["w"].dtype == np.float32
     np.testing.assert_allclose(got1["w"], th1, rtol=1e-6)
     g1 = dict(mean1, w=got1["w"])
-    method.server_payloads(2, [2], state, np.random.default_rng(0), g1, {})
     t2 = np.array([0.0, 4.0])
-    got2 = method.assemble_global(2, [_update(2)], {"w": t2.astype(np.float32), "bn": g1["bn"]}, state)
+    got2 = method.assemble_global(2, [_update(2)], {"w": t2.astype(np.float32), "bn": g1["bn"]}, g1, state)
     h2 = h1 - 0.1 / 3 * (t2 - got1["w"].astype(np.float64))
     np.testing.assert_allclose(state["feddyn_h"]["w"], h2, rtol=1e-6)
     np.testing.assert_allclose(got2["w"], t2 - h2 / 0.1, rtol=1e-6)
@@ -306,7 +299,7 @@ def _server_run(ray, host, cfg, ds, rounds, strategy="per_domain", clients=None)
     server = host(ds, 1).open(cfg, split, ds.num_classes)
     outs = [ray.get(server.run_round.remote()) for _ in range(rounds)]
     state = ray.get(server.get_state.remote())
-    bcast = ray.get(server.broadcast_state.remote())
+    bcast = ray.get(server.current.remote()).broadcast_state()
     return split, outs, state, bcast
 
 

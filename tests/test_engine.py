@@ -11,7 +11,7 @@ from rayfed_dg.models import BN_TYPES, state_keys_of
 
 
 def bn_keys(cfg, ds, kinds=("param", "buffer")):
-    model = build_method(cfg).build_model(ds.num_classes)
+    model = build_method(cfg, 3).build_model(ds.num_classes)
     return state_keys_of(model, BN_TYPES, kinds)
 
 
@@ -24,7 +24,7 @@ def test_fedavg_global_equals_weighted_mean_of_client_models(ray_session, tiny_d
     ray.get(server.run_round.remote())
     g1 = ray.get(server.get_state.remote())["global_state"]
     # recompute each client's local training in this process, then average by hand
-    runner = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, tiny_ds.num_classes)
+    runner = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, tiny_ds.num_classes, 3)
     ups = [runner.run_client(c, 1, split.clients[c], g0, {}, {}).update for c in range(split.num_clients)]
     n = split.client_sizes().astype(np.float64)
     key = "head.weight"
@@ -45,7 +45,7 @@ def test_local_bn_state_survives_broadcast_and_persists(ray_session, tiny_ds, en
     shared_bn = bn_keys(cfg, tiny_ds) - local
     split, (s1, s2), bcast = server_rounds(ray, cfg, tiny_ds, rounds=2, host=engine_host(tiny_ds, 1))
     assert local.isdisjoint(bcast) and shared_bn <= set(bcast)
-    runner = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, tiny_ds.num_classes)
+    runner = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, tiny_ds.num_classes, 3)
     for c in range(split.num_clients):
         assert set(s1["client_store"][c]) == local
         # round 2 starts from this client's own round-1 BN state, not the global average
@@ -83,7 +83,7 @@ def test_partial_participation_and_ledger(ray_session, tiny_ds, engine_host):
     for row in res.ledger:
         by_round.setdefault(row["round"], set()).add(row["client"])
     assert all(len(v) == 4 for v in by_round.values()) and by_round[1] != by_round[2]
-    model = build_method(cfg).build_model(10)
+    model = build_method(cfg, 3).build_model(10)
     full = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     ups = [r["bytes"] for r in res.ledger if r["direction"] == "up"]
     assert set(ups) == {full}
@@ -99,25 +99,37 @@ def test_fedbn_ledger_sends_less_down_same_up(ray_session, tiny_ds, engine_host)
         totals[method] = {d: sum(r["bytes"] for r in res.ledger if r["direction"] == d) for d in ("up", "down")}
     cfg = tiny_cfg("method.name=fedbn")
     local = bn_keys(cfg, tiny_ds)
-    bn_bytes = sum(t.numel() * t.element_size() for k, t in build_method(cfg).build_model(10).state_dict().items()
+    bn_bytes = sum(t.numel() * t.element_size() for k, t in build_method(cfg, 3).build_model(10).state_dict().items()
                    if k in local)
     assert totals["fedbn"]["up"] == totals["fedavg"]["up"]
     assert totals["fedavg"]["down"] - totals["fedbn"]["down"] == 3 * bn_bytes
 
 
+def test_a_local_train_returning_a_dict_is_one_line(tiny_ds, monkeypatch):
+    """Contract v1's ``local_train`` returned a dict of magic keys: the worker
+    says what to return instead."""
+    from rayfed_dg.engine.worker import to_numpy_state
+
+    r = ClientRunner(tiny_cfg("training.local_steps=1"), tiny_ds.images, tiny_ds.labels, 10, 3)
+    g = to_numpy_state(r.model.state_dict(), r.model.state_dict().keys())
+    monkeypatch.setattr(r.method, "local_train", lambda *a: {"train_loss": 1.0})
+    with pytest.raises(TypeError, match="local_train returned dict; in method contract v2 it returns a LocalResult"):
+        r.run_client(0, 1, np.arange(64), g)
+
+
 def test_local_steps_and_epochs_bound_the_local_loop(tiny_ds):
     from rayfed_dg.engine.worker import to_numpy_state
 
-    for sets, expect in ((["training.local_steps=3"], 3 * 32), (["training.local_epochs=2"], 2 * 200)):
+    for sets, expect, steps in ((["training.local_steps=3"], 3 * 32, 3), (["training.local_epochs=2"], 2 * 200, 14)):
         cfg = tiny_cfg(*sets)
-        r = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, 10)
+        r = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, 10, 3)
         g = to_numpy_state(r.model.state_dict(), r.model.state_dict().keys())
         out = r.run_client(0, 1, np.arange(200), g, {}, {})
-        assert out.stats["steps_samples"] == expect
+        assert out.samples_stepped == expect and out.steps == steps  # 2 epochs of ceil(200 / 32) batches
         # with data-stage additions (CCST copies) the same bound holds
         extra = {"images": tiny_ds.images[200:300], "labels": tiny_ds.labels[200:300]}
         out = r.run_client(0, 1, np.arange(200), g, {}, {}, extra=extra)
-        assert out.stats["steps_samples"] == (3 * 32 if "local_steps" in sets[0] else 2 * 300)
+        assert out.samples_stepped == (3 * 32 if "local_steps" in sets[0] else 2 * 300)
         assert out.num_samples == 300
 
 

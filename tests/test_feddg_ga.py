@@ -34,7 +34,7 @@ def test_weights_follow_the_gaps_and_drive_the_next_reduce(ray_session, tiny_ds,
     ray.get(server.run_round.remote())
     s2 = ray.get(server.get_state.remote())
 
-    runner = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, tiny_ds.num_classes)
+    runner = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, tiny_ds.num_classes, 3)
     clients = list(range(split.num_clients))
     val = {c: split.val[split.client_domains[c]] for c in clients}
     ups = {c: runner.run_client(c, 1, split.clients[c], g0, {}, {}, val_indices=val[c]) for c in clients}

@@ -1,12 +1,12 @@
 """FedFD / FedFD-A (ECCV 2024): Eq. 2 mixing, Eq. 6-7 adapter, alternation, global statistics."""
 import numpy as np
-import pytest
 import torch
 import torch.nn.functional as F
 from conftest import server_rounds, tiny_cfg
 
 from rayfed_dg.data import leave_one_domain_out
-from rayfed_dg.engine import ClientRunner, launch_server
+from rayfed_dg.engine import ClientRunner
+from rayfed_dg.engine.federation import Federation
 from rayfed_dg.engine.worker import to_numpy_state
 from rayfed_dg.methods import ClientContext, build_method
 from rayfed_dg.methods.fedfd import FDBN, fd_layers, set_mode
@@ -38,7 +38,7 @@ def test_mixed_statistics_match_eq2_by_hand():
 
 def runner(ds, *sets):
     cfg = tiny_cfg(*sets)
-    r = ClientRunner(cfg, ds.images, ds.labels, 10)
+    r = ClientRunner(cfg, ds.images, ds.labels, 10, 3)
     return cfg, r
 
 
@@ -115,7 +115,7 @@ def test_clients_use_the_servers_averaged_running_statistics(ray_session, tiny_d
     k = "body.1.running_mean"
     avg = sum(n[c] * s1["client_store"][c][k].astype(np.float64) for c in range(3)) / n.sum()
     np.testing.assert_allclose(g[k], avg.astype(np.float32), rtol=1e-5, atol=1e-7)  # SiloBN base: averaged
-    method = build_method(cfg)
+    method = build_method(cfg, 3)
     payload = method.server_payloads(2, [0], {}, None, g, {})[0]
     _, r = runner(tiny_ds, "method.name=fedfda")
     ctx = ClientContext(0, 2, torch.device("cpu"), torch.Generator(), 10, payload=payload)
@@ -152,18 +152,14 @@ def test_client_side_selection_uploads_the_best_validated_iterate(tiny_ds):
     assert same == (it == 6)
 
 
-@pytest.mark.slow
-def test_server_gives_each_client_validation_of_its_own_domain(ray_session, tiny_ds):
-    ray = ray_session
+def test_server_gives_each_client_validation_of_its_own_domain(tiny_ds):
     cfg = tiny_cfg("method.name=fedfda", "method.select_every=5", "method.select_samples=7")
     split = leave_one_domain_out(tiny_ds, "texture", 0.2, 0)
-    server = launch_server(
-        cfg, split, [ray.put(tiny_ds.images), ray.put(tiny_ds.labels)], 10, 1)
+    fed, again = Federation(cfg, split, 10, 1), Federation(cfg, split, 10, 2)
     for c in range(split.num_clients):
-        v = ray.get(server.client_val.remote(c))
+        v = fed.client_val(c)
         assert len(v) == 7 and set(v) <= set(split.val[split.client_domains[c]])
-        assert np.array_equal(v, ray.get(server.client_val.remote(c)))  # fixed across rounds
-    ray.get(server.shutdown.remote())
+        assert np.array_equal(v, fed.client_val(c)) and np.array_equal(v, again.client_val(c))  # seeded, fixed
 
 
 def test_client_side_selection_normalises_with_the_received_global_statistics():
@@ -241,7 +237,7 @@ def _manual_features(model, x, mode):
 
 def _fedfd_model(*sets):
     cfg = tiny_cfg("method.name=fedfd", "method.lambda1=0.3", "method.lambda2=0.7", "model.width=6", *sets)
-    method = build_method(cfg)
+    method = build_method(cfg, 3)
     torch.manual_seed(0)
     model = method.build_model(10).train()
     for m in fd_layers(model):

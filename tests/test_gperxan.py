@@ -86,7 +86,7 @@ def test_placements_name_the_documented_layers():
 
 def test_gperxan_model_surgery_and_local_keys():
     cfg = tiny_cfg("method.name=gperxan", "model.arch=resnet18")
-    m = build_method(cfg)
+    m = build_method(cfg, 3)
     net = m.build_model(7)
     xans = [n for n, mod in net.named_modules() if isinstance(mod, XAN)]
     assert xans == placement_names(build_backbone("resnet18", 7), "stages:4")  # the default reading
@@ -95,21 +95,21 @@ def test_gperxan_model_surgery_and_local_keys():
     assert len(local) == len(xans) * 6  # bn weight, bias, running mean/var, num_batches_tracked, logit_bn
     assert all(".bn." in k or k.endswith("logit_bn") for k in local)
     assert not any(".inorm." in k or k.endswith("logit_in") for k in local)
-    off = build_method(tiny_cfg("method.name=gperxan", "method.personalize=false"))
+    off = build_method(tiny_cfg("method.name=gperxan", "method.personalize=false"), 3)
     assert off.local_keys(off.build_model(10)) == set()
 
 
 def test_guiding_head_is_frozen_and_gets_no_gradient(tiny_ds):
     cfg = tiny_cfg("method.name=gperxan", "method.lam=1.0")
-    runner = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, 10)
+    runner = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, 10, 3)
     model, method = runner.model, runner.method
     ctx = ClientContext(0, 1, torch.device("cpu"), torch.Generator().manual_seed(0), 64)
     method.round_start(model, ctx)
     w_g, b_g = (t.clone() for t in ctx.scratch["h_g"])
     assert not ctx.scratch["h_g"][0].requires_grad
     gen = torch.Generator().manual_seed(1)
-    stats = method.local_train(model, lambda: runner.batches(np.arange(200), gen), ctx)
-    assert stats["steps_samples"] == 200
+    res = method.local_train(model, lambda: runner.batches(np.arange(200), gen), ctx)
+    assert res.samples == 200 and res.steps == 7  # ceil(200 / 32) batches, one pass
     assert torch.equal(ctx.scratch["h_g"][0], w_g) and torch.equal(ctx.scratch["h_g"][1], b_g)
     assert not torch.equal(model.head.weight, w_g)  # the local head did train
     # the regularizer alone sends gradient to the features only
@@ -124,7 +124,7 @@ def test_guiding_head_is_frozen_and_gets_no_gradient(tiny_ds):
 
 def test_loss_is_ce_plus_lambda_ce_through_global_head(tiny_ds):
     cfg = tiny_cfg("method.name=gperxan", "method.lam=0.25")
-    runner = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, 10)
+    runner = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, 10, 3)
     model, method = runner.model, runner.method
     ctx = ClientContext(0, 1, torch.device("cpu"), torch.Generator(), 8)
     method.round_start(model, ctx)
@@ -144,11 +144,11 @@ def test_perxan_bn_side_is_the_clients_own_and_global_averages_it(ray_session, t
     ray = ray_session
     cfg = tiny_cfg("method.name=gperxan")
     split, (s1, s2), bcast = server_rounds(ray, cfg, tiny_ds, rounds=2, host=engine_host(tiny_ds, 2))
-    method = build_method(cfg)
+    method = build_method(cfg, 3)
     local = method.local_keys(method.build_model(10))
     assert local and local.isdisjoint(bcast)
     assert any(".inorm." in k for k in bcast) and any(k.endswith("logit_in") for k in bcast)
-    runner = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, 10)
+    runner = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, 10, 3)
     n = split.client_sizes().astype(np.float64)
     for c in range(3):
         # after round 2: the client's round-1 BN side plus its own round-2 training
@@ -174,10 +174,10 @@ def test_unseen_target_is_evaluated_with_the_weighted_average_of_everything(ray_
     split = leave_one_domain_out(tiny_ds, "texture", 0.2, 0)
     res = run_federation(cfg, split, None, None, 10, progress=False, host=engine_host(tiny_ds, 2))
     row = [m for m in res.metrics if m["split"] == "target_test"][0]
-    runner = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, 10)
+    runner = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, 10, 3)
     sd = runner.model.state_dict()
     g0 = to_numpy_state(sd, sd.keys())
-    local = build_method(cfg).local_keys(runner.model)
+    local = build_method(cfg, 3).local_keys(runner.model)
     ups = {c: runner.run_client(c, 1, split.clients[c], g0, {k: g0[k] for k in local}, {}).update
            for c in range(3)}
     n = split.client_sizes()

@@ -59,7 +59,8 @@ class _FakeStageServer:
         return self.clients[c]
 
     def map(self, phase, args):
-        return {c: getattr(self.stage, f"client_{phase}")(self.view, c, self.clients[c], **a) for c, a in args.items()}
+        assert phase.__self__ is self.stage  # a client phase is the stage's own method
+        return {c: phase(self.view, c, self.clients[c], **a) for c, a in args.items()}
 
     def share(self, name, arrays):
         self.shared[name] = arrays
@@ -110,7 +111,7 @@ def test_elcfs_update_is_the_first_order_episodic_gradient(tiny_ds):
 
     cfg = tiny_cfg("method.name=elcfs", "stages.amplitude={}", "training.momentum=0", "training.weight_decay=0",
                    "training.lr=0.1", "method.meta_step=0.05", "method.clip=0.01", "method.band=0.25")
-    method = build_method(cfg)
+    method = build_method(cfg, 3)
     torch.manual_seed(0)
     model = method.build_model(10)
     bank = {"bank": amplitude_spectrum(tiny_ds.images[:12]), "owners": np.repeat([0, 1, 2], 4)}
@@ -137,7 +138,7 @@ def test_elcfs_update_is_the_first_order_episodic_gradient(tiny_ds):
 def test_elcfs_draws_only_other_clients_amplitudes():
     from rayfed_dg.methods.elcfs import ELCFS
 
-    method = build_method(tiny_cfg("method.name=elcfs", "stages.amplitude={}", "method.band=0.5"))
+    method = build_method(tiny_cfg("method.name=elcfs", "stages.amplitude={}", "method.band=0.5"), 3)
     assert isinstance(method, ELCFS)
     h = w = 8
     # client 0's rows hold a huge zero-frequency amplitude: drawing one would blow the mean up
@@ -201,7 +202,7 @@ def test_rsc_loss_is_ce_of_the_muted_feature_map(tiny_ds, spatial):
 
     # width 16: ceil(16 / 3) = 6 channels vs ceil(16 / 3.2) = 5, so swapped drop rates show
     cfg = tiny_cfg("method.name=rsc", f"method.spatial_p={int(spatial)}", "method.batch_drop=0.5", "model.width=16")
-    method = build_method(cfg)
+    method = build_method(cfg, 3)
     torch.manual_seed(1)
     model = method.build_model(10).train()
     x = torch.from_numpy(tiny_ds.images[:16]).permute(0, 3, 1, 2).float() / 255
@@ -298,7 +299,8 @@ def test_copa_server_assembles_each_clients_head_into_its_slot():
         u["head.cls.weight"] = np.full_like(g["head.cls.weight"], c + 1.0)
         u["head.cls.bias"] = np.full_like(g["head.cls.bias"], -c - 1.0)
         ups.append(ClientUpdate(c, 10, u, {}, {}, 0.0, 0.0))
-    out = method.assemble_global(1, ups, g, {})
+    out = method.assemble_global(1, ups, g, g, {})
+    assert set(out) == method.assembles(model)
     assert np.all(out["head.ensemble_w"][0] == 1) and np.all(out["head.ensemble_w"][2] == 3)
     assert np.all(out["head.ensemble_b"][2] == -3)
     np.testing.assert_array_equal(out["head.ensemble_w"][1], g["head.ensemble_w"][1])  # not sampled: kept
@@ -349,7 +351,7 @@ def test_dson_mixes_bn_and_in_statistics_by_hand():
 def test_dson_layers_are_client_specific_and_the_regularizer_is_gperxans():
     from rayfed_dg.models import DSON
 
-    method = build_method(tiny_cfg("method.name=dson"))
+    method = build_method(tiny_cfg("method.name=dson"), 3)
     model = method.build_model(10)
     assert sum(isinstance(m, DSON) for m in model.modules()) == 4  # every BN of the conv net
     local = method.local_keys(model)
@@ -392,11 +394,11 @@ def test_csac_layerwise_aggregation_weighs_by_distance_to_the_mean():
 
     np.testing.assert_allclose(layerwise_weights([np.array([0.0, 0]), np.array([2.0, 0]), np.array([4.0, 0])]),
                                [0.5, 0.0, 0.5])
-    method = build_method(tiny_cfg("method.name=csac"))
+    method = build_method(tiny_cfg("method.name=csac"), 3)
     g = {"a": np.zeros(2, np.float32), "n": np.array(3, np.int64), "private.a": np.zeros(2, np.float32)}
     ups = [ClientUpdate(i, 1, {"a": np.array(v, np.float32), "n": np.array(i, np.int64)}, {}, {}, 0.0, 0.0)
            for i, v in enumerate([[0.0, 0.0], [1.0, 0.0], [4.0, 0.0]])]
-    out = method.assemble_global(1, ups, g, {})
+    out = method.assemble_global(1, ups, g, g, {})
     d = np.array([5 / 3, 2 / 3, 7 / 3])  # |v - mean| with mean 5/3
     np.testing.assert_allclose(out["a"], [(d / d.sum()) @ np.array([0.0, 1.0, 4.0]), 0.0], rtol=1e-6)
     assert set(out) == {"a"}  # integer buffers and the private model keep the engine's values
@@ -404,7 +406,7 @@ def test_csac_layerwise_aggregation_weighs_by_distance_to_the_mean():
 
 def test_csac_pretrains_once_then_calibrates_to_its_private_model(tiny_ds):
     cfg = tiny_cfg("method.name=csac", "method.pretrain_steps=3", "training.local_steps=2", "method.lam=0.6")
-    r = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, 10)
+    r = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, 10, 3)
     sd = r.model.state_dict()
     g = to_numpy_state(sd, sd.keys())
     first = r.run_client(0, 1, np.arange(96), g, {}, {})
@@ -427,8 +429,8 @@ def test_csac_pretrains_once_then_calibrates_to_its_private_model(tiny_ds):
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     grads = dict(zip(named, torch.autograd.grad(expect, list(named.values()))))
     ctx = ctx_for()
-    stats = method.local_train(model, lambda: iter([(x, y)]), ctx)  # one step: its loss is reported
-    assert abs(stats["train_loss"] - expect.item()) < 1e-4 and "pretrained" not in stats
+    res = method.local_train(model, lambda: iter([(x, y)]), ctx)  # one step: its loss is reported
+    assert abs(res.loss - expect.item()) < 1e-4 and "pretrained" not in res.stats and res.steps == 1
     # the step is SGD's first (momentum buffer = gradient) on that loss's gradient: the MK-MMD term pulls the
     # model's logits (a detached one would not), and the private model does not move
     lr, wd = method.lr_at(ctx.round), cfg.training.weight_decay

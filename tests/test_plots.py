@@ -50,7 +50,7 @@ def test_features_are_the_saved_models_penultimate_layer(tiny_run, tiny_ds):
     assert sorted(set(f["domain"])) == sorted(tiny_ds.domain_names)  # 3 source val splits and the target
     assert [int(f["is_target"][f["domain"] == d][0]) for d in ("mono", "colour")] == [0, 1]
     assert len(f["features"]) == 4 * 40 == len(f["label"])
-    model = build_method(cfg).build_model(tiny_ds.num_classes)
+    model = build_method(cfg, 3).build_model(tiny_ds.num_classes)
     model.load_state_dict(torch.load(tiny_run / "best_colour.pt", weights_only=True))
     assert f["features"].shape[1] == model.feature_dim
     # a few target images again, through the saved model by hand

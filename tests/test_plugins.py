@@ -77,7 +77,7 @@ def test_the_readme_method_smooths_the_labels(clean_registries, tmp_path, monkey
 
     monkeypatch.syspath_prepend(str(_plugin_dir(tmp_path)))
     cfg = load_config(None, ["plugins=[my_method]", "method.name=fedavg_ls", "method.smoothing=0.3"])
-    method = build_method(cfg)
+    method = build_method(cfg, 3)
     logits = torch.tensor([[2.0, 0.0, -1.0], [0.5, 0.5, 3.0]])
     y = torch.tensor([0, 1])
     logp = torch.log_softmax(logits, 1)
@@ -145,7 +145,7 @@ def test_an_installed_entry_point_plugin_is_found_and_travels_with_the_config(cl
     assert cfg.__reduce_ex__(5)[1][1] == (("ep_plugin_mod", str(site.resolve())),)  # what the pickle carries
     # a process whose sys.path lacks the folder (a Ray worker) rebuilds the config and builds the method
     code = ("import pickle, sys; cfg = pickle.loads(sys.stdin.buffer.read()); "
-            "from rayfed_dg.methods import build_method; print(type(build_method(cfg)).__name__)")
+            "from rayfed_dg.methods import build_method; print(type(build_method(cfg, 3)).__name__)")
     r = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(cfg), capture_output=True, timeout=120,
                        cwd=REPO)
     assert r.returncode == 0 and r.stdout.decode().strip() == "EpFedAvg", r.stderr.decode()[-2000:]
@@ -251,3 +251,35 @@ def test_report_on_a_run_with_a_plugin_stage_imports_the_plugin_in_a_fresh_proce
                           timeout=300, cwd=tmp_path)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert len(proc.stderr.strip().splitlines()) == 1 and "data stage 'recolour'" in proc.stderr, proc.stderr
+
+
+OLD_CONTRACT = {
+    "prepares_round = True": "sets prepares_round, gone in method contract v2: declare phases = (Phase.PREPARE",
+    "averages_global = False": "sets averages_global, gone in method contract v2: name the keys assemble_global",
+    "def assemble_global(self, round, results, global_state, server_state):\n        return {}":
+        "assemble_global takes (round, results, average, previous, server_state)",
+    "def __init__(self, params, model_cfg, training_cfg):\n        super().__init__(params, model_cfg, training_cfg, 1)":
+        "__init__ takes (params, model_cfg, training_cfg, num_clients)",
+}
+
+
+@pytest.mark.parametrize("body", sorted(OLD_CONTRACT))
+def test_a_plugin_written_for_the_first_method_contract_is_one_line_saying_what_to_change(
+        clean_registries, tmp_path, monkeypatch, capsys, body):
+    from rayfed_dg.cli import main
+
+    (tmp_path / "old_plugin.py").write_text(textwrap.dedent("""
+        from rayfed_dg.methods import Method, register_method
+
+        @register_method
+        class Old(Method):
+            name = "old_contract"
+        """) + textwrap.indent(body, "    ") + "\n")
+    (tmp_path / "exp.yaml").write_text("plugins: [old_plugin]\nmethod: {name: old_contract}\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "old_plugin", raising=False)
+    assert main(["run", "exp.yaml", "--run-dir", "run"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and OLD_CONTRACT[body] in err and "'old_contract'" in err, err
+    assert not (tmp_path / "run").exists()
+    sys.modules.pop("old_plugin", None)

@@ -140,7 +140,7 @@ def test_personalized_evaluation_is_each_clients_own_model(ray_session, tiny_ds,
     personal = [m for m in out.metrics if m["split"] == "personal_val"]
     assert [m["client"] for m in personal] == [0, 1, 2]
     assert all(m["client"] is None for m in out.metrics if m["split"] != "personal_val")
-    runner = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, tiny_ds.num_classes)
+    runner = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, tiny_ds.num_classes, 3)
     glob = {m["domain"]: m["loss"] for m in out.metrics if m["split"] == "source_val"}
     for m in personal:
         c = m["client"]
@@ -151,7 +151,7 @@ def test_personalized_evaluation_is_each_clients_own_model(ray_session, tiny_ds,
         assert m["loss"] == pytest.approx(loss / n, rel=1e-5)
         assert abs(m["loss"] - glob[m["domain"]]) > 1e-4  # the client's own BN state, not the global model
     # a method without client state (FedAvg) has no personal rows
-    assert not ray.get(host.open(tiny_cfg(), split, 10).personalizes.remote())
+    assert not ray.get(host.open(tiny_cfg(), split, 10).current.remote()).personalizes()
 
 
 @pytest.mark.slow

@@ -4,7 +4,9 @@ Hand-computed steps over two rounds; ``none`` is the plain average bit for
 bit; the engine steps the global parameters only (buffers and a method's
 local keys keep the average); a run is deterministic, differs from FedAvg
 and resumes bit-identically (the optimizer's state is in the checkpoint);
-a method whose global model is not an average is refused with one line.
+a method that sets every parameter itself is refused with one line; the
+optimizer composes with the keys a method assembles (``Federation.aggregate``);
+SCAFFOLD's server step is FedAvgM's without momentum.
 """
 import math
 
@@ -88,7 +90,7 @@ def test_fedavgm_without_momentum_at_rate_one_is_the_average_bit_for_bit():
 
 def test_stepped_keys_are_the_global_parameters():
     cfg = tiny_cfg("method.name=gperxan")
-    method = build_method(cfg)
+    method = build_method(cfg, 3)
     model = method.build_model(10)
     local = method.local_keys(model)
     keys = set(stepped_keys(model, local))
@@ -117,14 +119,17 @@ def test_config_defaults_ranges_and_compare_rows():
     assert rows["adam"].server.optimizer == "fedadam" and rows["adam"].server.tau == 0.01  # merged over the top level
 
 
-def test_a_method_whose_global_model_is_not_an_average_is_refused_in_one_line():
-    with pytest.raises(ConfigError) as e:
-        load_config(None, ["method.name=csac", "server.optimizer=fedyogi"])
-    msg = str(e.value)
-    assert "\n" not in msg and "csac" in msg and "fedyogi" in msg
-    load_config(None, ["method.name=csac"])  # without a server optimizer it runs
-    for ok in ("gperxan", "feddg_ga", "copa"):  # averages (FedDG-GA reweights; COPA assembles local heads only)
+def test_a_method_that_sets_every_parameter_itself_is_refused_in_one_line():
+    for bad in (["method.name=csac"], ["method.name=feddyn"]):
+        with pytest.raises(ConfigError) as e:
+            load_config(None, [*bad, "server.optimizer=fedyogi"])
+        msg = str(e.value)
+        assert "\n" not in msg and bad[0].split("=")[1] in msg and "fedyogi" in msg
+        load_config(None, bad)  # without a server optimizer it runs
+    # averages (FedDG-GA reweights; COPA assembles local heads only; SCAFFOLD's step is FedAvgM's; CSAC's fedavg)
+    for ok in ("gperxan", "feddg_ga", "copa", "scaffold"):
         load_config(None, [f"method.name={ok}", "server.optimizer=fedadam"])
+    load_config(None, ["method.name=csac", "method.aggregation=fedavg", "server.optimizer=fedadam"])
     cfg = validate({"server": {"optimizer": "fedadam"}, "compare": [{"name": "fedavg"}, {"name": "csac"}]})
     with pytest.raises(ConfigError, match="compare \\(csac\\).*fedadam.*csac"):
         method_variants(cfg)
@@ -232,3 +237,92 @@ def test_resume_mid_run_equals_uninterrupted_gperxan_fedyogi(ray_session, tiny_d
     assert a["steps"] == b["steps"] == 3
     for part in ("m", "v"):
         assert all(np.array_equal(a[part][k], b[part][k]) for k in b[part])
+
+
+def test_scaffold_server_step_is_fedavgm_without_momentum():
+    """SCAFFOLD's line 16, x <- x + eta_g (mean_S y_i - x), is FedAvgM with
+    beta = 0 and eta = eta_g over the same tensors: by hand over two rounds
+    (no momentum carried into round 2), and bit for bit against line 16 as
+    SCAFFOLD computed it itself (float64, cast back) on random float32 models."""
+    x0 = {"w": np.array([1.0, -2.0], np.float32)}
+    opt = ServerOptimizer("fedavgm", 0.5, 0.0, 0.99, 1e-3, x0, ["w"])
+    ys = [np.array([3.0, -2.0], np.float32), np.array([1.0, 2.0], np.float32)]  # two clients' models
+    mean1 = {"w": ((ys[0].astype(np.float64) + ys[1]) / 2).astype(np.float32)}  # [2, 0]: the unweighted reduce
+    x1 = opt.step(x0, mean1)
+    np.testing.assert_array_equal(x1["w"], [1.5, -1.0])  # x + 0.5 (mean - x) = [1, -2] + 0.5 [1, 2]
+    x2 = opt.step(x1, {"w": np.array([0.5, -1.0], np.float32)})
+    np.testing.assert_array_equal(x2["w"], [1.0, -1.0])  # [1.5, -1] + 0.5 [-1, 0]: round 1's step not carried
+
+    def line16(x, mean, eta):  # SCAFFOLD's own step as it was written before it became the server optimizer's
+        return (x.astype(np.float64) + eta * (mean.astype(np.float64) - x)).astype(mean.dtype)
+
+    rng = np.random.default_rng(0)
+    for eta in (0.5, 1.7):
+        x = {"w": rng.normal(size=1000).astype(np.float32)}
+        opt = ServerOptimizer("fedavgm", eta, 0.0, 0.99, 1e-3, x, ["w"])
+        for _ in range(3):
+            mean = {"w": (x["w"] + rng.normal(scale=1e-2, size=1000)).astype(np.float32)}
+            new = opt.step(x, mean)
+            np.testing.assert_array_equal(new["w"], line16(x["w"], mean["w"], eta))
+            x = new
+
+
+def test_scaffold_server_lr_is_refused_naming_the_server_optimizer():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["method.name=scaffold", "method.server_lr=0.5"])
+    msg = str(e.value)
+    assert "\n" not in msg and "server: {optimizer: fedavgm, momentum: 0, lr: 0.5}" in msg, msg
+    # an old run directory's config.yaml holds the default, server_lr: 1.0 (no server step): it still reads
+    assert load_config(None, ["method.name=scaffold", "method.server_lr=1.0"]).server.optimizer == "none"
+    cfg = load_config(None, ["method.name=scaffold", "server.optimizer=fedavgm", "server.momentum=0", "server.lr=0.5"])
+    method = build_method(cfg, 3)
+    model = method.build_model(10)
+    # the server optimizer steps exactly the parameters SCAFFOLD's line 16 moved (its c_i is a local buffer)
+    assert stepped_keys(model, method.local_keys(model) | method.assembles(model)) == \
+        sorted(n for n, p in model.named_parameters() if p.requires_grad)
+
+
+def test_server_optimizer_steps_what_the_method_does_not_assemble(tiny_ds, monkeypatch):
+    """A method that sets one parameter itself (from the previous global
+    model) beside FedAvgM (beta 0, eta 0.5): that parameter is the method's,
+    the other parameters take the half step, buffers the average; setting a
+    key the method did not declare stops the round."""
+    from rayfed_dg.engine.federation import Federation
+    from rayfed_dg.errors import EngineError
+    from rayfed_dg.methods import Method, base, register_method
+
+    monkeypatch.setattr(base._REGISTRY, "_items", dict(base._REGISTRY._items))
+
+    @register_method
+    class OwnBias(Method):
+        name = "own_head_bias"
+
+        def assembles(self, model):
+            return {"head.bias"}
+
+        def assemble_global(self, round, results, average, previous, server_state):
+            return {"head.bias": previous["head.bias"] + 1.0}
+
+    cfg = tiny_cfg("method.name=own_head_bias", "server.optimizer=fedavgm", "server.momentum=0", "server.lr=0.5")
+    split = leave_one_domain_out(tiny_ds, TARGET, cfg.data.val_fraction, cfg.data.split_seed)
+    fed = Federation(cfg, split, tiny_ds.num_classes, 1)
+    assert fed.server_opt is not None and "head.bias" not in fed.server_opt.keys and "head.weight" in fed.server_opt.keys
+    x0 = dict(fed.global_state)
+    sampled = list(range(split.num_clients))
+    red = fed.reducer(sampled)
+    for c in sampled:  # client c moves every float tensor by c + 1
+        red.add(c, {k: v + np.asarray(c + 1, v.dtype) if np.issubdtype(v.dtype, np.floating) else v
+                    for k, v in x0.items()})
+    sizes = split.client_sizes().astype(np.float64)
+    delta = float(sizes @ (np.arange(len(sampled)) + 1.0) / sizes.sum())
+    fed.aggregate(1, red, [])
+    g = fed.global_state
+    np.testing.assert_allclose(g["head.weight"], x0["head.weight"] + 0.5 * delta, rtol=1e-6)  # stepped
+    np.testing.assert_allclose(g["body.1.running_mean"], x0["body.1.running_mean"] + delta, rtol=1e-6)  # averaged
+    np.testing.assert_array_equal(g["head.bias"], x0["head.bias"] + 1.0)  # the method's own
+    red = fed.reducer(sampled)
+    for c in sampled:
+        red.add(c, g)
+    monkeypatch.setattr(fed.method, "assemble_global", lambda *a: {"head.weight": g["head.weight"]})
+    with pytest.raises(EngineError, match=r"own_head_bias: assemble_global set \['head.weight'\].*assembles"):
+        fed.aggregate(2, red, [])

@@ -189,7 +189,7 @@ def test_stablefdg_client_prepares_a_4c_style_and_trains(tiny_ds):
     from rayfed_dg.engine.worker import to_numpy_state
 
     cfg = tiny_cfg("method.name=stablefdg", "model.width=8")
-    r = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, 10)
+    r = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, 10, 3)
     g = to_numpy_state(r.model.state_dict(), r.model.state_dict().keys())
     phi = r.prepare(ClientTask(client=0, round=1, indices=np.arange(100), local_state={}), g)["style"]
     assert phi.shape == (4 * 8,) and np.all(phi[8:16] > 0)  # [mu, sigma, Var(mu), Var(sigma)], sigma > 0
@@ -238,7 +238,7 @@ def test_styles_received_in_a_round_come_from_that_rounds_participants_and_model
     g2 = ray.get(server.get_state.remote())["global_state"]
     sampled = out2.sampled
     assert len(sampled) == 3
-    runner = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, 10)
+    runner = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, 10, 3)
     styles = {c: runner.prepare(ClientTask(client=c, round=2, indices=split.clients[c], local_state={}), g1)["style"]
               for c in sampled}
     given = assign_styles(sampled, sampled, 1, numpy_rng(cfg.training.seed, Stream.PAYLOAD, 2))
@@ -269,7 +269,7 @@ def test_stablefdg_learns_from_scratch_with_every_style_op_firing(tiny_ds):
 
     cfg = tiny_cfg("method.name=stablefdg", "method.attention=false", "method.explore_p=1.0",
                    "training.local_steps=15", "training.lr=0.05")
-    r = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, 10)
+    r = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, 10, 3)
     idx = np.flatnonzero(tiny_ds.domains == 0)[:200]
     sd = r.model.state_dict()
     g = to_numpy_state(sd, sd.keys())
@@ -285,7 +285,7 @@ def _stablefdg_model(*overrides):
     from rayfed_dg.methods import build_method
 
     cfg = tiny_cfg("method.name=stablefdg", *overrides)
-    method = build_method(cfg)
+    method = build_method(cfg, 3)
     torch.manual_seed(0)
     return method, method.build_model(10)
 

@@ -186,7 +186,7 @@ def _pair(method, arch=TINY, *extra):
 
     cfg = tiny_cfg(f"method.name={method}", f"model.arch={arch}", *extra)
     torch.manual_seed(0)
-    plain = build_method(tiny_cfg(f"model.arch={arch}")).build_model(7)
+    plain = build_method(tiny_cfg(f"model.arch={arch}"), 3).build_model(7)
     torch.manual_seed(0)
     model = build_method(cfg, 3).build_model(7)
     g = torch.Generator().manual_seed(1)
@@ -238,7 +238,7 @@ def test_ibn_on_batchnormact_keeps_its_activation():
 def test_fedbn_and_silobn_keep_timm_batchnormact_layers_local(method, kinds, per_layer):
     from rayfed_dg.methods import build_method
 
-    method_obj = build_method(tiny_cfg(f"method.name={method}", f"model.arch={LITE0}"))
+    method_obj = build_method(tiny_cfg(f"method.name={method}", f"model.arch={LITE0}"), 3)
     model = method_obj.build_model(7)
     keys = method_obj.local_keys(model)
     layers = [n for n, m in model.named_modules() if type(m).__name__ == "BatchNormAct2d"]
@@ -267,7 +267,7 @@ def test_stablefdg_on_lite0_styles_after_stages_1_to_3_and_highlights_the_last_m
     from rayfed_dg.methods import build_method
     from rayfed_dg.models.style import FeatureHighlighter, StyleExplore, StyleShift
 
-    method = build_method(tiny_cfg("method.name=stablefdg", f"model.arch={LITE0}"))
+    method = build_method(tiny_cfg("method.name=stablefdg", f"model.arch={LITE0}"), 3)
     model = method.build_model(7)
     blocks = model.body.net.blocks
     assert [type(m).__name__ for m in blocks[1]][1:] == ["StyleShift", "StyleExplore"]

@@ -2,6 +2,7 @@
 from rayfed_dg.errors import EngineError, ResourceError
 
 from .aggregate import OrderedReducer
+from .host import launch_server
 from .plan import (
                    clients_per_round,
                    load_data,
@@ -16,7 +17,7 @@ from .records import ClientStore, ClientTask, Ledger, RoundResult
 from .resources import init_ray, plan_workers
 from .run import TargetResult, check_resume_dir, format_table, make_run_dir, run_experiment, run_federation
 from .selection import select_round
-from .server import Server, launch_server
+from .server import Server
 from .worker import ClientRunner, Worker
 
 __all__ = ["ClientRunner", "ClientStore", "ClientTask", "EngineError", "Ledger", "OrderedReducer", "ResourceError",

@@ -89,6 +89,16 @@ class EngineHost:
                 pass
 
 
+def launch_server(cfg: ExperimentConfig, split: FederatedSplit, data_refs: list, num_classes: int, n_workers: int,
+                  worker_options: dict | None = None) -> Any:
+    """A one-federation experiment's server, started (``EngineHost``) and
+    holding ``split``'s federation; ``shutdown`` ends its actors.  For tests
+    and tools that drive a server round by round."""
+    host = EngineHost(cfg.engine, data_refs, n_workers, worker_options)
+    host.open(cfg, split, num_classes)
+    return host.server
+
+
 class HostPool:
     """One ``EngineHost`` per distinct worker resources, started on first use
     with as many workers as the largest federation planned for it needs."""

@@ -132,7 +132,7 @@ def preflight(cfg: ExperimentConfig, splits: list[FederatedSplit], num_classes: 
     from rayfed_dg.stages import build_stages
 
     try:
-        build_method(cfg, splits[0].num_clients if splits else None).build_model(num_classes)
+        build_method(cfg, splits[0].num_clients).build_model(num_classes)
     except (ValueError, KeyError) as e:
         if isinstance(e, (ConfigError, ModelError, DataError)):
             raise

@@ -1,23 +1,29 @@
-"""The server actor: client sampling, broadcast, in-order reduce; evaluation in ``evaluation.py``.
+"""The server actor: it keeps an experiment's worker pool and conducts the
+rounds of its current federation (``federation.py`` holds the state).
 
 One ``run_round`` call is one federated round:
 
 1. sample ``clients_per_round`` of the N clients with the round's seed;
 2. the global weights are already in the object store (one ``ray.put`` per
    round, after the previous aggregation); workers read them zero-copy;
-3. if the method asks (``prepares_round``), every sampled client runs its
-   preparation phase with this global model, and the server hands the
-   results to the method's ``server_payloads``;
+3. the phases the method declares at ``Slot.BEFORE_TRAINING`` (``Phase.PREPARE``: every
+   sampled client computes with this global model, and the method's
+   ``server_payloads`` gets the results);
 4. dispatch the sampled clients' training to the worker pool (``pool.py``:
    largest first, small clients grouped into one Ray task, two tasks in
    flight per worker, retries, drops);
 5. fold updates into the average as they arrive, in client-id order, and
    write each client's local state back into the client store;
-6. with a server optimizer (``server_opt.py``), step from the global model
-   along the average minus it (FedAvgM, FedAdam, ...); then
-   let the method set the tensors it assembles itself (``assemble_global``),
-   put the new global model in the object store and evaluate it on every
-   source domain's validation split and on the target domain.
+6. the new global model (``Federation.aggregate``: the average, a server
+   optimizer's step, the method's own tensors), put in the object store;
+7. the phases at ``Slot.AFTER_AGGREGATION`` (``Phase.EVALUATE_ON_CLIENTS``), the
+   method's ``after_round``; in an evaluated round, the phases at
+   evaluation (``Phase.PERSONAL_EVAL``) and the evaluation of the global
+   model on every source domain's validation split and on the target.
+
+The optional phases are those the method declares (``Method.phases``),
+each run at its slot (``phases.py``; ``methods/base.py`` has the table).
+Data stages run before round 1 (``stagehost.run_stages``).
 """
 from __future__ import annotations
 
@@ -26,23 +32,18 @@ from typing import Any
 
 import numpy as np
 import ray
-import torch
 
 from rayfed_dg.config import ExperimentConfig
 from rayfed_dg.data.protocol import FederatedSplit
 from rayfed_dg.errors import EngineError
-from rayfed_dg.methods import ClientUpdate, build_method
-from rayfed_dg.seeding import Stream, numpy_rng, sample_clients, seed_int
-from rayfed_dg.stages import build_stages
+from rayfed_dg.methods import ClientUpdate, Slot
 
-from .aggregate import OrderedReducer
-from .evaluation import evaluate_global, evaluate_on_clients
-from .plan import clients_per_round
+from .evaluation import evaluate_global
+from .federation import Federation
+from .phases import RoundWork, run_phases
 from .pool import WorkerPool
-from .records import ClientRow, ClientStore, ClientTask, Ledger, RoundResult
-from .server_opt import ServerOptimizer, stepped_keys
-from .stagehost import StageHost
-from .worker import to_numpy_state
+from .records import ClientRow, Ledger, RoundResult
+from .stagehost import run_stages
 
 
 class Server:
@@ -53,7 +54,6 @@ class Server:
         # started by EngineHost, with the workers and data source it is handed
         self.data_source = data_source
         self.pool = WorkerPool(workers, 0)  # waits until every worker is up
-        self.federation = 0
 
     def retire_restarted(self) -> list[int]:
         """End the workers whose process died since they were started (their
@@ -69,95 +69,42 @@ class Server:
 
     def start(self, cfg: ExperimentConfig, split: FederatedSplit, num_classes: int, federation: int) -> None:
         """Begin a federation (its workers build its model on their first task)."""
-        self.cfg = cfg
-        self.split = split
-        self.federation = federation
-        self.method = build_method(cfg, split.num_clients)
-        torch.manual_seed(seed_int(cfg.training.seed, Stream.INIT))
-        model = self.method.build_model(num_classes)
-        sd = model.state_dict()
-        self.global_state = to_numpy_state(sd, sd.keys())
-        self.local_keys = self.method.local_keys(model)
-        self.groups = {k: self.method.tensor_group(k, k in self.local_keys) for k in sd}
-        self.store = ClientStore({k: self.global_state[k] for k in sorted(self.local_keys)})
-        self.server_state: dict = {}
-        # None for server.optimizer none: the average is the new global model, as it always was
-        self.server_opt = ServerOptimizer.from_config(cfg.server, self.global_state,
-                                                      stepped_keys(model, self.local_keys))
-        self.round = 0
+        self.fed = Federation(cfg, split, num_classes, federation)
         e = cfg.engine
         self.pool.retries, self.pool.restart_timeout_s = e.max_task_retries, e.worker_restart_timeout_s
         self.pool.retried = self.pool.reruns = 0
-        self.global_ref = ray.put(self.global_state)
-        # client -> its training set after the data stages: (dataset indices, ObjectRef of added samples)
-        self.training_sets: dict[int, tuple[np.ndarray, object]] = {}
-        self.stage_data: dict[str, object] = {}  # name -> ObjectRef of arrays a data stage shared with every client
-        self._client_val: dict[int, np.ndarray | None] = {}  # client -> its fixed validation indices
+        self.global_ref = ray.put(self.fed.global_state)
 
-    # ------------------------------------------------------------ data stages
+    @property
+    def split(self) -> FederatedSplit:
+        return self.fed.split
+
+    def current(self) -> Federation:
+        """The current federation, as a copy (tests and tools read it)."""
+        return self.fed
+
     def setup(self) -> dict:
-        """Run the configured data stages before round 1; returns their
-        ledger rows (round 0) and costs.  Stages are deterministic and
-        cached, so they are simply run again on resume."""
-        ledger, info = Ledger(0), {}
-        for i, stage in enumerate(build_stages(self.cfg)):
-            info[stage.name] = stage.run(StageHost(self, i, ledger))
-        return {"ledger": ledger.rows, "info": info}
-
-    def training_set(self, cid: int) -> tuple[np.ndarray, object]:
-        return self.training_sets.get(cid, (self.split.clients[cid], None))
-
-    # --------------------------------------------------------------- state
-    def broadcast_state(self) -> dict[str, np.ndarray]:
-        return {k: v for k, v in self.global_state.items() if k not in self.local_keys}
+        return run_stages(self.pool, self.fed)
 
     def get_state(self) -> dict:
-        return {"round": self.round, "global_state": self.global_state, "client_store": self.store.states,
-                "server_state": self.server_state,
-                **({"server_optimizer": self.server_opt.state_dict()} if self.server_opt is not None else {})}
+        return self.fed.get_state()
 
     def set_state(self, state: dict) -> None:
-        self.round = int(state["round"])
-        self.global_state = state["global_state"]
-        self.store.states = state["client_store"]
-        self.server_state = state["server_state"]
-        if self.server_opt is not None:  # a config with a server optimizer resumes only its own runs (check_resume_dir)
-            self.server_opt.load_state_dict(state["server_optimizer"])
-        self.global_ref = ray.put(self.global_state)
-
-    def client_val(self, cid: int) -> np.ndarray | None:
-        """A fixed, seeded subset of the validation split of the client's main
-        source domain, for methods that select their local model on the client."""
-        if cid not in self._client_val:
-            n = self.method.client_val_size()
-            # a multi-domain client ("photo+art_painting", the centralized client) validates on all its domains
-            doms = [d for d in self.split.client_domains[cid].split("+") if d in self.split.val]
-            val = np.sort(np.concatenate([self.split.val[d] for d in doms])) if n > 0 and doms else None
-            if val is not None and len(val) > n:
-                val = np.sort(numpy_rng(self.cfg.training.seed, Stream.CLIENT_VAL, cid).choice(val, n, replace=False))
-            self._client_val[cid] = val
-        return self._client_val[cid]
-
-    def _task(self, r: int, cid: int, payload: dict) -> ClientTask:
-        indices, extra = self.training_set(cid)
-        return ClientTask(client=cid, round=r, indices=indices, local_state=self.store.get(cid), payload=payload,
-                          extra=extra, val_indices=self.client_val(cid), fault_p=self.cfg.engine.fault_probability,
-                          stage_data=dict(self.stage_data))
+        self.fed.set_state(state)
+        self.global_ref = ray.put(self.fed.global_state)
 
     # --------------------------------------------------------------- round
     def run_round(self) -> RoundResult:
         t0 = time.perf_counter()
-        r, seed = self.round + 1, self.cfg.training.seed
-        sampled = sample_clients(seed, r, self.split.num_clients, clients_per_round(self.cfg, self.split))
+        fed = self.fed
+        r = fed.round + 1
+        sampled = fed.sample(r)
         sizes = self.split.client_sizes()[sampled]
-        reducer = OrderedReducer(sampled, dict(zip(sampled, self.method.aggregation_weights(
-            sampled, sizes, self.server_state))))
-        ledger = Ledger(r)
-        prepared = self._prepare(r, sampled, ledger) if self.method.prepares_round else {}
-        payloads = self.method.server_payloads(r, sampled, self.server_state, numpy_rng(seed, Stream.PAYLOAD, r),
-                                               self.global_state, prepared)
-        bcast = self.broadcast_state()
-        bcast_sizes = Ledger.group_sizes(bcast, self.groups.__getitem__)  # every client receives these
+        reducer, ledger = fed.reducer(sampled), Ledger(r)
+        work = RoundWork(r, sampled, ledger, fed, self.pool, self.global_ref)
+        run_phases(Slot.BEFORE_TRAINING, work)
+        payloads = fed.payloads(r, sampled, work.prepared)
+        bcast_sizes = Ledger.group_sizes(fed.broadcast_state(), fed.groups.__getitem__)  # every client receives these
         updates: dict[int, ClientUpdate] = {}
 
         def on_update(cid: int, upd: ClientUpdate | None) -> None:
@@ -165,37 +112,32 @@ class Server:
             if upd is None:
                 return
             updates[cid] = upd
-            self.store.put(cid, upd.update, upd.private)
-            ledger.add_state(cid, "up", upd.update, self.groups.__getitem__)
+            fed.store.put(cid, upd.update, upd.private)
+            ledger.add_state(cid, "up", upd.update, fed.groups.__getitem__)
             ledger.add_payload(cid, "up", upd.payload)
             ledger.add_state(cid, "down", bcast_sizes)
             ledger.add_payload(cid, "down", payloads.get(cid, {}))
 
-        task = lambda cid, attempt: _retry(self._task(r, cid, payloads.get(cid, {})), attempt)
+        task = lambda cid, attempt: fed.task(r, cid, payloads.get(cid, {}), attempt)
         t_clients = time.perf_counter()
         dropped = self.pool.map(
-            sampled, lambda w, cid, attempt: w.train_in.remote(self.federation, task(cid, attempt), self.global_ref),
+            sampled, lambda w, cid, attempt: w.train_in.remote(fed.id, task(cid, attempt), self.global_ref),
             on_update, cost=dict(zip(sampled, sizes.tolist())),
-            largest_first=self.cfg.engine.schedule == "largest_first",
-            submit_many=None if not self.cfg.engine.group_small_clients else lambda w, jobs: w.train_many_in.remote(
-                self.federation, [task(cid, attempt) for cid, attempt in jobs], self.global_ref))
+            largest_first=fed.cfg.engine.schedule == "largest_first",
+            submit_many=None if not fed.cfg.engine.group_small_clients else lambda w, jobs: w.train_many_in.remote(
+                fed.id, [task(cid, attempt) for cid, attempt in jobs], self.global_ref))
         seconds_clients = time.perf_counter() - t_clients
         retries = dict(self.pool.last_retries)
         if len(reducer.dropped) == len(sampled):
             raise EngineError(f"round {r}: every sampled client failed ({dropped[0][1]})")
-        results = [updates[c] for c in sorted(updates)]
-        x_t, self.global_state = self.global_state, reducer.result(self.global_state)
-        if self.server_opt is not None:  # before the tensors a method assembles itself: those replace the step's
-            self.global_state = self.server_opt.step(x_t, self.global_state)
-        self.global_state.update(self.method.assemble_global(r, results, self.global_state, self.server_state))
-        self.global_ref = ray.put(self.global_state)
-        if self.method.evaluates_global_on_clients:
-            self._evaluate_on_clients(results, ledger)
-        self.method.after_round(r, results, self.server_state)
-        self.round = r
+        results = work.results = [updates[c] for c in sorted(updates)]
+        fed.aggregate(r, reducer, results)
+        work.global_ref = self.global_ref = ray.put(fed.global_state)
+        run_phases(Slot.AFTER_AGGREGATION, work)
+        fed.end_round(r, results)
         seconds_train = time.perf_counter() - t0
-        every = self.cfg.evaluation.every
-        metrics = self.evaluate(r) if (every and r % every == 0) or r == self.cfg.training.rounds else []
+        every = fed.cfg.evaluation.every
+        metrics = self.evaluate(work) if (every and r % every == 0) or r == fed.cfg.training.rounds else []
         return RoundResult(
             round=r, sampled=sampled, dropped=[{"round": r, "client": c, "reason": why} for c, why in dropped],
             metrics=metrics, ledger=ledger.sorted_rows(),
@@ -223,48 +165,11 @@ class Server:
                 retried=retries.get(cid, 0), dropped=u is None, drop_reason=dropped.get(cid)).row())
         return rows
 
-    def _prepare(self, r: int, sampled: list[int], ledger: Ledger) -> dict[int, dict[str, np.ndarray]]:
-        """The method's per-round client phase; every sampled client must
-        answer (what it computes decides what the others receive)."""
-        out = self.pool.map_all(sampled, lambda w, cid, attempt: w.prepare_in.remote(
-            self.federation, _retry(self._task(r, cid, {}), attempt), self.global_ref),
-            f"round {r}: the preparation phase")
-        for cid in sorted(out):  # the global model it used is the round's one broadcast (counted with training)
-            ledger.add_payload(cid, "up", out[cid], prefix="prepare")
-        return out
-
-    def _evaluate_on_clients(self, results: list[ClientUpdate], ledger: Ledger) -> None:
-        evaluate_on_clients(self.pool, self.federation, self.global_ref, results, self.client_val,
-                            self.cfg.evaluation.batch_size, ledger)
-
-    def personalizes(self) -> bool:
-        """Whether clients keep model state that changes their predictions
-        (FedBN, SiloBN, gPerXAN, FedFD on those bases), so that each client's
-        own model is worth evaluating beside the global one."""
-        return bool(self.local_keys) and self.method.local_state_predicts and self.cfg.evaluation.personal
-
-    def evaluate(self, r: int) -> list[dict]:
-        own = {c: self.store.get(c) for c in sorted(self.store.states)} if self.personalizes() else {}
-        return evaluate_global(self.pool, self.federation, self.global_ref, self.split, own,
-                               self.cfg.evaluation.batch_size, r)
+    def evaluate(self, work: RoundWork) -> list[dict]:
+        run_phases(Slot.AT_EVALUATION, work)
+        return evaluate_global(self.pool, self.fed.id, self.global_ref, self.split, work.own,
+                               self.fed.cfg.evaluation.batch_size, work.round)
 
     def shutdown(self) -> None:
         self.pool.shutdown()
         ray.kill(self.data_source)
-
-
-def launch_server(cfg: ExperimentConfig, split: FederatedSplit, data_refs: list, num_classes: int, n_workers: int,
-                  worker_options: dict | None = None) -> Any:
-    """A one-federation experiment's server, started (``EngineHost``) and
-    holding ``split``'s federation; ``shutdown`` ends its actors.  For tests
-    and tools that drive a server round by round."""
-    from .host import EngineHost
-
-    host = EngineHost(cfg.engine, data_refs, n_workers, worker_options)
-    host.open(cfg, split, num_classes)
-    return host.server
-
-
-def _retry(task: ClientTask, attempt: int) -> ClientTask:
-    task.attempt = attempt
-    return task

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from rayfed_dg.config import ExperimentConfig
 from rayfed_dg.data.augment import augment
-from rayfed_dg.methods import ClientContext, ClientUpdate, build_method
+from rayfed_dg.methods import ClientContext, ClientUpdate, LocalResult, build_method
 from rayfed_dg.seeding import Stream, numpy_rng, seed_int, seed_torch, torch_generator
 from rayfed_dg.stages import StageClient, build_stages
 
@@ -111,12 +111,12 @@ class ClientRunner:
     tests that want the exact client computation without Ray."""
 
     def __init__(self, cfg: ExperimentConfig, images: np.ndarray, labels: np.ndarray, num_classes: int,
-                 num_clients: int | None = None):
+                 num_clients: int):
         self.images = images  # zero-copy view of the object store
         self.labels = labels
         self.bind(cfg, num_classes, num_clients)
 
-    def bind(self, cfg: ExperimentConfig, num_classes: int, num_clients: int | None = None) -> None:
+    def bind(self, cfg: ExperimentConfig, num_classes: int, num_clients: int) -> None:
         """Build one federation's model, method and stages: what a fresh
         process would build, so that a worker serving federation after
         federation computes exactly what a new one would."""
@@ -246,16 +246,11 @@ class ClientRunner:
 
             extra = ray.get(extra)
         self.method.round_start(self.model, ctx)
-        steps = 0
-
-        def counted() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-            nonlocal steps
-            for batch in self.batches(task.indices, ctx.generator, extra):
-                steps += 1
-                yield batch
-
-        stats = dict(self.method.local_train(self.model, counted, ctx))
-        loss = float(stats.pop("train_loss", float("nan")))
+        res = self.method.local_train(self.model, lambda: self.batches(task.indices, ctx.generator, extra), ctx)
+        if not isinstance(res, LocalResult):
+            raise TypeError(f"method {self.method.name}: local_train returned {type(res).__name__}; in method contract "
+                            "v2 it returns a LocalResult (train_steps returns one)")
+        loss = float(res.loss)
         if not math.isfinite(loss):
             raise DivergedError(f"client {cid} round {rnd}: local training diverged (loss {loss}); "
                                 "lower training.lr or the method's loss weights")
@@ -266,7 +261,8 @@ class ClientRunner:
             update=to_numpy_state(sd, self.upload_keys, copy=not views),
             private=to_numpy_state(sd, sorted(self.private_keys)),
             payload=self.method.upload_payload(self.model, ctx),
-            train_loss=loss, seconds=time.perf_counter() - t0, stats=stats, steps=steps)
+            train_loss=loss, seconds=time.perf_counter() - t0, stats=dict(res.stats), steps=res.steps,
+            samples_stepped=res.samples)
 
     def run_client(self, client: int, round: int, indices: np.ndarray, global_state: dict[str, np.ndarray],
                    local_state: dict | None = None, payload: dict | None = None, *, extra: dict | None = None,
@@ -294,10 +290,11 @@ class ClientRunner:
         return correct, loss_sum, len(indices)
 
     def run_stage(self, stage: int, phase: str, client_id: int, indices: np.ndarray, args: dict):
-        """A data stage's client half: ``client_<phase>`` of the ``stage``-th configured stage."""
+        """A data stage's client half: its client phase ``phase`` (the name
+        of the ``stage``-th configured stage's method that ``StageHost.map`` was handed)."""
         view = StageClient(images=self.images, labels=self.labels, device=self.device, threads=self.threads,
                            seed=self.cfg.training.seed, resolution=self.cfg.data.resolution)
-        return getattr(self.stages[stage], f"client_{phase}")(view, client_id, indices, **args)
+        return getattr(self.stages[stage], phase)(view, client_id, indices, **args)
 
 
 class Worker(ClientRunner):

@@ -23,12 +23,15 @@ from .base import (
                    ClientContext,
                    ClientUpdate,
                    GlobalEval,
+                   LocalResult,
                    Method,
+                   Phase,
+                   Slot,
                    build_method,
                    get_method_class,
                    method_names,
                    register_method,
 )
 
-__all__ = ["ClientContext", "ClientUpdate", "GlobalEval", "Method", "build_method", "get_method_class", "method_names",
-           "register_method"]
+__all__ = ["ClientContext", "ClientUpdate", "GlobalEval", "LocalResult", "Method", "Phase", "Slot", "build_method",
+           "get_method_class", "method_names", "register_method"]

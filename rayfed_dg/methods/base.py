@@ -1,61 +1,103 @@
-"""The method hook interface and the method registry.
+"""The method hook interface (contract v2) and the method registry.
 
 A federated (DG) method is one class in one file, registered by name with
 ``@register_method``.  Every hook defaults to FedAvg behaviour, so FedAvg
 overrides nothing; the engine calls hooks and never names a method.
 
-Config (in the driver, once, when the config is validated):
-  ``Params``             the method's typed hyper-parameters
-  ``check``              veto a config the method cannot run (``ConfigError``)
-  ``stages_needed``      data stages the method reads (``ctx.stage_data``);
-                         a config without them is rejected (ELCFS: amplitude)
-Everywhere the method is built (driver, server, workers):
-  ``num_clients``        the partition's number of clients, set by the
-                         engine before ``build_model`` (COPA sizes its head
-                         ensemble with it); None where no partition is known
-Client side (inside a worker actor, once per sampled client and round):
-  ``build_model``        the network, built identically on server and workers
-  ``client_val_size``    validation samples a client gets for local selection
-  ``local_keys``         state that stays on the client: never broadcast down,
-                         kept per client by the engine across rounds
-  ``private_keys``       the part of ``local_keys`` that is not uploaded either
-  ``round_prepare``      optional per-round client phase *before* training,
-                         with the round's global model: small named arrays
-                         the server may redistribute (``prepares_round``)
-  ``round_start``        snapshot what the loss needs (e.g. the global weights)
-  ``loss``               the local objective for one batch
-  ``local_train``        escape hatch owning the whole local loop (it can
-                         still run the shared step loop, ``train_steps``,
-                         with its own loss and per-step hook)
-  ``upload_payload``     extra small records to upload (named numpy arrays)
-Server side (in the server actor):
-  ``aggregation_weights``  per-client weights of the reduce (default |D_i|)
-  ``server_payloads``      extra records to broadcast to each sampled client
-                           (given the round's ``round_prepare`` results)
-  ``assemble_global``      tensors of the new global model the method builds
-                           itself from the round's updates instead of the
-                           weighted average (COPA's head ensemble, CSAC's
-                           layer-wise aggregation); default: none
-  ``averages_global``      False when ``assemble_global`` replaces the weighted
-                           average of the whole model (no server optimizer then)
-  ``after_round``          update server-side method state from the round's
-                           ``ClientUpdate`` records
-  ``evaluates_global_on_clients``  when True, the engine evaluates the new
-                         global model on each participant's validation
-                         samples after aggregation and hands ``after_round``
-                         the figures as ``result["global_eval"]``
+## Hook map
 
-Hooks receive a ``ClientContext`` that carries the round, the client id, the
-seeded generator for all of the client's randomness, the device, the data
-stages' shared arrays (``stage_data``), the colour normalisation of the
-batches (``pixel_mean`` / ``pixel_std``, for methods that work on pixels) and a
-``scratch`` dict for snapshots that live for one client task.
+Each hook, what it receives and returns, and where it runs.  The driver
+validates the config; the server actor holds the federation
+(``engine/federation.py``); worker actors run clients, one sampled client
+and round per task.
+
+| Hook | Receives -> returns | Runs in |
+|---|---|---|
+| ``Params`` | the config's ``method:`` keys -> typed hyper-parameters, ``self.p`` | driver, once |
+| ``check(cfg)`` | the whole config -> raises ``ConfigError`` to veto it | driver, once |
+| ``stages_needed`` | (attribute) the data stages it reads, ``ctx.stage_data`` (ELCFS) | driver, once |
+| ``phases`` | (attribute or property) the optional round phases it needs (below) | server, each round |
+| ``__init__`` | params, model and training config, ``num_clients`` (the partition's) | everywhere |
+| ``build_model`` | number of classes -> the network, identical everywhere | server, workers |
+| ``local_keys`` | model -> state kept per client, never broadcast | server, workers |
+| ``private_keys`` | model -> the part of ``local_keys`` never uploaded either | workers |
+| ``tensor_group`` | state key, whether local -> its ledger group | server |
+| ``assembles`` | model -> the global keys ``assemble_global`` sets | server, once |
+| ``client_val_size`` | -> validation samples a client gets for local selection | server |
+| ``round_prepare`` | model, ``ClientContext`` -> named arrays for ``server_payloads`` | worker, ``PREPARE`` |
+| ``aggregation_weights`` | sampled ids, sizes, server state -> reduce weights (sizes) | server, each round |
+| ``server_payloads`` | round, ids, server state, rng, global, prepared -> arrays per client | server, each round |
+| ``round_start`` | model, ``ClientContext`` -> snapshots what the loss needs | worker, each client |
+| ``loss`` | model, batch, ``ClientContext`` -> the local objective of one batch | worker, each step |
+| ``local_train`` | model, batches, ``ClientContext`` -> ``LocalResult`` | worker, each client |
+| ``upload_payload`` | model, ``ClientContext`` -> named arrays to upload | worker, each client |
+| ``assemble_global`` | round, updates, average, previous global, server state -> its tensors | server, each round |
+| ``after_round`` | round, updates (``global_eval`` set by its phase), server state | server, each round |
+
+``local_train`` owns the whole local loop; to keep one count of local
+steps it runs the shared loop, ``train_steps``, with its own loss and
+per-step hook, and returns (or amends the ``stats`` of) its ``LocalResult``.
+The new global model is the weighted average, then a server optimizer's
+step on the broadcast parameters outside ``assembles`` (``server:``), then
+``assemble_global``'s tensors; a method that assembles every parameter
+refuses a server optimizer in its ``check`` (FedDyn, CSAC's layer-wise
+aggregation).
+
+Hooks on a client receive a ``ClientContext``: the round, the client id, the
+seeded generator for all of the client's randomness, the device, its
+samples, payload and validation indices, the data stages' shared arrays
+(``stage_data``), the colour normalisation of the batches (``pixel_mean`` /
+``pixel_std``, for methods that work on pixels) and a ``scratch`` dict for
+snapshots that live for one client task.
+
+## Round phases
+
+A round always samples, sends, trains, reduces, aggregates and calls
+``after_round``.  Optional phases run only for a method that lists them in
+``phases``; the round runs each declared phase at its slot
+(``Slot``), in the order listed.
+
+| Phase | Slot: when | What runs | Declared by |
+|---|---|---|---|
+| ``PREPARE`` | ``BEFORE_TRAINING`` | ``round_prepare`` on every sampled client | StableFDG (``style``) |
+| ``EVALUATE_ON_CLIENTS`` | ``AFTER_AGGREGATION`` | new global model on each participant's samples | FedDG-GA |
+| ``PERSONAL_EVAL`` | ``AT_EVALUATION`` | each client's own model, ``personal_val`` rows | the default (*) |
+
+``PREPARE`` runs with the round's global model before any client trains;
+every sampled client must answer and ``server_payloads`` gets the results.
+``EVALUATE_ON_CLIENTS`` runs after aggregation and before ``after_round``,
+on each participant's ``client_val_size`` samples, setting
+``ClientUpdate.global_eval``.  ``PERSONAL_EVAL`` runs in the evaluated
+rounds: the global weights with each client's ``local_keys`` on its
+domain's validation split, only with local keys and ``evaluation.personal``.
+(*) Every method but COPA, SCAFFOLD, FedDyn, MOON and FedSR, whose local
+state only shapes the loss.
+
+Rule for a new phase: add one only when a method needs clients to compute
+something at a point of the round that no hook or phase reaches (with a
+model the existing hooks never see), and only as an optional phase: a
+``Phase`` member with its ``Slot``, one runner in ``engine/server.py``'s
+``_PHASES``, its own ``seeding.Stream`` if it draws randomness, ledger rows
+for what crosses the wire, and a row in this table.  A method that does not declare it must run
+exactly as before (no extra task, the same numbers).
+
+## Contract v1
+
+A method written for the first contract is refused when it registers, in
+one line saying what to change: ``prepares_round``,
+``evaluates_global_on_clients``, ``local_state_predicts`` and
+``averages_global`` became ``phases`` and ``assembles``;
+``assemble_global`` gained ``previous``; ``__init__`` takes
+``num_clients``; ``local_train`` returns a ``LocalResult`` (a dict is one
+line from the worker).
 """
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from enum import Enum, IntEnum
 from typing import Any
 
 import numpy as np
@@ -98,6 +140,36 @@ class ClientContext:
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
+class Slot(IntEnum):
+    """Where in a round an optional phase runs (in this order)."""
+    BEFORE_TRAINING = 1  # with the round's global model, before any sampled client trains
+    AFTER_AGGREGATION = 2  # with the new global model, before ``after_round``
+    AT_EVALUATION = 3  # in the rounds that evaluate (``evaluation.every``, the last round)
+
+
+class Phase(Enum):
+    """An optional round phase a method declares in ``Method.phases``; the
+    round runs the declared ones at their slot (the phase table above)."""
+    PREPARE = ("prepare", Slot.BEFORE_TRAINING)
+    EVALUATE_ON_CLIENTS = ("evaluate_on_clients", Slot.AFTER_AGGREGATION)
+    PERSONAL_EVAL = ("personal_eval", Slot.AT_EVALUATION)
+
+    def __init__(self, label: str, slot: Slot):
+        self.label, self.slot = label, slot
+
+
+@dataclass
+class LocalResult:
+    """What ``local_train`` returns: ``loss`` the sample-weighted mean of the
+    losses stepped on, ``steps`` the optimizer steps (the round's local
+    steps, counted here only), ``samples`` the samples they drew, ``stats``
+    anything else the method reports (named floats)."""
+    loss: float
+    steps: int
+    samples: int
+    stats: dict[str, float] = field(default_factory=dict)
+
+
 @dataclass
 class GlobalEval:
     """The new global model on one client's validation samples."""
@@ -116,9 +188,10 @@ class ClientUpdate:
     payload: dict[str, np.ndarray]  # the method's extra upload (``upload_payload``)
     train_loss: float
     seconds: float
-    stats: dict[str, float] = field(default_factory=dict)  # anything else the loop reports
-    steps: int = 0  # mini-batches the local loop drew (optimizer steps for the default loop)
-    global_eval: GlobalEval | None = None  # set when ``evaluates_global_on_clients``
+    stats: dict[str, float] = field(default_factory=dict)  # ``LocalResult.stats``
+    steps: int = 0  # ``LocalResult.steps``
+    samples_stepped: int = 0  # ``LocalResult.samples``
+    global_eval: GlobalEval | None = None  # set in ``Phase.EVALUATE_ON_CLIENTS``
 
 
 @torch.no_grad()
@@ -138,15 +211,13 @@ def evaluate_on_val(model: nn.Module, ctx: ClientContext, batch_size: int = 256)
 
 def train_steps(opt: torch.optim.Optimizer, batches: Callable[[], Iterator[Batch]],
                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], steps: int | None = None,
-                after_step: Callable[[torch.Tensor, torch.Tensor, int], None] | None = None) -> dict[str, float]:
+                after_step: Callable[[torch.Tensor, torch.Tensor, int], None] | None = None) -> LocalResult:
     """The local step loop, the default ``local_train``'s and that of the
     methods owning their loop: per batch, one step of ``opt`` on
     ``loss_fn(x, y)``, then ``after_step(x, y, i)`` (i: steps taken so far,
     from 1).  One pass of ``batches()`` (the worker already caps it at the
     round's budget), or exactly ``steps`` steps, drawing ``batches()`` again
-    as often as that takes.  Returns the loop's stats: ``train_loss``, the
-    sample-weighted mean of the losses stepped on, and ``steps_samples``,
-    the samples drawn."""
+    as often as that takes.  The one place a round's local steps are counted."""
     total, n, done = 0.0, 0, 0
     while True:
         for x, y in batches():
@@ -162,7 +233,7 @@ def train_steps(opt: torch.optim.Optimizer, batches: Callable[[], Iterator[Batch
             if steps is not None and done >= steps:
                 break
         if steps is None or done >= steps:
-            return {"train_loss": total / max(n, 1), "steps_samples": n}
+            return LocalResult(loss=total / max(n, 1), steps=done, samples=n)
 
 
 class Method:
@@ -171,22 +242,17 @@ class Method:
 
     name = "fedavg"
     Params: type[BaseModel] = NoParams
-    evaluates_global_on_clients = False
-    prepares_round = False  # True: the engine runs ``round_prepare`` on each sampled client first
-    # whether the state in ``local_keys`` changes the model's predictions (then each client's own model
-    # is evaluated beside the global one); False for state only the loss reads (FedSR's reference distribution)
-    local_state_predicts = True
+    # the optional round phases this method needs (the phase table in the module docstring); PERSONAL_EVAL:
+    # the state in ``local_keys`` changes the model's predictions, so each client's own model is evaluated
+    # beside the global one (not for state only the loss reads, e.g. FedSR's reference distribution)
+    phases: tuple[Phase, ...] = (Phase.PERSONAL_EVAL,)
     stages_needed: tuple[str, ...] = ()  # data stages whose shared arrays the method reads
-    num_clients: int | None = None  # the partition's clients, set by ``build_method`` (None: unknown)
-    # whether the global model's broadcast weights are the round's weighted average of the clients' models,
-    # so that a server optimizer (``server:`` config, engine/server_opt.py) may step along it; False where
-    # ``assemble_global`` replaces the average of the whole model (the config is then rejected with one)
-    averages_global = True
 
-    def __init__(self, params: Any, model_cfg, training_cfg):
+    def __init__(self, params: Any, model_cfg, training_cfg, num_clients: int):
         self.p = params
         self.model_cfg = model_cfg
         self.training = training_cfg
+        self.num_clients = num_clients  # the partition's clients (COPA's heads, SCAFFOLD's and FedDyn's 1/N)
 
     @classmethod
     def check(cls, cfg) -> None:
@@ -214,7 +280,7 @@ class Method:
 
     # ------------------------------------------------------------ client side
     def round_prepare(self, model: nn.Module, ctx: ClientContext) -> dict[str, np.ndarray]:
-        """With ``prepares_round``: computed on each sampled client with the
+        """With ``Phase.PREPARE``: computed on each sampled client with the
         round's global model (and its local state) before any client trains;
         the results reach ``server_payloads`` of the same round."""
         return {}
@@ -240,7 +306,7 @@ class Method:
             return torch.optim.Adam(params, lr=lr, weight_decay=t.weight_decay)
         return torch.optim.SGD(params, lr=lr, momentum=t.momentum, weight_decay=t.weight_decay)
 
-    def local_train(self, model: nn.Module, batches: Callable[[], Iterator[Batch]], ctx: ClientContext) -> dict:
+    def local_train(self, model: nn.Module, batches: Callable[[], Iterator[Batch]], ctx: ClientContext) -> LocalResult:
         """Default loop: a fresh optimizer per client and round (a client in a
         cross-device federation holds no optimizer state between rounds)."""
         opt = self.make_optimizer(model, ctx.round)
@@ -259,15 +325,21 @@ class Method:
                         prepared: dict[int, dict[str, np.ndarray]]) -> dict[int, dict[str, np.ndarray]]:
         """Records to send each sampled client besides the broadcast weights
         (each sized in the ledger); ``prepared`` holds this round's
-        ``round_prepare`` results by client (empty unless ``prepares_round``)."""
+        ``round_prepare`` results by client (empty without ``Phase.PREPARE``)."""
         return {}
 
-    def assemble_global(self, round: int, results: list[ClientUpdate], global_state: dict[str, np.ndarray],
-                        server_state: dict) -> dict[str, np.ndarray]:
-        """Tensors of the new global model (``global_state`` is the weighted
-        average just computed, the previous round's values for keys nobody
-        uploaded) that the method sets itself from the round's updates; the
-        engine replaces them before broadcasting and evaluating."""
+    def assembles(self, model: nn.Module) -> set[str]:
+        """The global model's keys that ``assemble_global`` sets (at most):
+        a server optimizer steps the other broadcast parameters."""
+        return set()
+
+    def assemble_global(self, round: int, results: list[ClientUpdate], average: dict[str, np.ndarray],
+                        previous: dict[str, np.ndarray], server_state: dict) -> dict[str, np.ndarray]:
+        """The tensors of ``assembles`` that the method sets itself from the
+        round's updates; ``average`` is the round's weighted average (the
+        previous values for keys nobody uploaded), ``previous`` the global
+        model the round started from.  The engine puts them in the new
+        global model before broadcasting and evaluating."""
         return {}
 
     def after_round(self, round: int, results: list[ClientUpdate], server_state: dict) -> None:
@@ -277,7 +349,28 @@ class Method:
 _REGISTRY: Registry[type[Method]] = Registry("method")
 
 
+# what a method written for the first contract declared, and what replaces it (one line each)
+_RETIRED = {
+    "prepares_round": "declare phases = (Phase.PREPARE, ...)",
+    "evaluates_global_on_clients": "declare phases = (Phase.EVALUATE_ON_CLIENTS, ...)",
+    "local_state_predicts": "drop Phase.PERSONAL_EVAL from phases where it was False",
+    "averages_global": "name the keys assemble_global sets in assembles(model); a server optimizer steps the rest",
+}
+
+
 def register_method(cls: type[Method]) -> type[Method]:
+    """Add ``cls`` to the registry; a class written against the first hook
+    contract is refused with one line saying what to change."""
+    where = f"method {cls.name!r} ({cls.__module__}.{cls.__qualname__})"
+    for attr, fix in _RETIRED.items():
+        if any(attr in vars(k) for k in cls.__mro__):
+            raise TypeError(f"{where} sets {attr}, gone in method contract v2: {fix}")
+    if len(inspect.signature(cls.assemble_global).parameters) != 6:
+        raise TypeError(f"{where}: assemble_global takes (round, results, average, previous, server_state) in "
+                        "method contract v2 (previous: the global model the round started from)")
+    if "num_clients" not in inspect.signature(cls.__init__).parameters:
+        raise TypeError(f"{where}: __init__ takes (params, model_cfg, training_cfg, num_clients) in method "
+                        "contract v2; pass num_clients on to Method.__init__")
     return _REGISTRY.add(cls.name, cls)
 
 
@@ -292,13 +385,12 @@ def get_method_class(name: str) -> type[Method]:
     return _REGISTRY.get(name)
 
 
-def build_method(cfg, num_clients: int | None = None) -> Method:
+def build_method(cfg, num_clients: int) -> Method:
     """The configured method with its typed parameters (validated once, with
-    the config); ``num_clients``: the partition's clients, where known."""
-    method = get_method_class(cfg.method.name)(cfg.method.params, cfg.model, cfg.training)
-    method.num_clients = num_clients
-    return method
+    the config) for a partition of ``num_clients`` clients."""
+    return get_method_class(cfg.method.name)(cfg.method.params, cfg.model, cfg.training, num_clients)
 
 
-__all__ = ["Batch", "ClientContext", "ClientUpdate", "ConfigError", "GlobalEval", "Method", "NoParams",
-           "build_method", "evaluate_on_val", "get_method_class", "method_names", "register_method", "train_steps"]
+__all__ = ["Batch", "ClientContext", "ClientUpdate", "ConfigError", "GlobalEval", "LocalResult", "Method", "NoParams",
+           "Phase", "Slot", "build_method", "evaluate_on_val", "get_method_class", "method_names", "register_method",
+           "train_steps"]

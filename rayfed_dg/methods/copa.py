@@ -47,7 +47,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
-from rayfed_dg.errors import ConfigError
 from rayfed_dg.models import apply_norm
 
 from .base import Method, register_method
@@ -110,9 +109,6 @@ class COPA(Method):
         ensemble: Literal["prob", "logit"] = "prob"  # how the heads' predictions are combined at test
 
     def build_model(self, num_classes):
-        if self.num_clients is None:
-            raise ConfigError("copa builds one classifier head per client: build it with the partition's "
-                              "number of clients (build_method(cfg, num_clients))")
         model = super().build_model(num_classes)
         if self.p.norm == "ibn":
             try:
@@ -125,7 +121,7 @@ class COPA(Method):
 
     # at test the model predicts with the ensemble the server assembles; a client's stored head and ensemble
     # copy are not a model of its own worth evaluating (no personal_val rows)
-    local_state_predicts = False
+    phases = ()
 
     def local_keys(self, model):
         return {k for k in model.state_dict() if k.startswith(OWN)} | set(ENSEMBLE)
@@ -167,10 +163,13 @@ class COPA(Method):
         filled = np.asarray(global_state["head.ensemble_filled"], np.float32)
         return {c: {"copa_heads": heads, "copa_filled": filled} for c in client_ids}
 
-    def assemble_global(self, round, results, global_state, server_state):
-        w = np.array(global_state["head.ensemble_w"])
-        b = np.array(global_state["head.ensemble_b"])
-        filled = np.array(global_state["head.ensemble_filled"])
+    def assembles(self, model):
+        return set(ENSEMBLE)
+
+    def assemble_global(self, round, results, average, previous, server_state):
+        w = np.array(average["head.ensemble_w"])
+        b = np.array(average["head.ensemble_b"])
+        filled = np.array(average["head.ensemble_filled"])
         for r in results:  # slot k <- client k's head
             w[r.client] = r.update[OWN + "weight"]
             b[r.client] = r.update[OWN + "bias"]

@@ -50,6 +50,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
+from rayfed_dg.errors import ConfigError
+
 from .base import Method, register_method, train_steps
 
 KERNEL_ALPHAS = tuple(3.0 ** u for u in range(-3, 2))
@@ -82,15 +84,20 @@ def layerwise_weights(tensors: list[np.ndarray]) -> np.ndarray:
 @register_method
 class CSAC(Method):
     name = "csac"
-    # the layer-wise aggregation replaces the average of every shared float tensor, so a server optimizer's
-    # step would be overwritten; per class, so ``aggregation: fedavg`` (an average) is refused with it too
-    averages_global = False
 
     class Params(BaseModel):
         model_config = ConfigDict(extra="forbid")
         lam: float = Field(0.6, ge=0.0)  # weight of the calibration loss
         pretrain_steps: int | None = Field(1800, ge=1)  # None: one round's local budget
         aggregation: Literal["l2", "fedavg"] = "l2"
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        # the layer-wise aggregation assembles every shared float tensor: a server optimizer would step none
+        if cfg.server.optimizer != "none" and cfg.method.params.aggregation == "l2":
+            raise ConfigError(f"server.optimizer {cfg.server.optimizer} has nothing to step: csac's layer-wise "
+                              "aggregation sets every shared tensor itself; use server.optimizer: none, or "
+                              "method.aggregation: fedavg")
 
     def build_model(self, num_classes):
         model = super().build_model(num_classes)
@@ -120,7 +127,8 @@ class CSAC(Method):
                 src = {k: v for k, v in model.state_dict().items() if not k.startswith(PRIVATE) and k != READY}
                 private.load_state_dict(src)
                 getattr(model, READY).fill_(1.0)
-            return {**stats, "pretrained": 1.0}
+            stats.stats["pretrained"] = 1.0
+            return stats
         private.eval()
 
         def loss_fn(x, y):
@@ -131,11 +139,17 @@ class CSAC(Method):
 
         return train_steps(opt, batches, loss_fn)
 
-    def assemble_global(self, round, results, global_state, server_state):
+    def assembles(self, model):
+        if self.p.aggregation == "fedavg":
+            return set()
+        return {k for k, v in model.state_dict().items()
+                if not (k.startswith(PRIVATE) or k == READY) and torch.is_floating_point(v)}
+
+    def assemble_global(self, round, results, average, previous, server_state):
         if self.p.aggregation == "fedavg" or len(results) < 2:
             return {}
         out = {}
-        for key, avg in global_state.items():
+        for key, avg in average.items():
             if key.startswith(PRIVATE) or key == READY or np.issubdtype(avg.dtype, np.integer):
                 continue
             tensors = [r.update[key] for r in results]

@@ -12,7 +12,7 @@ Each round r, for every participating client i:
 * the server aggregates with the current weights a^r (not data sizes;
   a^1 = 1 / K uniform), then the new global model is evaluated on the same
   validation data: ``after_i = L(theta^r; D_i)``; the engine runs this
-  evaluation on the client's worker (``evaluates_global_on_clients``) and
+  evaluation on the client's worker (``Phase.EVALUATE_ON_CLIENTS``) and
   records its two float64 (loss, accuracy) in the ledger;
 * the generalization gap G_i = after_i - before_i (loss; with accuracy the
   sign flips), normalised around its mean,
@@ -41,7 +41,7 @@ import sys
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from .base import Method, evaluate_on_val, register_method
+from .base import Method, Phase, evaluate_on_val, register_method
 
 
 def ga_step(round: int, rounds: int, step: float) -> float:
@@ -64,7 +64,7 @@ def ga_update(weights: np.ndarray, gaps: np.ndarray, d: float) -> np.ndarray:
 @register_method
 class FedDGGA(Method):
     name = "feddg_ga"
-    evaluates_global_on_clients = True
+    phases = (Phase.EVALUATE_ON_CLIENTS, Phase.PERSONAL_EVAL)
 
     class Params(BaseModel):
         model_config = ConfigDict(extra="forbid")

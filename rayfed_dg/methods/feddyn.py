@@ -30,12 +30,13 @@ it never leaves the client; persistent because client state moves through
 the model's state dict (the global model carries an unused vector of zeros).
 
 The regulariser and h cover the trainable parameters; BatchNorm running
-statistics take the participants' plain average.  h needs theta^{t-1} on the
-server, which ``assemble_global`` does not get: ``server_payloads`` (called
-before the round's training) keeps the round's broadcast weights for it.
-m is the partition's number of clients; with clients dropped in a round,
-P_t holds those whose update arrived (their grad_k changed, the others'
-did not), so h stays (1/m) sum_k grad_k over all clients.
+statistics take the participants' plain average (``assembles`` names the
+parameters; theta^{t-1} is ``assemble_global``'s ``previous``).  Not a server
+optimizer's step: h carries the clients' drift across rounds, so a server
+optimizer would have nothing left to step and is refused.  m is the
+partition's number of clients; with clients dropped in a round, P_t holds
+those whose update arrived (their grad_k changed, the others' did not), so
+h stays (1/m) sum_k grad_k over all clients.
 
 alpha = 0.01: the reference code's CIFAR-10 example (alpemreacar/FedDyn,
 example_cifar_10.py); the paper searches alpha in {0.1, 0.01, 0.001}
@@ -49,8 +50,10 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
+from rayfed_dg.errors import ConfigError
+
 from .base import Method, register_method
-from .scaffold import RoundStart, flat, trainable, unflat
+from .scaffold import flat, trainable, unflat
 
 GRAD = "feddyn_grad"  # the client's grad_k (private buffer)
 H = "feddyn_h"  # server state
@@ -59,18 +62,23 @@ H = "feddyn_h"  # server state
 @register_method
 class FedDyn(Method):
     name = "feddyn"
-    local_state_predicts = False  # grad_k only shapes the local objective
-    averages_global = False  # theta^t = mean - h/alpha replaces the average of every weight
+    phases = ()  # grad_k only shapes the local objective
 
     class Params(BaseModel):
         model_config = ConfigDict(extra="forbid")
         alpha: float = Field(0.01, gt=0.0)
 
-    def __init__(self, params, model_cfg, training_cfg):
-        super().__init__(params, model_cfg, training_cfg)
+    def __init__(self, params, model_cfg, training_cfg, num_clients):
+        super().__init__(params, model_cfg, training_cfg, num_clients)
         self.param_keys: list[str] = []
         self.numel = 0
-        self._start = RoundStart()
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        if cfg.server.optimizer != "none":  # theta^t = mean - h/alpha sets every parameter
+            raise ConfigError(f"server.optimizer {cfg.server.optimizer} has nothing to step: feddyn sets every "
+                              "parameter of the global model itself (theta = mean - h/alpha); use server.optimizer: "
+                              "none with it")
 
     # ------------------------------------------------------------------ model
     def build_model(self, num_classes):
@@ -113,21 +121,16 @@ class FedDyn(Method):
     def aggregation_weights(self, client_ids, sizes, server_state):
         return np.ones(len(client_ids), dtype=np.float64)  # (1/|P_t|) sum_{k in P_t}
 
-    def server_payloads(self, round, client_ids, server_state, rng, global_state, prepared):
-        self._start.keep(round, global_state, self.param_keys)
-        return {}
+    def assembles(self, model):
+        return set(self.param_keys)
 
-    def assemble_global(self, round, results, global_state, server_state):
-        if self.num_clients is None:
-            raise RuntimeError("feddyn's h averages over all m clients: build the method with the partition's "
-                               "number of clients")
-        prev = self._start.get(round, self.name)
+    def assemble_global(self, round, results, average, previous, server_state):
         share = self.p.alpha * len(results) / self.num_clients
         h = server_state.setdefault(H, {})
         out = {}
         for k in self.param_keys:
-            mean = global_state[k].astype(np.float64)  # (1/|P_t|) sum theta_k^t: the unweighted reduce
-            hk = h.get(k, 0.0) - share * (mean - prev[k])  # alpha (1/m) sum = alpha (|P_t|/m) (mean - prev)
+            mean = average[k].astype(np.float64)  # (1/|P_t|) sum theta_k^t: the unweighted reduce
+            hk = h.get(k, 0.0) - share * (mean - previous[k])  # alpha (1/m) sum = alpha (|P_t|/m) (mean - prev)
             h[k] = hk
-            out[k] = (mean - hk / self.p.alpha).astype(global_state[k].dtype)
+            out[k] = (mean - hk / self.p.alpha).astype(average[k].dtype)
         return out

@@ -290,7 +290,7 @@ class FedFD(Method):
             if it % every:  # the round's last iterate is always a candidate
                 best = self._keep_best(model, ctx, it, best)
             model.load_state_dict(best[2])
-            stats.update(selected_iteration=best[1], selected_val_acc=best[0])
+            stats.stats.update(selected_iteration=best[1], selected_val_acc=best[0])
         set_mode(model, self._eval_mode)
         return stats
 

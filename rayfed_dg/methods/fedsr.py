@@ -85,7 +85,7 @@ class FedSR(Method):
         model.head = ProbabilisticHead(model.head.in_features, self.p.z_dim, num_classes, self.p.eval_samples)
         return model
 
-    local_state_predicts = False  # r_mu, r_s enter only the loss: a client's own model predicts as the global one
+    phases = ()  # r_mu, r_s enter only the loss: a client's own model predicts as the global one
 
     def local_keys(self, model):
         return {"head.r_mu", "head.r_s"}

@@ -101,7 +101,7 @@ def frozen(model: nn.Module) -> nn.Module:
 @register_method
 class Moon(Method):
     name = "moon"
-    local_state_predicts = False  # the previous model only enters the loss
+    phases = ()  # the previous model only enters the loss
 
     class Params(BaseModel):
         model_config = ConfigDict(extra="forbid")

@@ -23,6 +23,18 @@ with S the sampled clients and N the number of all clients:
   update did not arrive are not in S: their c_i did not change either, so c
   stays the mean of all N clients' c_i (the invariant tests/ check).
 
+The server step for x is the server optimizer's (``engine/server_opt.py``),
+not this method's.  With avg = (1/|S|) sum_{i in S} y_i (the engine's reduce
+under this method's unit weights) and Delta_t = avg - x, line 16 is
+      x <- x + eta_g Delta_t,
+and FedAvgM with momentum beta = 0 and server learning rate eta is
+      m_t = 0 * m_{t-1} + Delta_t = Delta_t,   x <- x + eta m_t,
+the same update for eta = eta_g, over the same tensors (the model's
+trainable parameters; buffers keep the average in both), computed the same
+way in float64 (tests/test_server_opt.py compares the two on hand-made
+numbers).  So eta_g != 1 is ``server: {optimizer: fedavgm, momentum: 0,
+lr: eta_g}``, and eta_g = 1 is no server optimizer at all.
+
 Client state.  c_i is a buffer ``scaffold_ci`` of the model (one flat vector
 over the trainable parameters, in ``named_parameters`` order), named both in
 ``local_keys`` and ``private_keys``: the engine keeps it per client across
@@ -50,10 +62,12 @@ Choices where the paper leaves the deep-learning setup open:
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 import torch.nn as nn
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from rayfed_dg.errors import ConfigError
 
@@ -88,43 +102,29 @@ def effective_steps(k: int, momentum: float) -> float:
     return (k - b * (1.0 - b ** k) / (1.0 - b)) / (1.0 - b)
 
 
-class RoundStart:
-    """The round's global weights as the server broadcast them: the server
-    keeps them from ``server_payloads`` (called before training) to
-    ``assemble_global`` of the same round, which needs x and only gets the
-    new average.  Held in memory only: a resumed run calls
-    ``server_payloads`` again before the round it repeats."""
-
-    def __init__(self):
-        self.round: int | None = None
-        self.x: dict[str, np.ndarray] = {}
-
-    def keep(self, round: int, global_state: dict[str, np.ndarray], keys: list[str]) -> None:
-        self.round, self.x = round, {k: global_state[k] for k in keys}
-
-    def get(self, round: int, who: str) -> dict[str, np.ndarray]:
-        if self.round != round:
-            raise RuntimeError(f"{who}: assemble_global of round {round} without that round's server_payloads")
-        return self.x
-
-
 @register_method
 class Scaffold(Method):
     name = "scaffold"
     # c_i only steers the local steps: a client's own model predicts as the global one
-    local_state_predicts = False
-    # the server step x + eta_g (mean - x) is SCAFFOLD's own (lines 16-17), not a server optimizer's
-    averages_global = False
+    phases = ()
 
     class Params(BaseModel):
         model_config = ConfigDict(extra="forbid")
-        server_lr: float = Field(1.0, gt=0.0)  # eta_g (the paper's experiments: 1)
 
-    def __init__(self, params, model_cfg, training_cfg):
-        super().__init__(params, model_cfg, training_cfg)
-        self.param_keys: list[str] = []
+        @model_validator(mode="before")
+        @classmethod
+        def _server_lr(cls, data: Any) -> Any:
+            # run directories written before the server step moved hold server_lr: 1.0 (no step): still read
+            if isinstance(data, dict) and data.get("server_lr") == 1.0:
+                return {k: v for k, v in data.items() if k != "server_lr"}
+            if isinstance(data, dict) and "server_lr" in data:
+                raise ValueError(f"scaffold's server_lr is the server optimizer's step now: set server: {{optimizer: "
+                                 f"fedavgm, momentum: 0, lr: {data['server_lr']}}} instead of method.server_lr")
+            return data
+
+    def __init__(self, params, model_cfg, training_cfg, num_clients):
+        super().__init__(params, model_cfg, training_cfg, num_clients)
         self.numel = 0
-        self._start = RoundStart()
 
     @classmethod
     def check(cls, cfg) -> None:
@@ -135,9 +135,7 @@ class Scaffold(Method):
     # ------------------------------------------------------------------ model
     def build_model(self, num_classes):
         model = super().build_model(num_classes)
-        params = trainable(model)
-        self.param_keys = [n for n, _ in params]
-        self.numel = sum(p.numel() for _, p in params)
+        self.numel = sum(p.numel() for _, p in trainable(model))
         model.register_buffer(CI, torch.zeros(self.numel))
         return model
 
@@ -164,23 +162,17 @@ class Scaffold(Method):
                     p.grad.add_(d)
 
         opt.register_step_pre_hook(correct)
-        steps = 0
-
-        def count(_x, _y, i):
-            nonlocal steps
-            steps = i
-
         model.train()
-        stats = train_steps(opt, batches, lambda xb, yb: self.loss(model, xb, yb, ctx), after_step=count)
+        res = train_steps(opt, batches, lambda xb, yb: self.loss(model, xb, yb, ctx))
         with torch.no_grad():
-            if steps:  # option II (line 12), K_eff for momentum (module docstring)
-                new = ci - c + (x - flat(params)) / (effective_steps(steps, self.training.momentum)
+            if res.steps:  # option II (line 12), K_eff for momentum (module docstring)
+                new = ci - c + (x - flat(params)) / (effective_steps(res.steps, self.training.momentum)
                                                      * self.lr_at(ctx.round))
             else:
                 new = ci.clone()
             ctx.scratch[DC] = (new - ci).cpu().numpy().astype(np.float32)
             ci.copy_(new)
-        return stats
+        return res
 
     def upload_payload(self, model, ctx):
         return {DC: ctx.scratch[DC]}
@@ -192,24 +184,11 @@ class Scaffold(Method):
     def server_payloads(self, round, client_ids, server_state, rng, global_state, prepared):
         c = server_state.get(C)
         c32 = (np.zeros(self.numel, np.float32) if c is None else np.asarray(c, np.float32))
-        if self.p.server_lr != 1.0:
-            self._start.keep(round, global_state, self.param_keys)
         return {cid: {C: c32} for cid in client_ids}
-
-    def assemble_global(self, round, results, global_state, server_state):
-        if self.p.server_lr == 1.0:  # x + 1 * (mean - x) is the mean the engine computed
-            return {}
-        x = self._start.get(round, self.name)
-        eta = self.p.server_lr
-        return {k: (x[k].astype(np.float64) + eta * (global_state[k].astype(np.float64) - x[k])).astype(
-            global_state[k].dtype) for k in self.param_keys}
 
     def after_round(self, round, results, server_state):
         if not results:
             return
-        if self.num_clients is None:
-            raise RuntimeError("scaffold's server control variate averages over all N clients: build the method "
-                               "with the partition's number of clients")
         c = np.asarray(server_state.get(C, np.zeros(self.numel)), np.float64)
         total = np.zeros_like(c)
         for r in results:  # in client-id order: a deterministic sum

@@ -67,7 +67,7 @@ from rayfed_dg.models.style import (
     style_information,
 )
 
-from .base import Method, register_method
+from .base import Method, Phase, register_method
 
 
 @register_method
@@ -140,8 +140,9 @@ class StableFDG(Method):
         return style_information(mus, sigs)
 
     @property
-    def prepares_round(self) -> bool:  # type: ignore[override]
-        return self.p.style  # the attention-only ablation shares no style
+    def phases(self) -> tuple[Phase, ...]:  # type: ignore[override]
+        # the attention-only ablation shares no style
+        return (Phase.PREPARE, Phase.PERSONAL_EVAL) if self.p.style else (Phase.PERSONAL_EVAL,)
 
     def round_prepare(self, model, ctx):
         """Phi_n with the round's global model, before any client trains."""

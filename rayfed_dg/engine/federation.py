@@ -1,0 +1,149 @@
+"""One federation's state, and the server-side steps of a round that only read and change it.
+
+A ``Federation`` holds what one federation is between rounds: its config
+and split, the method, the global model, the client store (each client's
+local state), the method's server state, the server optimizer, the ledger
+group of each tensor, the clients' training sets and the arrays the data
+stages share (``add_stage_outputs``), and each client's fixed validation
+subset.  ``get_state`` / ``set_state`` are its checkpoint.  It does no I/O
+and knows nothing of Ray: the server (``server.py``) moves work to the
+workers and back, and calls these steps in a round's order.
+
+The new global model of a round (``aggregate``), from the global model x_t
+it started from and the reduce's weighted average (``aggregate.py``):
+
+1. every key starts at the average (the previous value where nobody
+   uploaded one);
+2. with a server optimizer (``server_opt.py``), the broadcast parameters
+   that neither stay local nor are the method's own step from x_t along the
+   average minus x_t;
+3. the method sets the keys it declares in ``assembles`` (``assemble_global``,
+   given the average and x_t); setting any other key is an error.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from rayfed_dg.config import ExperimentConfig
+from rayfed_dg.data.protocol import FederatedSplit
+from rayfed_dg.errors import EngineError
+from rayfed_dg.methods import ClientUpdate, Phase, build_method
+from rayfed_dg.seeding import Stream, numpy_rng, sample_clients, seed_int
+
+from .aggregate import OrderedReducer
+from .plan import clients_per_round
+from .records import ClientStore, ClientTask
+from .server_opt import ServerOptimizer, stepped_keys
+from .worker import to_numpy_state
+
+
+class Federation:
+    def __init__(self, cfg: ExperimentConfig, split: FederatedSplit, num_classes: int, id: int):
+        self.cfg, self.split, self.id = cfg, split, id  # id: the federation's number on its host's actors
+        self.method = build_method(cfg, split.num_clients)
+        torch.manual_seed(seed_int(cfg.training.seed, Stream.INIT))
+        model = self.method.build_model(num_classes)
+        sd = model.state_dict()
+        self.global_state = to_numpy_state(sd, sd.keys())
+        self.local_keys = self.method.local_keys(model)
+        self.assembled = self.method.assembles(model)
+        self.groups = {k: self.method.tensor_group(k, k in self.local_keys) for k in sd}
+        self.store = ClientStore({k: self.global_state[k] for k in sorted(self.local_keys)})
+        self.server_state: dict = {}
+        # None for server.optimizer none: the average is the new global model, as it always was
+        self.server_opt = ServerOptimizer.from_config(cfg.server, self.global_state,
+                                                      stepped_keys(model, self.local_keys | self.assembled))
+        self.round = 0
+        # client -> its training set after the data stages: (dataset indices, ObjectRef of added samples)
+        self.training_sets: dict[int, tuple[np.ndarray, Any]] = {}
+        self.stage_data: dict[str, Any] = {}  # name -> ObjectRef of arrays a data stage shared with every client
+        self._client_val: dict[int, np.ndarray | None] = {}  # client -> its fixed validation indices
+
+    # ------------------------------------------------------------ data stages
+    def add_stage_outputs(self, training_sets: dict[int, tuple[np.ndarray, Any]], shared: dict[str, Any]) -> None:
+        """What one data stage produced (``StageHost``); a later stage reads it."""
+        self.training_sets.update(training_sets)
+        self.stage_data.update(shared)
+
+    def training_set(self, cid: int) -> tuple[np.ndarray, Any]:
+        return self.training_sets.get(cid, (self.split.clients[cid], None))
+
+    def client_val(self, cid: int) -> np.ndarray | None:
+        """A fixed, seeded subset of the validation split of the client's main
+        source domain, for methods that select their local model on the client."""
+        if cid not in self._client_val:
+            n = self.method.client_val_size()
+            # a multi-domain client ("photo+art_painting", the centralized client) validates on all its domains
+            doms = [d for d in self.split.client_domains[cid].split("+") if d in self.split.val]
+            val = np.sort(np.concatenate([self.split.val[d] for d in doms])) if n > 0 and doms else None
+            if val is not None and len(val) > n:
+                val = np.sort(numpy_rng(self.cfg.training.seed, Stream.CLIENT_VAL, cid).choice(val, n, replace=False))
+            self._client_val[cid] = val
+        return self._client_val[cid]
+
+    # --------------------------------------------------------------- a round
+    def sample(self, r: int) -> list[int]:
+        per_round = clients_per_round(self.cfg, self.split)
+        return sample_clients(self.cfg.training.seed, r, self.split.num_clients, per_round)
+
+    def reducer(self, sampled: list[int]) -> OrderedReducer:
+        sizes = self.split.client_sizes()[sampled]
+        return OrderedReducer(sampled, dict(zip(sampled, self.method.aggregation_weights(
+            sampled, sizes, self.server_state))))
+
+    def payloads(self, r: int, sampled: list[int], prepared: dict[int, dict[str, np.ndarray]]) -> dict[int, dict]:
+        return self.method.server_payloads(r, sampled, self.server_state,
+                                           numpy_rng(self.cfg.training.seed, Stream.PAYLOAD, r),
+                                           self.global_state, prepared)
+
+    def broadcast_state(self) -> dict[str, np.ndarray]:
+        return {k: v for k, v in self.global_state.items() if k not in self.local_keys}
+
+    def task(self, r: int, cid: int, payload: dict, attempt: int) -> ClientTask:
+        """Client ``cid``'s task in round ``r``; ``attempt``: its retries so far."""
+        indices, extra = self.training_set(cid)
+        return ClientTask(client=cid, round=r, indices=indices, local_state=self.store.get(cid), payload=payload,
+                          extra=extra, val_indices=self.client_val(cid), fault_p=self.cfg.engine.fault_probability,
+                          stage_data=dict(self.stage_data), attempt=attempt)
+
+    def aggregate(self, r: int, reducer: OrderedReducer, results: list[ClientUpdate]) -> None:
+        """The new global model (the module docstring's three steps)."""
+        x_t, average = self.global_state, reducer.result(self.global_state)
+        new = average if self.server_opt is None else self.server_opt.step(x_t, average)
+        own = self.method.assemble_global(r, results, average, x_t, self.server_state)
+        if not own.keys() <= self.assembled:
+            raise EngineError(f"method {self.method.name}: assemble_global set {sorted(own.keys() - self.assembled)}, "
+                              "which its assembles(model) does not name; add them there")
+        new.update(own)
+        self.global_state = new
+
+    def end_round(self, r: int, results: list[ClientUpdate]) -> None:
+        self.method.after_round(r, results, self.server_state)
+        self.round = r
+
+    def personalizes(self) -> bool:
+        """Whether clients keep model state that changes their predictions
+        (FedBN, SiloBN, gPerXAN, FedFD on those bases), so that each client's
+        own model is worth evaluating beside the global one."""
+        return bool(self.local_keys) and Phase.PERSONAL_EVAL in self.method.phases and self.cfg.evaluation.personal
+
+    def own_states(self) -> dict[int, dict[str, np.ndarray]]:
+        """Each client's local state, for the clients whose own model is evaluated (none unless ``personalizes``)."""
+        return {c: self.store.get(c) for c in sorted(self.store.states)} if self.personalizes() else {}
+
+    # ------------------------------------------------------------ checkpoint
+    def get_state(self) -> dict:
+        return {"round": self.round, "global_state": self.global_state, "client_store": self.store.states,
+                "server_state": self.server_state,
+                **({"server_optimizer": self.server_opt.state_dict()} if self.server_opt is not None else {})}
+
+    def set_state(self, state: dict) -> None:
+        self.round = int(state["round"])
+        self.global_state = state["global_state"]
+        self.store.states = state["client_store"]
+        self.server_state = state["server_state"]
+        if self.server_opt is not None:  # a config with a server optimizer resumes only its own runs (check_resume_dir)
+            self.server_opt.load_state_dict(state["server_optimizer"])
