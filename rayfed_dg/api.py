@@ -6,10 +6,11 @@
     result.metrics          # DataFrame: every evaluation row of every method and seed
     print(result.table())   # what ``rayfed-dg report RUN_DIR`` prints
 
-It is the CLI's own run (``cli.execute_run``: the same checks, run
-directory, ``run.json`` and federations), so the numbers are those of
-``rayfed-dg run`` with the same config, bit for bit, and ``rayfed-dg
-report`` / ``plot`` / ``run --resume`` read its run directory as any other.
+It is the CLI's own run (the run service, ``engine.service.execute_run``:
+the same checks, run directory, ``run.json`` and federations), so the
+numbers are those of ``rayfed-dg run`` with the same config, bit for bit,
+and ``rayfed-dg report`` / ``plot`` / ``run --resume`` read its run
+directory as any other.
 ``overrides`` are ``--set`` values with Python values: ``{"training.lr":
 0.01}`` is ``--set training.lr=0.01`` (``None`` is ``null``).
 """
@@ -75,13 +76,11 @@ def _tables(out) -> dict[str, Any]:
     """Each table over the experiment's rows and seeds, as DataFrames if pandas is there."""
     import pyarrow as pa
 
-    from rayfed_dg.engine.records import read_table
-
     parts: dict[str, list] = {name: [] for name in TABLES}
     for row in out.exp.rows:
         where = out.exp.row_dir(out.run_dir, row)
         for name in TABLES:
-            t = read_table(where, name)
+            t = where.read_table(name)
             t = t.add_column(0, "seed", pa.array([row.cfg.training.seed] * len(t), pa.int64()))
             parts[name].append(t.add_column(0, "label", pa.array([row.label] * len(t), pa.string())))
     tables = {name: pa.concat_tables(ts) for name, ts in parts.items()}
@@ -102,8 +101,8 @@ def run(config: str | Path | None = None, overrides: Mapping[str, Any] | None = 
     ``seeds``: ``[0, 1, 2]``; ``resume``: a run directory to continue (its
     own config, targets and seeds).  Bad input raises ``ConfigError`` (or
     ``DataError``) with the CLI's one-line message; Ctrl-C raises
-    ``cli.RunInterrupted`` (a ``KeyboardInterrupt``) naming the resume."""
-    from rayfed_dg.cli import RunRequest, execute_run
+    ``engine.service.RunInterrupted`` (a ``KeyboardInterrupt``) naming the resume."""
+    from rayfed_dg.engine.service import RunRequest, execute_run
     from rayfed_dg.reporting import seeds_table
 
     if target is not None and not isinstance(target, str):
@@ -112,5 +111,6 @@ def run(config: str | Path | None = None, overrides: Mapping[str, Any] | None = 
                      run_dir=None if run_dir is None else str(run_dir), resume=None if resume is None else str(resume),
                      seeds=_seeds(seeds), no_progress=not progress)
     out = execute_run(req)
-    summary = list(csv.DictReader(io.StringIO(seeds_table([out.run_dir], "csv"))))
-    return RunResult(out.run_dir, **_tables(out), summary=summary, _markdown=seeds_table([out.run_dir], "md"))
+    where = [out.run_dir.path]
+    summary = list(csv.DictReader(io.StringIO(seeds_table(where, "csv"))))
+    return RunResult(out.run_dir.path, **_tables(out), summary=summary, _markdown=seeds_table(where, "md"))

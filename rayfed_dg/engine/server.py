@@ -39,7 +39,7 @@ from .aggregate import OrderedReducer
 from .evaluation import evaluate_global, evaluate_on_clients
 from .plan import clients_per_round
 from .pool import WorkerPool
-from .records import ClientRow, ClientStore, ClientTask, Ledger, RoundResult
+from .records import ClientRow, ClientStore, ClientTask, DropRow, Ledger, MetricRow, RoundResult
 from .server_opt import ServerOptimizer, stepped_keys
 from .stagehost import StageHost
 from .worker import to_numpy_state
@@ -197,7 +197,7 @@ class Server:
         every = self.cfg.evaluation.every
         metrics = self.evaluate(r) if (every and r % every == 0) or r == self.cfg.training.rounds else []
         return RoundResult(
-            round=r, sampled=sampled, dropped=[{"round": r, "client": c, "reason": why} for c, why in dropped],
+            round=r, sampled=sampled, dropped=[DropRow(r, c, why) for c, why in dropped],
             metrics=metrics, ledger=ledger.sorted_rows(),
             clients=self._client_rows(r, sampled, updates, dict(dropped), retries, ledger),
             train_loss=float(np.mean([u.train_loss for u in results])), tasks_retried=self.pool.retried,
@@ -205,11 +205,11 @@ class Server:
             seconds_train=seconds_train, seconds_total=time.perf_counter() - t0, seconds_clients=seconds_clients)
 
     def _client_rows(self, r: int, sampled: list[int], updates: dict[int, ClientUpdate], dropped: dict[int, str],
-                     retries: dict[int, int], ledger: Ledger) -> list[dict]:
+                     retries: dict[int, int], ledger: Ledger) -> list[ClientRow]:
         """One ``ClientRow`` per sampled client; its bytes from the round's ledger."""
         wire: dict[tuple[int, str], int] = {}
         for row in ledger.rows:
-            wire[row["client"], row["direction"]] = wire.get((row["client"], row["direction"]), 0) + row["bytes"]
+            wire[row.client, row.direction] = wire.get((row.client, row.direction), 0) + row.bytes
         sizes = self.split.client_sizes()
         rows = []
         for cid in sampled:
@@ -220,7 +220,7 @@ class Server:
                 local_steps=u.steps if u is not None else 0,
                 train_loss=u.train_loss if u is not None else None, seconds=u.seconds if u is not None else None,
                 bytes_up=wire.get((cid, "up"), 0), bytes_down=wire.get((cid, "down"), 0),
-                retried=retries.get(cid, 0), dropped=u is None, drop_reason=dropped.get(cid)).row())
+                retried=retries.get(cid, 0), dropped=u is None, drop_reason=dropped.get(cid)))
         return rows
 
     def _prepare(self, r: int, sampled: list[int], ledger: Ledger) -> dict[int, dict[str, np.ndarray]]:
@@ -243,7 +243,7 @@ class Server:
         own model is worth evaluating beside the global one."""
         return bool(self.local_keys) and self.method.local_state_predicts and self.cfg.evaluation.personal
 
-    def evaluate(self, r: int) -> list[dict]:
+    def evaluate(self, r: int) -> list[MetricRow]:
         own = {c: self.store.get(c) for c in sorted(self.store.states)} if self.personalizes() else {}
         return evaluate_global(self.pool, self.federation, self.global_ref, self.split, own,
                                self.cfg.evaluation.batch_size, r)
