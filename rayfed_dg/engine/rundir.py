@@ -1,6 +1,7 @@
 """``RunDir``: the layout of a run directory, its only writer and the reader
-every command goes through (``report``, ``evaluate``, ``collect``, ``plot``,
-``rayfed_dg.run``, ``run --resume``).
+every command goes through (``report``, ``evaluate``, ``plot``,
+``rayfed_dg.run`` / ``load``, ``run --resume``; a Tune trial's working
+folder too).
 
 An experiment's root holds ``run.json`` (how the run was started: targets,
 seeds, labels, rounds, config and ``--set`` values, the code's environment),
@@ -65,9 +66,6 @@ class RunDir:
 
     def __repr__(self) -> str:
         return f"RunDir({str(self.path)!r})"
-
-    def __truediv__(self, name: str) -> Path:
-        return self.path / name
 
     # ------------------------------------------------------------ layout
 
