@@ -172,7 +172,7 @@ def run_label(run_dir: Path, summary: dict, depth: int = 0) -> str:
         from rayfed_dg.plugins import import_plugins
 
         try:
-            import_plugins(cfg["plugins"], str(run_dir / "config.yaml"))
+            import_plugins(cfg["plugins"], str(RunDir(run_dir).config_path))
         except ConfigError as e:  # only a run whose label needs a plugin stage fails (_data_stage)
             plugin_error = str(e)
     method = cfg.get("method") or {}

@@ -202,3 +202,16 @@ def test_api_and_engine_do_not_import_the_cli():
         names = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module] + \
             [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
         assert not [m for m in names if m == "rayfed_dg.cli" or m.endswith(".cli")], path
+
+
+def test_only_rundir_names_the_run_directorys_files():
+    """The layout has one owner: no other module spells out its file names."""
+    import ast
+
+    names = {"run.json", "config.yaml", "summary.json", "skipped_images.txt"}
+    for path in (REPO / "rayfed_dg").rglob("*.py"):
+        if path.name == "rundir.py":
+            continue
+        found = {n.value for n in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(n, ast.Constant) and n.value in names}
+        assert not found, (path, found)
