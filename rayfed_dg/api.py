@@ -5,13 +5,16 @@
                            overrides={"training.rounds": 2, "compare": None})
     result.metrics          # DataFrame: every evaluation row of every method and seed
     print(result.table())   # what ``rayfed-dg report RUN_DIR`` prints
+    again = rayfed_dg.load(result.run_dir)  # the same, from the run directory
 
-It is the CLI's own run (``cli.execute_run``: the same checks, run
-directory, ``run.json`` and federations), so the numbers are those of
-``rayfed-dg run`` with the same config, bit for bit, and ``rayfed-dg
-report`` / ``plot`` / ``run --resume`` read its run directory as any other.
+It is the CLI's own run (the run service, ``engine.service.execute_run``:
+the same checks, run directory, ``run.json`` and federations), so the
+numbers are those of ``rayfed-dg run`` with the same config, bit for bit,
+and ``rayfed-dg report`` / ``plot`` / ``run --resume`` read its run
+directory as any other.
 ``overrides`` are ``--set`` values with Python values: ``{"training.lr":
-0.01}`` is ``--set training.lr=0.01`` (``None`` is ``null``).
+0.01}`` is ``--set training.lr=0.01`` (``None`` is ``null``).  Both read
+the run directory through ``engine.rundir.RunDir``, as ``report`` does.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RunResult", "run"]
+__all__ = ["RunResult", "load", "run"]
 
 TABLES = ("metrics", "clients", "ledger")
 
@@ -71,25 +74,41 @@ def _seeds(seeds: Sequence[int] | str | None) -> str | None:
     return ",".join(str(int(s)) for s in seeds)
 
 
-def _tables(out) -> dict[str, Any]:
-    """Each table over the experiment's rows and seeds, as DataFrames if pandas is there."""
+def _result(root: Path, rows: list[tuple[str, int | None, Any]]) -> RunResult:
+    """The run directory ``root`` with its (label, seed, ``RunDir``) rows:
+    each table over them, as DataFrames if pandas is there, and the report."""
     import pyarrow as pa
 
-    from rayfed_dg.engine.records import read_table
+    from rayfed_dg.reporting import seeds_table
 
     parts: dict[str, list] = {name: [] for name in TABLES}
-    for row in out.exp.rows:
-        where = out.exp.row_dir(out.run_dir, row)
+    for label, seed, where in rows:
         for name in TABLES:
-            t = read_table(where, name)
-            t = t.add_column(0, "seed", pa.array([row.cfg.training.seed] * len(t), pa.int64()))
-            parts[name].append(t.add_column(0, "label", pa.array([row.label] * len(t), pa.string())))
-    tables = {name: pa.concat_tables(ts) for name, ts in parts.items()}
+            t = where.read_table(name)
+            t = t.add_column(0, "seed", pa.array([seed] * len(t), pa.int64()))
+            parts[name].append(t.add_column(0, "label", pa.array([label] * len(t), pa.string())))
+    tables: dict[str, Any] = {name: pa.concat_tables(ts) for name, ts in parts.items()}
     try:
         import pandas  # noqa: F401
     except ImportError:
-        return tables
-    return {name: t.to_pandas() for name, t in tables.items()}
+        pass
+    else:
+        tables = {name: t.to_pandas() for name, t in tables.items()}
+    summary = list(csv.DictReader(io.StringIO(seeds_table([root], "csv"))))
+    return RunResult(root, **tables, summary=summary, _markdown=seeds_table([root], "md"))
+
+
+def load(run_dir: str | Path) -> RunResult:
+    """A finished run directory (``rayfed-dg run``'s or ``rayfed_dg.run``'s,
+    of this release or an older one) as ``run`` returns it: its rows in the
+    order ``report`` lists them (seeds by number, rows in config order)."""
+    from rayfed_dg.engine.rundir import RunDir
+    from rayfed_dg.reporting import check_report_inputs, find_runs
+
+    root = Path(run_dir)
+    check_report_inputs([root])
+    rows = [(r.summary.get("label") or r.label, r.summary.get("seed"), RunDir(r.path)) for r in find_runs(root)]
+    return _result(root, rows)
 
 
 def run(config: str | Path | None = None, overrides: Mapping[str, Any] | None = None, *,
@@ -102,9 +121,8 @@ def run(config: str | Path | None = None, overrides: Mapping[str, Any] | None = 
     ``seeds``: ``[0, 1, 2]``; ``resume``: a run directory to continue (its
     own config, targets and seeds).  Bad input raises ``ConfigError`` (or
     ``DataError``) with the CLI's one-line message; Ctrl-C raises
-    ``cli.RunInterrupted`` (a ``KeyboardInterrupt``) naming the resume."""
-    from rayfed_dg.cli import RunRequest, execute_run
-    from rayfed_dg.reporting import seeds_table
+    ``engine.service.RunInterrupted`` (a ``KeyboardInterrupt``) naming the resume."""
+    from rayfed_dg.engine.service import RunRequest, execute_run
 
     if target is not None and not isinstance(target, str):
         target = ",".join(target)
@@ -112,5 +130,5 @@ def run(config: str | Path | None = None, overrides: Mapping[str, Any] | None = 
                      run_dir=None if run_dir is None else str(run_dir), resume=None if resume is None else str(resume),
                      seeds=_seeds(seeds), no_progress=not progress)
     out = execute_run(req)
-    summary = list(csv.DictReader(io.StringIO(seeds_table([out.run_dir], "csv"))))
-    return RunResult(out.run_dir, **_tables(out), summary=summary, _markdown=seeds_table([out.run_dir], "md"))
+    return _result(out.run_dir.path, [(row.label, row.cfg.training.seed, out.exp.row_dir(out.run_dir, row))
+                                      for row in out.exp.rows])

@@ -6,22 +6,18 @@ traceback.  Nothing is written before the config, the data and the targets
 have been checked.  A run records how it was started (``run.json``: targets,
 seeds, ``--set`` values, the code's commit and library versions) and its
 config before its first federation, so ``rayfed-dg run --resume RUN_DIR``
-needs nothing else, and Ctrl-C prints that command.
+needs nothing else, and Ctrl-C prints that command.  Each command is a face:
+``run`` over the run service (``engine/service.py``), the others over the
+run directory (``engine/rundir.py``) and ``reporting``.
 """
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from rayfed_dg import __version__
-from rayfed_dg.utils import environment, environment_changes, render_table, run_cli, write_table, write_text
-
-RUN_RECORD = "run.json"  # how a run was started (rayfed-dg run), read by --resume and report
+from rayfed_dg.utils import render_table, run_cli, write_table, write_text
 
 
 def _debug_flag(parser: argparse.ArgumentParser, top: bool = False) -> None:
@@ -132,243 +128,14 @@ def _partition(args) -> int:
     return 0
 
 
-def parse_seeds(text: str | None) -> list[int] | None:
-    """``--seeds 0,1,2`` -> [0, 1, 2]; None when not given."""
-    from rayfed_dg.config import ConfigError
-
-    if text is None:
-        return None
-    try:
-        seeds = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ConfigError(f"--seeds {text!r}: expected a comma list of integers, e.g. --seeds 0,1,2") from None
-    if not seeds or len(set(seeds)) != len(seeds):
-        raise ConfigError(f"--seeds {text!r}: expected distinct integers, e.g. --seeds 0,1,2")
-    return seeds
-
-
-def _check_overrides(path: str | Path, overrides: list[str]) -> None:
-    """A ``--set`` the run would ignore is an error naming why (checked on
-    the file and its ``--set`` values as written, before validation)."""
-    from rayfed_dg.config import ConfigError, _read_yaml, apply_overrides
-
-    bad = [o for o in overrides if o.split("=", 1)[0].strip().split(".")[0] == "method"]
-    if not bad:
-        return
-    rows = apply_overrides(_read_yaml(Path(path)), overrides).get("compare")
-    if rows:
-        labels = ", ".join(str(m.get("label") or m.get("name", "fedavg")) if isinstance(m, dict) else str(m)
-                           for m in rows)
-        raise ConfigError(f"--set {bad[0]}: {path} runs its compare: list ({labels}), whose rows replace the "
-                          "method: section; add --set compare=null to run one method, or change the rows")
-
-
-def _dry_overrides(cfg) -> list[str]:
-    clients = cfg.partition.num_clients or 1
-    # enough images that every client of the partition gets a few
-    return ["training.rounds=1", "training.local_steps=1", "training.batch_size=4",
-            f"data.limit_per_domain={max(24, 6 * clients)}", "partition.min_size=1",
-            "evaluation.batch_size=8", "output.checkpoint_every=1"]
-
-
-def _seed_dir(run_dir: Path, seed: int | None) -> Path:
-    return run_dir if seed is None else run_dir / f"seed{seed}"
-
-
-def _read_record(run_dir: Path) -> dict | None:
-    from rayfed_dg.config import ConfigError
-
-    path = run_dir / RUN_RECORD
-    if not path.is_file():
-        return None
-    try:
-        rec = json.loads(path.read_text())
-        rec["targets"], rec["seeds"] = list(rec["targets"]), rec.get("seeds")
-    except (ValueError, KeyError, TypeError):
-        raise ConfigError(f"--resume {run_dir}: its {RUN_RECORD} is unreadable; resume with the config, --target "
-                          "and --seeds it was started with (rayfed-dg run CONFIG --resume RUN_DIR ...)") from None
-    return rec
-
-
-def _resume_plan(args, seeds: list[int] | None):
-    """(run directory, configs per seed, target argument) of ``--resume``:
-    the run's own config(s), targets and seeds, unless given again (then they
-    must match)."""
-    from rayfed_dg.config import ConfigError, load_config, unrecorded_defaults
-
-    run_dir = Path(args.resume)
-    if args.run_dir is not None:
-        raise ConfigError(f"--run-dir and --resume: --resume {run_dir} continues that directory; drop --run-dir")
-    if args.dry_run:
-        raise ConfigError("--dry-run and --resume: a dry run trains one round in a temporary directory and "
-                          "cannot continue a run; drop one of them")
-    if not run_dir.is_dir():
-        raise ConfigError(f"--resume {run_dir}: no such directory")
-    rec = _read_record(run_dir)
-    if rec is not None:
-        if seeds is not None and seeds != rec["seeds"]:
-            was = "without --seeds" if rec["seeds"] is None else "with --seeds " + ",".join(map(str, rec["seeds"]))
-            raise ConfigError(f"--seeds {args.seeds}: {run_dir} was started {was}; --resume continues those seeds "
-                              "(drop --seeds)")
-        seeds = rec["seeds"]
-        target_arg = ",".join(rec["targets"])
-    else:  # a run directory from before rayfed-dg recorded how runs were started
-        if args.target is None:
-            raise ConfigError(f"--resume {run_dir}: it has no {RUN_RECORD} (made by an older rayfed-dg), so its "
-                              "targets are not recorded; give them again with --target (e.g. --target all)")
-        target_arg = args.target
-        if seeds is None and not (run_dir / "config.yaml").is_file() and any(run_dir.glob("seed*/config.yaml")):
-            raise ConfigError(f"--resume {run_dir}: a --seeds run; resume it with the same --seeds")
-    if args.config is not None:
-        path = Path(args.config)
-    else:
-        each: list[int | None] = list(seeds) if seeds else [None]
-        have = [d for d in (_seed_dir(run_dir, s) for s in each) if (d / "config.yaml").is_file()]
-        if not have:
-            raise ConfigError(f"--resume {run_dir}: no config.yaml there; not a rayfed-dg run directory")
-        path = have[0] / "config.yaml"  # every seed's config is this one with its own training.seed
-    _check_overrides(path, args.overrides)
-    base = [(s, load_config(path, args.overrides + ([] if s is None else [f"training.seed={s}"])))
-            for s in (list(seeds) if seeds else [None])]
-    # the run's own config.yaml (a config given again is the user's, written without defaults): a default changed
-    # since the run began would change its variant
-    saved = _seed_dir(run_dir, seeds[0] if seeds else None) / "config.yaml"
-    for line in unrecorded_defaults(saved) if saved.is_file() else []:
-        print(f"rayfed-dg: warning: {saved} does not record {line}; resuming with these (this release's "
-              "defaults)", file=sys.stderr)
-    changed = environment_changes(rec.get("environment") if rec else None, environment())
-    if changed:
-        print(f"rayfed-dg: warning: {run_dir} was started with other code or libraries ({', '.join(changed)}); "
-              "its remaining rounds may not give the numbers an uninterrupted run would", file=sys.stderr)
-    return run_dir, base, target_arg, rec
-
-
-def _write_record(run_dir: Path, exp, args, seeds: list[int] | None) -> None:
-    """``run.json`` and each seed's ``config.yaml``, before the first
-    federation: what ``--resume`` and ``report`` read."""
-    from rayfed_dg.config import save_config
-
-    for s, scfg in exp.configs.items():
-        sdir = _seed_dir(run_dir, s)
-        sdir.mkdir(parents=True, exist_ok=True)
-        if not (sdir / "config.yaml").exists():
-            save_config(scfg, sdir / "config.yaml")
-    rec = {"targets": list(exp.targets), "seeds": seeds, "labels": exp.labels,
-           "rounds": next(iter(exp.configs.values())).training.rounds,
-           "config": args.config, "overrides": list(args.overrides), "rayfed_dg": __version__,
-           "environment": environment()}
-    write_text(json.dumps(rec, indent=2) + "\n", run_dir / RUN_RECORD)
-
-
-@dataclass
-class RunRequest:
-    """What ``rayfed-dg run`` was asked (its flags, by the parser's names):
-    the CLI and ``rayfed_dg.run`` (api.py) both hand one to ``execute_run``."""
-
-    config: str | None = None
-    target: str | None = None
-    overrides: list[str] = field(default_factory=list)
-    run_dir: str | None = None
-    resume: str | None = None
-    seeds: str | None = None  # "0,1,2", as --seeds
-    dry_run: bool = False
-    no_progress: bool = False
-
-
-@dataclass
-class RunOutcome:
-    run_dir: Path
-    exp: Any  # engine.experiment.Experiment
-    seeds: list[int] | None
-    by_seed: dict[int | None, dict[str, dict]]  # {seed: {label: summary}}
-    tmp: Any = None  # a dry run's temporary directory (removed when this is dropped), else None
-
-
-class RunInterrupted(KeyboardInterrupt):
-    """Ctrl-C during the federations; every finished round is on disk."""
-
-    def __init__(self, run_dir: Path, kept: bool):
-        self.run_dir, self.kept = run_dir, kept
-        super().__init__("interrupted (a dry run keeps nothing)" if not kept else
-                         f"interrupted; resume with: rayfed-dg run --resume {shlex.quote(str(run_dir))}")
-
-
-def execute_run(args: RunRequest) -> RunOutcome:
-    """Everything ``rayfed-dg run`` does but print its closing table: check
-    the config(s), data and targets, make (or reopen) the run directory,
-    record how the run was started, train every seed, row and target, and
-    (``--seeds``) write the seeds' summary.  Ctrl-C raises ``RunInterrupted``."""
-    from rayfed_dg.config import ConfigError, ExperimentConfig, load_config
-    from rayfed_dg.engine import check_resume_dir, load_data, make_run_dir, resolve_targets
-    from rayfed_dg.engine.experiment import plan_experiment, run_planned
-    from rayfed_dg.engine.trackers import require_trackers
-
-    seeds = parse_seeds(args.seeds)
-    if seeds is not None:
-        fixed = [o for o in args.overrides if o.split("=", 1)[0].strip() == "training.seed"]
-        if fixed:
-            raise ConfigError(f"--set {fixed[0]} and --seeds: each seed sets training.seed; drop one of them")
-    rec = None
-    cfgs: list[tuple[int | None, ExperimentConfig]]
-    if args.resume:
-        run_dir, cfgs, target_arg, rec = _resume_plan(args, seeds)
-        seeds = None if cfgs[0][0] is None else [s for s, _ in cfgs if s is not None]
-    else:
-        if args.config is None:
-            raise ConfigError("run: give the experiment's config (rayfed-dg run CONFIG), or --resume RUN_DIR to "
-                              "continue a run")
-        _check_overrides(args.config, args.overrides)
-        first = load_config(args.config, args.overrides)
-        dry = _dry_overrides(first) if args.dry_run else []
-        # one config per seed (--seeds: training.seed set last)
-        cfgs = \
-            [(None, load_config(args.config, args.overrides + dry))] if seeds is None else \
-            [(s, load_config(args.config, args.overrides + dry + [f"training.seed={s}"])) for s in seeds]
-        target_arg = args.target
-    cfg = cfgs[0][1]
-    for _, scfg in cfgs:  # output.wandb / output.mlflow (a compare row keeps the output section): installed, answering
-        require_trackers(scfg)
-    ds = load_data(cfg)
-    targets = resolve_targets(ds, target_arg, cfg.data.heldout_val_domain)
-    if args.resume and rec is not None and args.target is not None and \
-            resolve_targets(ds, args.target, cfg.data.heldout_val_domain) != targets:
-        raise ConfigError(f"--target {args.target}: {run_dir} was started with --target {','.join(targets)}; "
-                          "--resume continues those targets (drop --target)")
-    exp = plan_experiment(cfgs, ds, targets)  # every check passes before anything is written
-    tmp = None
-    if args.resume:
-        for s, scfg in cfgs:
-            sdir = _seed_dir(run_dir, s)
-            if s is None or sdir.exists():
-                check_resume_dir(scfg, sdir)
-    elif args.dry_run and args.run_dir is None:
-        import tempfile
-
-        # a dry run proves the config; it leaves no run directory behind unless asked to
-        tmp = tempfile.TemporaryDirectory(prefix="rayfed-dg-dry-run-")
-        run_dir = make_run_dir(cfg, tmp.name)
-    else:
-        run_dir = make_run_dir(cfg, args.run_dir)
-    if rec is None:
-        _write_record(run_dir, exp, args, seeds)
-    skipped = ds.meta.get("skipped_files") or []
-    if skipped:  # data.on_corrupt: skip (the loader warned, naming a few)
-        write_text("\n".join(skipped) + "\n", run_dir / "skipped_images.txt")
-    try:
-        by_seed = run_planned(exp, run_dir, progress=not args.no_progress)
-    except KeyboardInterrupt:
-        raise RunInterrupted(run_dir, tmp is None) from None
-    if seeds is not None:
-        write_text(json.dumps({"seeds": {str(s): v for s, v in by_seed.items()}}, indent=2),
-                   run_dir / "summary.json")
-    return RunOutcome(run_dir, exp, seeds, by_seed, tmp)
-
-
 def _run(args) -> int:
     if args.wandb:  # the flags are the config's output.wandb / output.mlflow sections, recorded like any --set
         args.overrides.append(f"output.wandb.project={args.wandb}")
     if args.mlflow:
         args.overrides.append(f"output.mlflow.tracking_uri={args.mlflow}")
+    from rayfed_dg.engine.service import RunInterrupted, RunRequest, execute_run
+    from rayfed_dg.reporting import SE_NOTE, run_table, seeds_table
+
     req = RunRequest(config=args.config, target=args.target, overrides=list(args.overrides), run_dir=args.run_dir,
                      resume=args.resume, seeds=args.seeds, dry_run=args.dry_run, no_progress=args.no_progress)
     try:
@@ -377,30 +144,27 @@ def _run(args) -> int:
         print(f"rayfed-dg: {e}", file=sys.stderr)
         return 130
     where_to = "dry run: nothing kept (--run-dir DIR keeps its run directory)" if out.tmp is not None else \
-        f"run dir {out.run_dir}"
+        f"run dir {out.run_dir.path}"
     if out.seeds is None:
-        from rayfed_dg.reporting import run_table
-
         print(f"\nTarget accuracy (%) at the round selected by mean source-validation accuracy; {where_to}")
-        print(run_table(out.by_seed[None], out.run_dir))
-        return 0
-    from rayfed_dg.reporting import SE_NOTE, seeds_table
-
-    print(f"\nTarget accuracy (%) over seeds {','.join(map(str, out.seeds))} ({SE_NOTE}); {where_to}")
-    print(seeds_table([out.run_dir], "text"))
+        print(run_table(out.by_seed[None], out.run_dir.path))
+    else:
+        print(f"\nTarget accuracy (%) over seeds {','.join(map(str, out.seeds))} ({SE_NOTE}); {where_to}")
+        print(seeds_table([out.run_dir.path], "text"))
     return 0
 
 
 def _evaluate(args) -> int:
     import numpy as np
 
-    from rayfed_dg.engine import load_data, resolve_targets
-    from rayfed_dg.engine.evaluate import evaluate_saved, load_run_config, run_targets
+    from rayfed_dg.engine import RunDir, load_data, resolve_targets
+    from rayfed_dg.engine.evaluate import evaluate_saved, load_run_config
 
     run_dir = Path(args.run_dir)
     cfg = load_run_config(run_dir, args.overrides)
     ds = load_data(cfg)
-    targets = resolve_targets(ds, args.target, cfg.data.heldout_val_domain) if args.target else run_targets(run_dir)
+    targets = resolve_targets(ds, args.target, cfg.data.heldout_val_domain) if args.target else \
+        RunDir(run_dir).targets()
     res = evaluate_saved(cfg, ds, targets, run_dir, args.weights)
     what = " ".join(args.overrides) or "the run's own settings"
     print(f"{run_dir} ({cfg.method.name}), {args.weights} models, {what}")

@@ -78,11 +78,9 @@ def _target_order(runs: list[RunRecord], rows: list[dict]) -> list[str]:
 
 
 def _by_round(rows: list[dict], target: str, split: str) -> dict[int, float]:
-    per: dict[int, list[float]] = {}
-    for r in rows:
-        if r["target"] == target and r["split"] == split:
-            per.setdefault(int(r["round"]), []).append(float(r["accuracy"]))
-    return {k: float(np.mean(v)) for k, v in sorted(per.items())}
+    from rayfed_dg.engine.records import split_means
+
+    return split_means((r for r in rows if r["target"] == target), split)
 
 
 def learning_curves(runs: dict[str, list[RunRecord]], targets: list[str] | None, path: Path) -> Path:
@@ -150,9 +148,9 @@ FEW_CLIENTS = 12  # up to this many clients, a line per client; beyond, dots and
 
 
 def client_losses(run: RunRecord, title: str, path: Path, targets: list[str] | None = None) -> Path:
-    from rayfed_dg.engine.records import read_rows
+    from rayfed_dg.engine.rundir import RunDir
 
-    rows = read_rows(run.path, "clients")
+    rows = RunDir(run.path).read_rows("clients")
     targets = targets or _target_order([run], rows)
     if not targets:
         raise ConfigError(f"{run.path}: no client rows yet")

@@ -1,6 +1,7 @@
 """Reports from records: partition summaries and heatmaps (like FedFD-A
 Fig. 7), and the results table over seeds with DomainBed's three
-model-selection rules (``rayfed-dg report``)."""
+model-selection rules (``rayfed-dg report``).  Run directories are read
+through ``engine.rundir.RunDir``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from rayfed_dg.data import DomainDataset, FederatedSplit
+from rayfed_dg.engine.rundir import RunDir
 from rayfed_dg.errors import ConfigError
 from rayfed_dg.utils import render_table
 
@@ -147,87 +149,16 @@ class RunRecord:
 
     def metrics(self) -> list[dict] | None:
         """Its evaluation rows, or None for a run without a metrics table."""
-        from rayfed_dg.engine.records import read_rows
-
-        return read_rows(self.path, "metrics") if (self.path / "metrics.parquet").exists() else None
+        rd = RunDir(self.path)
+        return rd.read_rows("metrics") if rd.has_table("metrics") else None
 
     def targets(self) -> list[str] | None:
         """Its targets in the order they ran: the summary's, else (a run still
         going) the ``run.json`` of its experiment."""
         if self.summary.get("targets"):
             return list(self.summary["targets"])
-        rec = experiment_record(self.path)
+        rec = RunDir(self.path).experiment()
         return None if rec is None else list(rec[1].get("targets") or []) or None
-
-
-_NOT_RUNS = ("checkpoints", "tensorboard", "plots")
-RUN_RECORD = "run.json"  # written by ``rayfed-dg run`` (cli.py): targets, seeds, labels, rounds
-
-
-def _yaml(path: Path) -> dict:
-    import yaml
-
-    try:
-        tree = yaml.safe_load(path.read_text()) if path.is_file() else None
-    except (OSError, yaml.YAMLError):
-        return {}
-    return tree if isinstance(tree, dict) else {}
-
-
-def _json(path: Path) -> dict:
-    import json
-
-    try:
-        tree = json.loads(path.read_text()) if path.is_file() else None
-    except (OSError, ValueError):
-        return {}
-    return tree if isinstance(tree, dict) else {}
-
-
-def experiment_record(run_dir: Path) -> tuple[Path, dict] | None:
-    """(the experiment's root, its ``run.json``) for a run directory or one
-    inside it (a compare row, a seed, a seed's row); None for runs made
-    before ``run.json``."""
-    run_dir = Path(run_dir)
-    for d in [run_dir, *list(run_dir.parents)[:2]]:
-        rec = _json(d / RUN_RECORD)
-        if rec:
-            return d, rec
-    return None
-
-
-def compare_labels(run_dir: Path) -> list[str]:
-    """The row labels of the experiment whose config is ``run_dir/config.yaml``,
-    in config order (as ``config.method_variants`` names them)."""
-    rows = _yaml(Path(run_dir) / "config.yaml").get("compare") or []
-    out: list[str] = []
-    seen: dict[str, int] = {}
-    for m in rows:
-        if not isinstance(m, dict):
-            continue
-        label = m.get("label") or m.get("name", "fedavg")
-        seen[label] = seen.get(label, 0) + 1
-        out.append(label if seen[label] == 1 else f"{label}-{seen[label]}")
-    return out
-
-
-def _sub_dirs(run_dir: Path) -> list[Path]:
-    """Sub-directories that may hold runs, in the experiment's order: seeds by
-    number, compare rows in config order, anything else by name."""
-    import re
-
-    if not run_dir.is_dir():
-        return []
-    labels = compare_labels(run_dir)
-
-    def key(p: Path):
-        m = re.fullmatch(r"seed(\d+)", p.name)
-        if m:
-            return 0, int(m.group(1)), ""
-        return (1, labels.index(p.name), "") if p.name in labels else (2, 0, p.name)
-
-    return sorted((p for p in run_dir.iterdir() if p.is_dir() and p.name not in _NOT_RUNS
-                   and not p.name.endswith(".parquet") and not p.name.startswith(".")), key=key)
 
 
 def run_label(run_dir: Path, summary: dict, depth: int = 0) -> str:
@@ -235,13 +166,13 @@ def run_label(run_dir: Path, summary: dict, depth: int = 0) -> str:
     label, plus the data stages that tell it from other runs of that label
     (``_data_stage``)."""
     run_dir = Path(run_dir)
-    cfg = _yaml(run_dir / "config.yaml")
+    cfg = RunDir(run_dir).config_tree()
     plugin_error = None
     if cfg.get("plugins"):  # a plugin stage is looked up below (_data_stage), as the run that wrote it did
         from rayfed_dg.plugins import import_plugins
 
         try:
-            import_plugins(cfg["plugins"], str(run_dir / "config.yaml"))
+            import_plugins(cfg["plugins"], str(RunDir(run_dir).config_path))
         except ConfigError as e:  # only a run whose label needs a plugin stage fails (_data_stage)
             plugin_error = str(e)
     method = cfg.get("method") or {}
@@ -250,7 +181,7 @@ def run_label(run_dir: Path, summary: dict, depth: int = 0) -> str:
         label = summary.get("label") or (run_dir.name if depth else summary.get("method", run_dir.name))
         name = summary.get("method") or method.get("name")
     else:  # still going: a compare row's directory is its label
-        label = run_dir.name if run_dir.name in compare_labels(run_dir.parent) else \
+        label = run_dir.name if run_dir.name in RunDir(run_dir.parent).compare_labels() else \
             method.get("label") or method.get("name", run_dir.name)
         name = method.get("name")
     return label + _data_stage(cfg, label, name, plugin_error)
@@ -262,15 +193,15 @@ def find_runs(run_dir: Path, depth: int = 0, unfinished: bool = False) -> list[R
     ``--seeds`` run's ``seedN`` folders, or both; in the experiment's order),
     up to three levels down.  With ``unfinished``, also runs still going or
     killed (records but no summary yet; their summary is empty)."""
-    run_dir = Path(run_dir)
-    s = _json(run_dir / "summary.json")
-    if "targets" in s:
-        return [RunRecord(run_dir, run_label(run_dir, s, depth), s)]
-    if unfinished and (run_dir / "metrics.parquet").exists() and (run_dir / "config.yaml").is_file():
-        return [RunRecord(run_dir, run_label(run_dir, {}, depth), {})]
+    rd = RunDir(run_dir)
+    s = rd.summary()
+    if s is not None:
+        return [RunRecord(rd.path, run_label(rd.path, s, depth), s)]
+    if unfinished and rd.has_table("metrics") and rd.has_config():
+        return [RunRecord(rd.path, run_label(rd.path, {}, depth), {})]
     if depth >= 3:
         return []
-    return [r for sub in _sub_dirs(run_dir) for r in find_runs(sub, depth + 1, unfinished)]
+    return [r for sub in rd.subdirs() for r in find_runs(sub.path, depth + 1, unfinished)]
 
 
 def collect_runs(run_dirs: list[Path], unfinished: bool = False) -> dict[str, list[RunRecord]]:
@@ -384,39 +315,40 @@ def _expected_runs(run_dirs: list[Path]) -> list[tuple[Path, Path, str]]:
     rows."""
     out: list[tuple[Path, Path, str]] = []
     seen: set[Path] = set()
-    for d in run_dirs:
-        for root in [d, *_sub_dirs(d), *(x for sub in _sub_dirs(d) for x in _sub_dirs(sub))]:
-            rec = _json(root / RUN_RECORD)
+    for d in map(RunDir, run_dirs):
+        for root in [d, *d.subdirs(), *(x for sub in d.subdirs() for x in sub.subdirs())]:
+            rec = _record(root)
             if rec:
-                seeds = rec.get("seeds") or [None]
-                labels = rec.get("labels") or []
-                many = len(labels) > 1
-                paths = [(root if s is None else root / f"seed{s}") / (lab if many else "") for s in seeds
-                         for lab in (labels or [""])]
-            elif len(compare_labels(root)) > 1 and not any(
-                    _json(a / RUN_RECORD) for a in list(root.parents)[:2]):
-                paths = [root / lab for lab in compare_labels(root)]
+                labels = rec.get("labels") or [""]
+                rows = [root.seed(s).row(lab, len(labels) > 1) for s in rec.get("seeds") or [None] for lab in labels]
+            elif len(root.compare_labels()) > 1 and not any(_record(RunDir(a)) for a in list(root.path.parents)[:2]):
+                rows = [root.row(lab, True) for lab in root.compare_labels()]
             else:
                 continue
-            for p in paths:
-                p = Path(p)
-                if p.resolve() in seen or "targets" in _json(p / "summary.json"):
+            for row in rows:
+                if row.path.resolve() in seen or row.summary() is not None:
                     continue
-                seen.add(p.resolve())
-                out.append((p, root, _progress(p, rec)))
+                seen.add(row.path.resolve())
+                out.append((row.path, root.path, _progress(row, rec)))
     return out
 
 
-def _progress(run: Path, rec: dict) -> str:
-    """How far an unfinished run got, per target."""
-    from rayfed_dg.engine.records import read_rows
+def _record(d: RunDir) -> dict:
+    """``d``'s run.json, or {} (none, or unreadable: a report reads what it can)."""
+    try:
+        return d.record() or {}
+    except ConfigError:
+        return {}
 
-    if not (run / "metrics.parquet").exists():
+
+def _progress(run: RunDir, rec: dict) -> str:
+    """How far an unfinished run got, per target."""
+    if not run.has_table("metrics"):
         return "not started"
     done: dict[str, int] = {}
-    for r in read_rows(run, "metrics"):
+    for r in run.read_rows("metrics"):
         done[r["target"]] = max(done.get(r["target"], 0), int(r["round"]))
-    rounds = rec.get("rounds") or _yaml(run / "config.yaml").get("training", {}).get("rounds")
+    rounds = rec.get("rounds") or run.config_tree().get("training", {}).get("rounds")
     of = f" of {rounds}" if rounds else ""
     targets = rec.get("targets") or list(done)
     return ", ".join(f"{t} {done.get(t, 0)}{of} rounds" for t in targets)
@@ -439,9 +371,9 @@ def mixed_environments(run_dirs: list[Path]) -> list[str]:
     roots: dict[Path, dict] = {}
     for runs in collect_runs(run_dirs).values():
         for run in runs:
-            found = experiment_record(run.path)
+            found = RunDir(run.path).experiment()
             if found and isinstance(found[1].get("environment"), dict):
-                roots.setdefault(found[0], found[1]["environment"])
+                roots.setdefault(found[0].path, found[1]["environment"])
     if len(roots) < 2:
         return []
     keys = dict.fromkeys(k for env in roots.values() for k in env)
@@ -460,9 +392,9 @@ def mixed_environments(run_dirs: list[Path]) -> list[str]:
 
 
 def _resume_hint(root: Path) -> str:
-    if _json(root / RUN_RECORD):
+    if _record(RunDir(root)):
         return f"rayfed-dg run --resume {root}"
-    if root.name.startswith("seed") and root.name[4:].isdigit():  # made before run.json: say what it needs
+    if RunDir.seed_of(root.name) is not None:  # made before run.json: say what it needs
         return f"rayfed-dg run CONFIG --resume {root.parent} --seeds SEEDS --target TARGETS"
     return f"rayfed-dg run CONFIG --resume {root} --target TARGETS"
 

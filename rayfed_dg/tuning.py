@@ -100,45 +100,46 @@ def trainable(trial_config: dict, *, config_path: str, fixed: list[str]) -> None
     from ray import tune
 
     from rayfed_dg.engine.experiment import run_trial
+    from rayfed_dg.engine.rundir import RunDir
 
     logging.getLogger("ray.train").setLevel(logging.WARNING)  # "Checkpoint successfully created" each round
     cfg = load_config(config_path, fixed + overrides_of(trial_config) + ["output.save_best_checkpoint=false"])
     target = trial_config["target"]
     # the engine's own resumable checkpoints (every output.checkpoint_every rounds) travel through Tune's
     # checkpoint API, so a restored trial continues from its last one instead of round 1
-    work = Path(tempfile.mkdtemp(prefix="rayfed-dg-trial-"))
+    work = RunDir(tempfile.mkdtemp(prefix="rayfed-dg-trial-"))
     restored = tune.get_checkpoint()
     if restored is not None:
         with restored.as_directory() as d:
-            shutil.copytree(d, work, dirs_exist_ok=True)
-    saved_rounds = [int(p.stem.split("_")[1]) for p in work.glob("checkpoints/*/round_*.pt")]
+            shutil.copytree(d, work.path, dirs_exist_ok=True)
+    saved_rounds = [int(p.stem.split("_")[1]) for p in work.checkpoints(target).glob("round_*.pt")]
     last: dict = {"resumed_from_round": max(saved_rounds, default=0)}  # 0: the trial started at round 1
     trial_dir = tune.get_context().get_trial_dir()  # Tune syncs it to the sweep folder
     tb = Path(trial_dir) / "tensorboard" if cfg.output.tensorboard and trial_dir else None
 
     def report(out, res):
         if out.metrics:
-            last["src_val"] = float(np.mean([m["accuracy"] for m in out.metrics if m["split"] == Split.SOURCE_VAL]))
-            last["target_acc"] = float(np.mean([m["accuracy"] for m in out.metrics if m["split"] == Split.TARGET_TEST]))
+            last["src_val"] = res.mean(Split.SOURCE_VAL, out.round)
+            last["target_acc"] = res.mean(Split.TARGET_TEST, out.round)
         if "src_val" not in last:
             return
         metrics = {"round": out.round, **last, "selected_round": res.selected_round,
                    "selected_src_val": res.selected_val, "selected_target_acc": res.selected_target_acc}
-        saved = work / "checkpoints" / target / f"round_{out.round:05d}.pt"
+        saved = work.checkpoint(target, out.round)
         if not saved.is_file():
             tune.report(metrics)
             return
-        snap = Path(tempfile.mkdtemp(prefix="rayfed-dg-ckpt-"))
-        (snap / "checkpoints" / target).mkdir(parents=True)
+        snap = RunDir(tempfile.mkdtemp(prefix="rayfed-dg-ckpt-"))
+        snap.checkpoints(target).mkdir(parents=True)
         for f in (saved, saved.with_suffix(".json")):
-            shutil.copy2(f, snap / "checkpoints" / target / f.name)
-        tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(str(snap)))
-        shutil.rmtree(snap, ignore_errors=True)
+            shutil.copy2(f, snap.checkpoints(target) / f.name)
+        tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(str(snap.path)))
+        shutil.rmtree(snap.path, ignore_errors=True)
 
     try:
-        run_trial(cfg, target, work, ray.util.get_current_placement_group(), on_round=report, tensorboard=tb)
+        run_trial(cfg, target, work.path, ray.util.get_current_placement_group(), on_round=report, tensorboard=tb)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(work.path, ignore_errors=True)
 
 
 def logger_callbacks(name: str, wandb_project: str | None = None, mlflow_uri: str | None = None) -> list:

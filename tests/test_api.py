@@ -53,7 +53,7 @@ def test_the_readme_example_gives_the_numbers_of_rayfed_dg_run(ray_session, tmp_
     session's Ray), against ``rayfed-dg run`` with the same config in a
     subprocess of its own: the same metrics bit for bit, the same table."""
     from rayfed_dg.cli import main
-    from rayfed_dg.engine.records import read_table
+    from rayfed_dg.engine.rundir import RunDir
     from rayfed_dg.utils import environment
 
     (tmp_path / "configs").symlink_to(REPO / "configs")  # the example names configs/quickstart.yaml
@@ -73,9 +73,9 @@ def test_the_readme_example_gives_the_numbers_of_rayfed_dg_run(ray_session, tmp_
     assert sorted(got["round"].unique()) == [1, 2] and set(got["split"]) == {"source_val", "target_test"}
     # the other tables are the run directory's as well (seconds are wall time, the one column that may differ)
     for name, frame in (("clients", result.clients), ("ledger", result.ledger)):
-        mine = read_table(result.run_dir, name).to_pandas()
+        mine = RunDir(result.run_dir).read_table(name).to_pandas()
         assert frame.drop(columns=["label", "seed"]).equals(mine), name
-        theirs = read_table(tmp_path / "cli", name).to_pandas()
+        theirs = RunDir(tmp_path / "cli").read_table(name).to_pandas()
         assert mine.drop(columns=["seconds"], errors="ignore").equals(
             theirs.drop(columns=["seconds"], errors="ignore")), name
     # summary: report's table as rows; table(): report's Markdown

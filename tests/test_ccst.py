@@ -119,8 +119,8 @@ def test_engine_stage_grows_training_sets_without_validation_images(ray_session,
     assert st["misses"] == 3 and st["images_stylized"] == 2 * sum(sizes)
     assert st["originals_kept"] + st["stylized_copies"] == 2 * sum(sizes)
     assert 0 < st["originals_kept"] < sum(sizes)
-    ups = [r for r in info["ledger"] if r["group"] == "payload:ccst_style"]
-    assert len(ups) == 3 and all(r["bytes"] == 400 for r in ups)  # a 100-float style per client
+    ups = [r for r in info["ledger"] if r.group == "payload:ccst_style"]
+    assert len(ups) == 3 and all(r.bytes == 400 for r in ups)  # a 100-float style per client
     # what each client trains on after the stage: originals of its own training images only, and
     # stylized copies whose labels are its training labels K times over minus the originals kept
     held_out = set(np.concatenate(list(split.val.values()))) | set(split.test["colour"])

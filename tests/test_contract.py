@@ -73,13 +73,13 @@ def test_method_contract(ray_session, tiny_ds, hosts, name):
     sd = runner.model.state_dict()
     for out in outs:
         assert np.isfinite(out.train_loss) and not out.dropped
-        assert all(np.isfinite(m["loss"]) for m in out.metrics), name
+        assert all(np.isfinite(m.loss) for m in out.metrics), name
         for c in out.sampled:
-            up = [r for r in out.ledger if r["client"] == c and r["direction"] == "up"
-                  and not r["group"].startswith(("payload:", "eval:", "prepare:"))]
+            up = [r for r in out.ledger if r.client == c and r.direction == "up"
+                  and not r.group.startswith(("payload:", "eval:", "prepare:"))]
             # exactly the non-private state leaves the client
-            assert sum(r["tensors"] for r in up) == len(all_keys) - len(private), name
-            assert sum(r["bytes"] for r in up) == sum(sd[k].numel() * sd[k].element_size()
+            assert sum(r.tensors for r in up) == len(all_keys) - len(private), name
+            assert sum(r.bytes for r in up) == sum(sd[k].numel() * sd[k].element_size()
                                                       for k in all_keys if k not in private), name
     # local (and private) state is kept per client, never the broadcast
     for c in range(split.num_clients):
@@ -92,7 +92,7 @@ def test_method_contract(ray_session, tiny_ds, hosts, name):
         assert any(not np.array_equal(clients[0], x) for x in clients[1:]), f"{name}: local state not per client"
     # identical numbers whatever the number of workers
     _, outs2, state2, _ = _run(hosts, name, workers=2)
-    key = lambda o: [(m["split"], m["domain"], m["accuracy"], m["loss"]) for m in o.metrics]  # noqa: E731
+    key = lambda o: [(m.split, m.domain, m.accuracy, m.loss) for m in o.metrics]  # noqa: E731
     assert [key(o) for o in outs] == [key(o) for o in outs2], name
     assert all(np.array_equal(state["global_state"][k], state2["global_state"][k]) for k in state["global_state"])
 
@@ -160,13 +160,13 @@ def test_method_contract_on_a_timm_backbone(timm_host, name):
     ray.get(server.setup.remote())
     out = ray.get(server.run_round.remote())
     assert np.isfinite(out.train_loss) and not out.dropped, name
-    assert out.metrics and all(np.isfinite(m["loss"]) for m in out.metrics), name
+    assert out.metrics and all(np.isfinite(m.loss) for m in out.metrics), name
     fed = Federation(cfg, split, ds.num_classes, 0)
     keys, private = sorted(fed.groups), sorted(fed.method.private_keys(fed.method.build_model(ds.num_classes)))
     for c in out.sampled:  # exactly the non-private state leaves each client
-        up = [r for r in out.ledger if r["client"] == c and r["direction"] == "up"
-              and not r["group"].startswith(("payload:", "eval:", "prepare:"))]
-        assert sum(r["tensors"] for r in up) == len(keys) - len(private), name
+        up = [r for r in out.ledger if r.client == c and r.direction == "up"
+              and not r.group.startswith(("payload:", "eval:", "prepare:"))]
+        assert sum(r.tensors for r in up) == len(keys) - len(private), name
 
 
 @pytest.mark.parametrize("arch", sorted(TIMM_REJECTED))

@@ -309,12 +309,12 @@ def _check_uploads(outs, keys, private, payload_up, payload_down, nbytes):
     for out in outs:
         assert not out.dropped
         for c in out.sampled:
-            rows = [r for r in out.ledger if r["client"] == c]
-            up = [r for r in rows if r["direction"] == "up" and not r["group"].startswith("payload:")]
-            assert sum(r["tensors"] for r in up) == len(keys) - len(private)
+            rows = [r for r in out.ledger if r.client == c]
+            up = [r for r in rows if r.direction == "up" and not r.group.startswith("payload:")]
+            assert sum(r.tensors for r in up) == len(keys) - len(private)
             for direction, names in (("up", payload_up), ("down", payload_down)):
-                pay = {r["group"]: r["bytes"] for r in rows if r["direction"] == direction
-                       and r["group"].startswith("payload:")}
+                pay = {r.group: r.bytes for r in rows if r.direction == direction
+                       and r.group.startswith("payload:")}
                 assert pay == {f"payload:{n}": nbytes for n in names}, (direction, pay)
 
 

@@ -58,5 +58,5 @@ def test_weights_follow_the_gaps_and_drive_the_next_reduce(ray_session, tiny_ds,
     expect = sum(w1[c] * ups2[c].update[key].astype(np.float64) for c in clients)
     np.testing.assert_allclose(s2["global_state"][key], expect.astype(np.float32), rtol=1e-5, atol=1e-6)
     # what the evaluation sent up: one ledger row of two float64 per participant
-    rows = [x for x in out1.ledger if x["group"] == "eval:global_on_client"]
-    assert sorted(x["client"] for x in rows) == clients and all(x["bytes"] == 16 for x in rows)
+    rows = [x for x in out1.ledger if x.group == "eval:global_on_client"]
+    assert sorted(x.client for x in rows) == clients and all(x.bytes == 16 for x in rows)

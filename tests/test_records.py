@@ -10,7 +10,8 @@ from conftest import tiny_cfg, tiny_federation
 
 from rayfed_dg.data import leave_one_domain_out
 from rayfed_dg.engine import ClientRunner
-from rayfed_dg.engine.records import TABLES, RecordTables, read_rows
+from rayfed_dg.engine.records import TABLES
+from rayfed_dg.engine.rundir import RunDir
 from rayfed_dg.engine.tblog import read_scalars
 
 TARGET = "colour"
@@ -30,6 +31,10 @@ def kill_after(r):
         if out.round == r:
             raise Killed(f"killed after round {r}")
     return on_round
+
+
+def read_rows(run_dir, name):
+    return RunDir(run_dir).read_rows(name)
 
 
 def rounds_of(run_dir, name):
@@ -89,17 +94,17 @@ def test_resume_adds_no_duplicate_rows(killed_and_clean):
 def test_rows_reach_disk_before_the_rounds_checkpoint(ray_session, tiny_ds, engine_host, tmp_path, monkeypatch):
     # dying while round 2's rows are written must not leave a checkpoint of round 2 behind:
     # the resumed run would start at round 3 and round 2's rows would be missing for good
-    real = RecordTables.write_round
+    real = RunDir.write_round
 
     def dies_at_round_2(self, target, round, tables):
         if round == 2:
             raise Killed("killed while writing round 2")
         real(self, target, round, tables)
 
-    monkeypatch.setattr(RecordTables, "write_round", dies_at_round_2)
+    monkeypatch.setattr(RunDir, "write_round", dies_at_round_2)
     with pytest.raises(Killed):
         federation(ray_session, tiny_ds, tmp_path, host=engine_host(tiny_ds, 2))
-    monkeypatch.setattr(RecordTables, "write_round", real)
+    monkeypatch.setattr(RunDir, "write_round", real)
     federation(ray_session, tiny_ds, tmp_path)  # the resume, on actors of its own as in a new process
     for name in TABLES:
         assert rounds_of(tmp_path, name) == [1, 2, 3, 4], name
@@ -137,19 +142,19 @@ def test_personalized_evaluation_is_each_clients_own_model(ray_session, tiny_ds,
     server = host.open(cfg, split, tiny_ds.num_classes)
     out = ray.get(server.run_round.remote())
     state = ray.get(server.get_state.remote())
-    personal = [m for m in out.metrics if m["split"] == "personal_val"]
-    assert [m["client"] for m in personal] == [0, 1, 2]
-    assert all(m["client"] is None for m in out.metrics if m["split"] != "personal_val")
+    personal = [m for m in out.metrics if m.split == "personal_val"]
+    assert [m.client for m in personal] == [0, 1, 2]
+    assert all(m.client is None for m in out.metrics if m.split != "personal_val")
     runner = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, tiny_ds.num_classes, 3)
-    glob = {m["domain"]: m["loss"] for m in out.metrics if m["split"] == "source_val"}
+    glob = {m.domain: m.loss for m in out.metrics if m.split == "source_val"}
     for m in personal:
-        c = m["client"]
-        assert m["domain"] == split.client_domains[c]
-        val = split.val[m["domain"]]
+        c = m.client
+        assert m.domain == split.client_domains[c]
+        val = split.val[m.domain]
         correct, loss, n = runner.evaluate(state["global_state"], val, 64, state["client_store"][c])
-        assert m["accuracy"] == correct / n and m["samples"] == n
-        assert m["loss"] == pytest.approx(loss / n, rel=1e-5)
-        assert abs(m["loss"] - glob[m["domain"]]) > 1e-4  # the client's own BN state, not the global model
+        assert m.accuracy == correct / n and m.samples == n
+        assert m.loss == pytest.approx(loss / n, rel=1e-5)
+        assert abs(m.loss - glob[m.domain]) > 1e-4  # the client's own BN state, not the global model
     # a method without client state (FedAvg) has no personal rows
     assert not ray.get(host.open(tiny_cfg(), split, 10).current.remote()).personalizes()
 
@@ -188,19 +193,21 @@ def test_tensorboard_after_resume_shows_each_round_once(killed_and_clean):
 
 
 def test_progress_bar_and_tensorboard_show_percent():
-    from types import SimpleNamespace
-
-    from rayfed_dg.engine.run import ProgressBar
+    from rayfed_dg.engine.records import MetricRow, RoundResult, Split
+    from rayfed_dg.engine.run import ProgressBar, TargetResult
     from rayfed_dg.engine.tblog import round_scalars
 
-    m = [{"split": "source_val", "accuracy": 0.5}, {"split": "source_val", "accuracy": 0.25},
-         {"split": "target_test", "accuracy": 0.125}, {"split": "heldout_val", "accuracy": 0.75},
-         {"split": "source_test", "accuracy": 0.5}, {"split": "source_test", "accuracy": 0.0}]
-    out = SimpleNamespace(metrics=m, train_loss=1.5, dropped=[], seconds_total=2.0, ledger=[])
-    bar = ProgressBar(tiny_cfg(), SimpleNamespace(target="t", rounds_done=0))
-    bar.on_round(out, None, False, dict)
+    m = [MetricRow(1, Split(s), d, None, acc, 1.0, 10) for s, d, acc in (
+        ("source_val", "a", 0.5), ("source_val", "b", 0.25), ("target_test", "t", 0.125), ("heldout_val", "h", 0.75),
+        ("source_test", "a", 0.5), ("source_test", "b", 0.0))]
+    out = RoundResult(round=1, sampled=[0], dropped=[], metrics=m, ledger=[], clients=[], train_loss=1.5,
+                      tasks_retried=0, seconds_train=1.0, seconds_total=2.0)
+    res = TargetResult("t")
+    bar = ProgressBar(tiny_cfg(), res)
+    assert res.add_round(out)  # the one evaluated round is the selected one
+    bar.on_round(out, res, True, dict)
     assert "src_val=37.5%" in bar.bar.postfix and "target=12.5%" in bar.bar.postfix, bar.bar.postfix
     bar.close()
-    s = round_scalars(out)
+    s = round_scalars(out, res)
     assert s["accuracy/source_val"] == 37.5 and s["accuracy/target"] == 12.5 and s["loss/train"] == 1.5
     assert s["accuracy/heldout_val"] == 75.0 and s["accuracy/source_test"] == 25.0 and "accuracy/personal_val" not in s

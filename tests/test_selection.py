@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from rayfed_dg.engine.records import RecordTables
+from rayfed_dg.engine.rundir import RunDir
 from rayfed_dg.engine.selection import (
     RULES,
     LastRound,
@@ -80,12 +80,12 @@ def test_standard_error_by_hand():
 def make_run(path, label, seed, per_target):
     """A finished run directory: metrics parts and summary.json, by hand."""
     path.mkdir(parents=True)
-    tables = RecordTables(path)
+    tables = RunDir(path)
     summary = {"targets": {}, "method": label, "label": label, "seed": seed}
     for t, (src, tgt) in per_target.items():
         recs = rows(src, tgt, target=t)
         for r in src:
-            tables.write("metrics", t, r, [dict(x, clients_dropped=0, loss=1.0, samples=10) for x in recs
+            tables.write_rows("metrics", t, r, [dict(x, clients_dropped=0, loss=1.0, samples=10) for x in recs
                                            if x["round"] == r])
         best, val = select_round(recs)
         summary["targets"][t] = {"selected_round": best, "source_val_acc": val, "target_acc": tgt[best]}
@@ -165,14 +165,14 @@ def test_report_adds_heldout_domain_rule_in_domain_test_and_personalized_columns
     for s, shift in ((0, 0.0), (1, 0.1)):
         path = tmp_path / "run" / f"seed{s}"
         path.mkdir(parents=True)
-        tables = RecordTables(path)
+        tables = RunDir(path)
         recs = rows(SRC, {r: v + shift for r, v in TGT.items()}, personal={r: [0.5, 0.7 + shift] for r in SRC})
         for r in SRC:
             recs += [{"target": "t", "round": r, "split": "heldout_val", "domain": "h", "accuracy": heldout[r]},
                      {"target": "t", "round": r, "split": "source_test", "domain": "a", "accuracy": source_test[r]},
                      {"target": "t", "round": r, "split": "source_test", "domain": "b", "accuracy": source_test[r]}]
         for r in SRC:
-            tables.write("metrics", "t", r, [dict(x, clients_dropped=0, loss=1.0, samples=10, client=x.get("client"))
+            tables.write_rows("metrics", "t", r, [dict(x, clients_dropped=0, loss=1.0, samples=10, client=x.get("client"))
                                              for x in recs if x["round"] == r])
         best, val = select_round(recs)
         (path / "summary.json").write_text(json.dumps({"targets": {"t": {"selected_round": best, "source_val_acc": val,

@@ -47,13 +47,13 @@ def test_heldout_domain_is_neither_trained_on_nor_a_target(tiny_ds):
 @pytest.mark.ray
 def test_engine_evaluates_source_test_and_heldout_rows_every_round(tiny_ds, engine_host, tmp_path):
     from rayfed_dg.engine import run_federation
-    from rayfed_dg.engine.records import read_rows
+    from rayfed_dg.engine.rundir import RunDir
 
     cfg = tiny_cfg("data.source_test_fraction=0.2", "data.heldout_val_domain=mono", "training.local_steps=2")
     split = split_for(cfg, tiny_ds, "colour")
     res = run_federation(cfg, split, None, None, tiny_ds.num_classes, tmp_path, progress=False,
                          host=engine_host(tiny_ds, 2))
-    rows = read_rows(tmp_path, "metrics")
+    rows = RunDir(tmp_path).read_rows("metrics")
     for r in (1, 2):
         mine = {(m["split"], m["domain"]): m["samples"] for m in rows if m["round"] == r}
         assert {d: n for (sp, d), n in mine.items() if sp == "source_test"} == \

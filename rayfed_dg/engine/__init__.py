@@ -1,4 +1,5 @@
-"""The federated engine: server actor, worker actors, pool, reduce, selection, records."""
+"""The federated engine: server actor, worker actors, pool, reduce, selection, records, the run directory
+and the run service."""
 from rayfed_dg.errors import EngineError, ResourceError
 
 from .aggregate import OrderedReducer
@@ -15,13 +16,14 @@ from .plan import (
 )
 from .records import ClientStore, ClientTask, Ledger, RoundResult
 from .resources import init_ray, plan_workers
-from .run import TargetResult, check_resume_dir, format_table, make_run_dir, run_experiment, run_federation
+from .run import TargetResult, check_resume_dir, format_table, run_experiment, run_federation
+from .rundir import RunDir
 from .selection import select_round
 from .server import Server
 from .worker import ClientRunner, Worker
 
 __all__ = ["ClientRunner", "ClientStore", "ClientTask", "EngineError", "Ledger", "OrderedReducer", "ResourceError",
-           "RoundResult", "Server", "TargetResult", "Worker", "check_resume_dir", "clients_per_round", "format_table",
-           "init_ray", "launch_server", "load_data", "make_run_dir", "make_splits", "match_budget", "plan_workers",
+           "RoundResult", "RunDir", "Server", "TargetResult", "Worker", "check_resume_dir", "clients_per_round",
+           "format_table", "init_ray", "launch_server", "load_data", "make_splits", "match_budget", "plan_workers",
            "preflight", "resolve_targets", "resolve_variants", "run_experiment", "run_federation", "select_round",
            "split_for"]

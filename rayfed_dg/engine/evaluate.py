@@ -1,11 +1,11 @@
 """Evaluate a run's saved global models again, with evaluation-time settings
 changed (e.g. FedFD-A's ``method.inference``: Table 3 c1 of its paper asks
 how one trained model does with global statistics, instance statistics or
-the adapter).  Reads ``<run_dir>/config.yaml`` and ``best_<target>.pt`` (or
-``final_``); writes nothing; runs in this process, without Ray."""
+the adapter).  Reads the run directory's ``config.yaml`` and its
+``best_<target>.pt`` (or ``final_``) through ``RunDir``; writes nothing;
+runs in this process, without Ray."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -14,14 +14,15 @@ import torch
 
 from rayfed_dg.config import ConfigError, ExperimentConfig, apply_overrides, load_config, method_variants, validate
 
-from .records import Split
+from .records import Split, split_mean
+from .rundir import RunDir
 
 # sections an evaluation may change; anything else would not describe the saved model or its data
 EVAL_SECTIONS = ("method", "evaluation", "engine")
 
 
 def load_run_config(run_dir: Path, overrides: list[str]) -> ExperimentConfig:
-    saved = run_dir / "config.yaml"
+    saved = RunDir(run_dir).config_path
     if not saved.is_file():
         raise ConfigError(f"{run_dir}: no config.yaml; pass a run directory (for a compare run, one method's "
                           "subdirectory, e.g. RUN/fedfda)")
@@ -46,13 +47,6 @@ def load_run_config(run_dir: Path, overrides: list[str]) -> ExperimentConfig:
     return cfg
 
 
-def run_targets(run_dir: Path) -> list[str]:
-    summary = run_dir / "summary.json"
-    if not summary.is_file():
-        raise ConfigError(f"{run_dir}: no summary.json (the run did not finish); name the targets with --target")
-    return list(json.loads(summary.read_text())["targets"])
-
-
 def _runner(cfg: ExperimentConfig, ds, target: str):
     from .plan import split_for
     from .worker import ClientRunner
@@ -65,7 +59,7 @@ def _runner(cfg: ExperimentConfig, ds, target: str):
 
 
 def _saved_state(runner, run_dir: Path, weights: str, target: str) -> dict[str, np.ndarray]:
-    path = run_dir / f"{weights}_{target}.pt"
+    path = RunDir(run_dir).weights(weights, target)
     if not path.is_file():
         raise ConfigError(f"{path} is missing: the run saved no {weights} model for target {target}"
                           + (" (output.save_best_checkpoint was off?)" if weights == "best" else ""))
@@ -88,13 +82,13 @@ def evaluate_saved(cfg: ExperimentConfig, ds, targets: list[str], run_dir: Path,
         state = _saved_state(runner, run_dir, weights, t)
         split = split_for(cfg, ds, t)
         res: dict[str, Any] = {"domains": {}}
+        rows = []  # as the metrics table's, of one round
         for name, sets in ((Split.SOURCE_VAL, split.val), (Split.TARGET_TEST, split.test)):
-            accs = []
             for dom, idx in sets.items():
                 correct, _, n = runner.evaluate(state, np.asarray(idx), cfg.evaluation.batch_size)
                 res["domains"][f"{name}:{dom}"] = correct / max(n, 1)
-                accs.append(correct / max(n, 1))
-            res[name] = float(np.mean(accs))
+                rows.append({"round": 0, "split": name, "accuracy": correct / max(n, 1)})
+            res[name] = split_mean(rows, name, 0)
         out[t] = res
     return out
 

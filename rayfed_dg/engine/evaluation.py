@@ -27,7 +27,7 @@ EVAL_CHUNK = 2048
 
 
 def evaluate_global(pool: WorkerPool, federation: int, global_ref: Any, split: FederatedSplit,
-                    own_state: dict[int, dict[str, np.ndarray]], batch_size: int, r: int) -> list[dict]:
+                    own_state: dict[int, dict[str, np.ndarray]], batch_size: int, r: int) -> list[MetricRow]:
     """Metric rows of round ``r``; ``own_state``: client -> its local state,
     for the clients whose own model is evaluated (empty: none)."""
     sets: list[tuple[Split, str, int | None, np.ndarray]] = \
@@ -46,7 +46,7 @@ def evaluate_global(pool: WorkerPool, federation: int, global_ref: Any, split: F
     for name, dom, cid, _ in sets:
         parts = [out[j] for j in jobs if j[:3] == (name, dom, cid)]
         correct, loss, cnt = (sum(p[i] for p in parts) for i in range(3))
-        rows.append(MetricRow(r, Split(name), dom, cid, correct / max(cnt, 1), loss / max(cnt, 1), cnt).row())
+        rows.append(MetricRow(r, Split(name), dom, cid, correct / max(cnt, 1), loss / max(cnt, 1), cnt))
     return rows
 
 

@@ -3,9 +3,8 @@ set of actors.
 
 ``plan_experiment`` resolves and checks everything before anything is
 written (the dataset's targets, each row's config and splits, each seed,
-the worker pools); ``run_planned`` runs it into a run directory.  The CLI,
-and any script that wants the CLI's runs (benches, notebooks), go through
-these two.  Actors start once (``host.HostPool``): the first federation pays
+the worker pools); ``run_planned`` runs it into a run directory (the run
+service, ``service.py``, calls both).  Actors start once (``host.HostPool``): the first federation pays
 for the processes, every later one only for building its model.
 
 ``run_trial`` is a Tune trial's experiment: one federation for one target,
@@ -13,7 +12,6 @@ on actors of its own placed in the trial's placement group.
 """
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,15 +20,15 @@ from pathlib import Path
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rayfed_dg.config import ExperimentConfig, save_config
+from rayfed_dg.config import ExperimentConfig
 from rayfed_dg.data import DomainDataset, FederatedSplit
-from rayfed_dg.utils import write_text
 
 from .host import EngineHost, HostPool
 from .plan import clients_per_round, load_data, preflight, resolve_variants, split_for
 from .records import RoundResult
 from .resources import ensure_workers
 from .run import TargetResult, run_experiment, run_federation
+from .rundir import RunDir
 
 
 @dataclass
@@ -54,12 +52,9 @@ class Experiment:
     def labels(self) -> list[str]:
         return list(dict.fromkeys(r.label for r in self.rows))
 
-    def seed_dir(self, run_dir: Path, row: Row) -> Path:
-        return run_dir if row.seed is None else run_dir / f"seed{row.seed}"
-
-    def row_dir(self, run_dir: Path, row: Row) -> Path:
+    def row_dir(self, run_dir: RunDir, row: Row) -> RunDir:
         """Where ``run_planned`` writes ``row``: ``[seed<S>/][<label>/]``."""
-        return self.seed_dir(run_dir, row) / row.label if len(self.labels) > 1 else self.seed_dir(run_dir, row)
+        return run_dir.seed(row.seed).row(row.label, len(self.labels) > 1)
 
 
 def plan_experiment(cfgs: list[tuple[int | None, ExperimentConfig]], ds: DomainDataset,
@@ -77,28 +72,21 @@ def plan_experiment(cfgs: list[tuple[int | None, ExperimentConfig]], ds: DomainD
     return Experiment(ds, targets, dict(cfgs), rows)
 
 
-def run_planned(exp: Experiment, run_dir: Path, progress: bool = True) -> dict[int | None, dict[str, dict]]:
-    """Run every row into ``run_dir`` (``seed<S>/`` per seed, ``<label>/`` per
-    row when there are several); returns {seed: {label: summary}}."""
-    many = len(exp.labels) > 1
+def run_planned(exp: Experiment, run_dir: RunDir, progress: bool = True) -> dict[int | None, dict[str, dict]]:
+    """Run every row into its folder of ``run_dir`` (``Experiment.row_dir``);
+    returns {seed: {label: summary}}."""
     by_seed: dict[int | None, dict[str, dict]] = {}
     hosts = HostPool.planned([ray.put(exp.ds.images), ray.put(exp.ds.labels)], [(r.cfg, r.splits) for r in exp.rows])
     try:
         for row in exp.rows:
-            sdir = exp.seed_dir(run_dir, row)
-            sdir.mkdir(parents=True, exist_ok=True)
-            if not (sdir / "config.yaml").exists():
-                save_config(exp.configs[row.seed], sdir / "config.yaml")
             sub = exp.row_dir(run_dir, row)
-            sub.mkdir(parents=True, exist_ok=True)
+            sub.path.mkdir(parents=True, exist_ok=True)
             what = "" if row.seed is None else f"seed {row.seed}, "
-            print(f"== {row.label}: {what}{len(exp.targets)} target(s), {row.cfg.training.rounds} rounds -> {sub}",
-                  file=sys.stderr)
-            summaries = by_seed.setdefault(row.seed, {})
-            summaries[row.label] = run_experiment(row.cfg, exp.ds, exp.targets, sub, progress=progress,
-                                                  splits=row.splits, label=row.label, hosts=hosts)
-            if many and len(summaries) == len(exp.labels):
-                write_text(json.dumps(summaries, indent=2), sdir / "summary.json")
+            print(f"== {row.label}: {what}{len(exp.targets)} target(s), {row.cfg.training.rounds} rounds -> "
+                  f"{sub.path}", file=sys.stderr)
+            by_seed.setdefault(row.seed, {})[row.label] = run_experiment(
+                row.cfg, exp.ds, exp.targets, sub.path, progress=progress, splits=row.splits, label=row.label,
+                hosts=hosts)
     finally:
         hosts.close()
     return by_seed

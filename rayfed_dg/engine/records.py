@@ -1,26 +1,28 @@
 """Typed records of a round and the two stores the server keeps.
 
 ``ClientTask``   what a worker needs to run one client in one round
-``MetricRow``, ``ClientRow``, ``LedgerRow``  one row of the run's three
-                 tables (``metrics``, ``clients``, ``ledger``), built typed and
-                 handed on as plain dicts (``.row()``), the tables' format
+``MetricRow``, ``ClientRow``, ``LedgerRow``, ``DropRow``  one row of a
+                 round's records, typed from where they are made to the
+                 writer: ``table_rows`` is the one place they become the
+                 run directory's table rows (``.row()``, plus the target)
 ``Split``        the metrics table's split names
 ``RoundResult``  what ``Server.run_round`` returns to the driver
-``Ledger``       what crossed the wire: rows (round, client, direction,
-                 group, tensors, bytes), one per tensor group
+``Ledger``       what crossed the wire: ``LedgerRow``s (round, client,
+                 direction, group, tensors, bytes), one per tensor group
 ``ClientStore``  each client's persistent local state between rounds
-``RecordTables``  the run directory's tables, appended one Parquet part file
-                 per (target, round), so a killed run keeps every finished round
+``TABLES``       the tables' columns; ``split_means`` / ``split_mean`` the
+                 mean accuracy of a split per round, read from table rows
 
 (``ClientUpdate``, what a training task returns, is defined with the method
-hooks in ``methods/base.py``, since ``after_round`` receives it.)
+hooks in ``methods/base.py``, since ``after_round`` receives it.  The run
+directory that holds the tables is ``rundir.RunDir``.)
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -95,13 +97,21 @@ class LedgerRow(_Row):
 
 
 @dataclass
+class DropRow(_Row):
+    """A sampled client whose training failed for good in a round."""
+    round: int
+    client: int
+    reason: str
+
+
+@dataclass
 class RoundResult:
     round: int
     sampled: list[int]
-    dropped: list[dict]  # {"round", "client", "reason"}
-    metrics: list[dict]  # ``MetricRow.row()``s
-    ledger: list[dict]  # ``LedgerRow.row()``s
-    clients: list[dict]  # ``ClientRow.row()``s, one per sampled client
+    dropped: list[DropRow]
+    metrics: list[MetricRow]
+    ledger: list[LedgerRow]
+    clients: list[ClientRow]  # one per sampled client
     train_loss: float
     tasks_retried: int  # over the run so far: failures the tasks caused themselves (seeded, so reproducible)
     seconds_train: float
@@ -115,10 +125,10 @@ class Ledger:
 
     def __init__(self, round: int):
         self.round = round
-        self.rows: list[dict] = []
+        self.rows: list[LedgerRow] = []
 
     def add(self, client: int, direction: str, group: str, nbytes: int, tensors: int = 1) -> None:
-        self.rows.append(LedgerRow(self.round, int(client), direction, group, int(tensors), int(nbytes)).row())
+        self.rows.append(LedgerRow(self.round, int(client), direction, group, int(tensors), int(nbytes)))
 
     @staticmethod
     def group_sizes(arrays: dict[str, np.ndarray], group_of: Callable[[str], str]) -> list[tuple[str, int, int]]:
@@ -142,8 +152,8 @@ class Ledger:
         for name, arr in sorted(payload.items()):
             self.add(client, direction, f"{prefix}:{name}", int(np.asarray(arr).nbytes))
 
-    def sorted_rows(self) -> list[dict]:
-        return sorted(self.rows, key=lambda x: (x["client"], x["direction"], x["group"]))
+    def sorted_rows(self) -> list[LedgerRow]:
+        return sorted(self.rows, key=lambda x: (x.client, x.direction, x.group))
 
 
 class ClientStore:
@@ -187,65 +197,36 @@ def table_schema(name: str):
     return pa.schema([(col, pa.type_for_alias(t)) for col, t in TABLES[name]])
 
 
-def part_name(target: str, round: int) -> str:
-    return f"{target}-r{round:05d}.parquet"
+def _table(target: str, rows: Iterable[_Row], **extra: Any) -> list[dict]:
+    return [dict(r.row(), target=target, **extra) for r in rows]
 
 
-class RecordTables:
-    """The run directory's tables, written as the run goes.
-
-    Table ``name`` is the folder ``<run_dir>/<name>.parquet/`` holding one
-    Parquet part file per (target, round), ``<target>-r<round:05d>.parquet``
-    (round 0: what a data stage exchanged before round 1).  Each part is
-    written atomically (a hidden temporary file renamed into place), so a run
-    killed at any moment leaves every finished round readable and never a
-    half-written part; a resumed run writes the rounds it repeats under the
-    same names, so no row is ever duplicated.  ``pyarrow.parquet.read_table``
-    (or pandas / DuckDB / Polars) reads such a folder as one table;
-    ``read_table`` here does so in a fixed order (target, round)."""
-
-    def __init__(self, run_dir: Path):
-        self.run_dir = Path(run_dir)
-
-    def write(self, name: str, target: str, round: int, rows: list[dict]) -> None:
-        if not rows:
-            return
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        from rayfed_dg.utils import atomic_write_with
-
-        folder = self.run_dir / f"{name}.parquet"
-        folder.mkdir(exist_ok=True)
-        schema = table_schema(name)
-        table = pa.Table.from_pylist([dict(r, target=target) for r in rows], schema=schema)
-        atomic_write_with(folder / part_name(target, round), lambda buf: pq.write_table(table, buf))
-
-    def write_round(self, target: str, round: int, tables: dict[str, list[dict]]) -> None:
-        for name, rows in tables.items():
-            self.write(name, target, round, rows)
+def table_rows(target: str, out: RoundResult) -> dict[str, list[dict]]:
+    """A round's rows of the run directory's tables, by table: where typed
+    rows become plain ones and get their target (a dropped client is a
+    ledger row of group ``dropped``; every metric row counts the round's
+    drops)."""
+    drops = [LedgerRow(d.round, d.client, "up", "dropped", 0, 0) for d in out.dropped]
+    return {"metrics": _table(target, out.metrics, clients_dropped=len(out.dropped)),
+            "ledger": _table(target, out.ledger + drops), "clients": _table(target, out.clients)}
 
 
-def _part_key(p: Path) -> tuple[str, int]:
-    target, _, rnd = p.stem.rpartition("-r")
-    return target, int(rnd) if rnd.isdigit() else -1
+def stage_rows(target: str, ledger: list[LedgerRow]) -> dict[str, list[dict]]:
+    """The data stages' ledger rows (round 0) as table rows."""
+    return {"ledger": _table(target, ledger)}
 
 
-def read_table(run_dir: Path, name: str):
-    """Table ``name`` of a run directory as one Arrow table (part files in
-    (target, round) order; a single file of an older run as it is)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    path = Path(run_dir) / f"{name}.parquet"
-    schema = table_schema(name)
-    if path.is_file():
-        return pq.read_table(path)
-    parts = sorted(path.glob("*.parquet"), key=_part_key) if path.is_dir() else []
-    if not parts:
-        return schema.empty_table()
-    return pa.concat_tables([pq.read_table(p, schema=schema) for p in parts])
+def split_means(rows: Iterable[Mapping[str, Any]], split: str) -> dict[int, float]:
+    """{round: mean accuracy over the rows of ``split``} (means over domains,
+    or clients for ``personal_val``) from one target's metrics table rows,
+    by round: what selection, progress, reports and plots read."""
+    per_round: dict[int, list[float]] = defaultdict(list)
+    for r in rows:
+        if r["split"] == split:
+            per_round[int(r["round"])].append(float(r["accuracy"]))
+    return {rnd: sum(v) / len(v) for rnd, v in sorted(per_round.items())}
 
 
-def read_rows(run_dir: Path, name: str) -> list[dict]:
-    return read_table(run_dir, name).to_pylist()
+def split_mean(rows: Iterable[Mapping[str, Any]], split: str, round: int) -> float | None:
+    """``split_means`` at one round; None when that round did not evaluate ``split``."""
+    return split_means((r for r in rows if int(r["round"]) == round), split).get(round)

@@ -4,36 +4,14 @@ The driver holds no model and does no training: it puts the decoded dataset
 in the object store once per run, starts one server actor per target domain
 (which starts its worker pool), calls ``run_round`` and hands each
 ``RoundResult`` to the round callbacks (progress bar, run-directory writer,
-a Tune reporter).  Records of a run directory:
-
-``config.yaml``        the resolved config
-``metrics.parquet/``   target, round, split (source_val | target_test |
-                       personal_val | source_test | heldout_val), domain,
-                       client (personal_val only),
-                       accuracy, loss, samples, clients_dropped
-``ledger.parquet/``    target, round, client, direction (up | down), group,
-                       tensors, bytes (a dropped client: group ``dropped``)
-``clients.parquet/``   target, round, client, domain, samples, local_steps,
-                       train_loss, seconds, bytes_up, bytes_down, retried,
-                       dropped, drop_reason: one row per sampled client
-``summary.json``       per target: selected round (by mean source-validation
-                       accuracy), its source-val and target accuracy
-``tensorboard/<target>/``  TensorBoard scalars per round (``output.tensorboard``)
-``best_<target>.pt``   global weights of the selected round
-``final_<target>.pt``  global weights after the last round
-``checkpoints/<target>/round_*.pt``  resumable state every
-                       ``output.checkpoint_every`` rounds
-
-The three tables are folders of Parquet part files, one per (target, round),
-each written atomically before that round's checkpoint (``records.py``):
-a run killed at any point keeps every finished round readable, and a resumed
-run rewrites the rounds it repeats under the same names (no duplicate rows).
+a Tune reporter).  What goes where in
+the run directory, and in which order, is ``rundir.RunDir``'s: the round's
+table rows reach disk before its checkpoint, so a run killed at any point
+keeps every finished round readable and a resumed run rewrites the rounds it
+repeats under the same names (no duplicate rows).
 """
 from __future__ import annotations
 
-import json
-import os
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -43,30 +21,22 @@ import numpy as np
 import ray
 import torch
 
-from rayfed_dg.config import ConfigError, ExperimentConfig, save_config
+from rayfed_dg.config import ConfigError, ExperimentConfig
 from rayfed_dg.data import DomainDataset, FederatedSplit
-from rayfed_dg.utils import atomic_write_with, render_table, write_text
+from rayfed_dg.utils import atomic_write_with, render_table
 
 from .checkpoint import load_latest, save_checkpoint
 from .host import EngineHost, HostPool
 from .plan import clients_per_round, make_splits
-from .records import RecordTables, RoundResult, Split
+from .records import RoundResult, Split, split_mean, stage_rows, table_rows
 from .resources import ensure_workers, init_ray
+from .rundir import RunDir
 from .selection import select_round
 
 
 def save_weights(state: dict[str, np.ndarray], path: Path) -> None:
     atomic_write_with(path, lambda buf: torch.save({k: torch.from_numpy(np.array(v)) for k, v in state.items()},
                                                    buf))
-
-
-def round_records(target: str, out: RoundResult) -> dict[str, list[dict]]:
-    """A round's rows of the run-directory tables (``records.TABLES``)."""
-    ledger = [dict(x, target=target) for x in out.ledger]
-    ledger += [{"round": out.round, "client": d["client"], "direction": "up", "group": "dropped",
-                "tensors": 0, "bytes": 0, "target": target} for d in out.dropped]
-    return {"metrics": [dict(m, target=target, clients_dropped=len(out.dropped)) for m in out.metrics],
-            "ledger": ledger, "clients": [dict(c, target=target) for c in out.clients]}
 
 
 @dataclass
@@ -87,31 +57,33 @@ class TargetResult:
     setup_info: dict = field(default_factory=dict)
 
     def add_round(self, out: RoundResult) -> bool:
-        """Fold one round's records in; True when it is the new selected round."""
-        t = self.target
+        """Fold one round's records in (as the run directory's table rows);
+        True when it is the new selected round."""
         self.rounds_done, self.tasks_retried, self.tasks_rerun = out.round, out.tasks_retried, out.tasks_rerun
         self.seconds_per_round.append(out.seconds_total)
         self.seconds_clients_per_round.append(out.seconds_clients)
-        rec = round_records(t, out)
-        rows = rec["metrics"]
-        self.metrics += rows
-        self.ledger += rec["ledger"]
-        self.clients += rec["clients"]
-        self.dropped += [dict(x, target=t) for x in out.dropped]
-        best, best_val = select_round(self.metrics) if rows else (None, None)
+        rows = table_rows(self.target, out)
+        self.metrics += rows["metrics"]
+        self.ledger += rows["ledger"]
+        self.clients += rows["clients"]
+        self.dropped += [dict(d.row(), target=self.target) for d in out.dropped]
+        best, best_val = select_round(self.metrics) if out.metrics else (None, None)
         if best != out.round:
             return False
         self.selected_round, self.selected_val = best, best_val
-        self.selected_target_acc = float(np.mean([m["accuracy"] for m in rows if m["split"] == Split.TARGET_TEST]))
+        self.selected_target_acc = self.mean(Split.TARGET_TEST, out.round)
         return True
 
+    def mean(self, split: Split, round: int) -> float | None:
+        """Mean accuracy of ``split`` at ``round`` (None: not evaluated then)."""
+        return split_mean(self.metrics, split, round)
+
     def summary(self) -> dict:
-        personal = [m["accuracy"] for m in self.metrics
-                    if m["split"] == Split.PERSONAL_VAL and m["round"] == self.selected_round]
         return {"selected_round": self.selected_round, "source_val_acc": self.selected_val,
                 "target_acc": self.selected_target_acc,
                 # each client's own model (methods with client-local state) at the selected round, mean over clients
-                "personal_val_acc": float(np.mean(personal)) if personal else None,
+                "personal_val_acc": None if self.selected_round is None else
+                self.mean(Split.PERSONAL_VAL, self.selected_round),
                 "final_target_acc": next((m["accuracy"] for m in reversed(self.metrics)
                                           if m["split"] == Split.TARGET_TEST), None),
                 "clients_dropped": len(self.dropped), "tasks_retried": self.tasks_retried,
@@ -139,11 +111,10 @@ class ProgressBar:
                         unit="round", leave=True)
 
     def on_round(self, out, res, new_best, server_state):
-        src = [m["accuracy"] for m in out.metrics if m["split"] == Split.SOURCE_VAL]
-        tgt = [m["accuracy"] for m in out.metrics if m["split"] == Split.TARGET_TEST]
+        src, tgt = res.mean(Split.SOURCE_VAL, out.round), res.mean(Split.TARGET_TEST, out.round)
         post = {"loss": f"{out.train_loss:.3f}"}
-        if src:
-            post |= {"src_val": f"{100 * np.mean(src):.1f}%", "target": f"{100 * np.mean(tgt):.1f}%"}
+        if src is not None:
+            post |= {"src_val": f"{100 * src:.1f}%", "target": f"{100 * tgt:.1f}%"}
         if out.dropped:
             post["dropped"] = len(out.dropped)
         self.bar.set_postfix(post)
@@ -155,14 +126,14 @@ class ProgressBar:
 
 class RecordWriter:
     """The round's rows of ``metrics``, ``ledger`` and ``clients`` as part
-    files (``records.RecordTables``); runs before ``RunDirWriter``, so a
+    files (``RunDir.write_round``); runs before ``RunDirWriter``, so a
     checkpoint never covers a round whose rows are not on disk."""
 
-    def __init__(self, run_dir: Path, target: str):
-        self.tables, self.target = RecordTables(run_dir), target
+    def __init__(self, run_dir: RunDir, target: str):
+        self.run_dir, self.target = run_dir, target
 
     def on_round(self, out, res, new_best, server_state):
-        self.tables.write_round(self.target, out.round, round_records(self.target, out))
+        self.run_dir.write_round(self.target, out.round, table_rows(self.target, out))
 
     def close(self):
         pass
@@ -172,7 +143,7 @@ class RunDirWriter:
     """Best and final weights, and resumable checkpoints every
     ``output.checkpoint_every`` rounds (and at the last round)."""
 
-    def __init__(self, cfg: ExperimentConfig, run_dir: Path, target: str):
+    def __init__(self, cfg: ExperimentConfig, run_dir: RunDir, target: str):
         self.cfg, self.run_dir, self.target = cfg, run_dir, target
 
     def on_round(self, out, res, new_best, server_state):
@@ -183,11 +154,11 @@ class RunDirWriter:
             return
         state = server_state()
         if best:
-            save_weights(state["global_state"], self.run_dir / f"best_{self.target}.pt")
+            save_weights(state["global_state"], self.run_dir.weights("best", self.target))
         if last:
-            save_weights(state["global_state"], self.run_dir / f"final_{self.target}.pt")
+            save_weights(state["global_state"], self.run_dir.weights("final", self.target))
         if ckpt:
-            save_checkpoint(self.run_dir / "checkpoints" / self.target, r, {"server": state, "result": asdict(res)})
+            save_checkpoint(self.run_dir.checkpoints(self.target), r, {"server": state, "result": asdict(res)})
 
     def close(self):
         pass
@@ -208,8 +179,8 @@ class OnRound:
 
 # ------------------------------------------------------------------ federation
 
-def _resume(run_dir: Path | None, target: str) -> tuple[TargetResult, dict | None]:
-    ckpt_dir = run_dir / "checkpoints" / target if run_dir is not None else None
+def _resume(run_dir: RunDir | None, target: str) -> tuple[TargetResult, dict | None]:
+    ckpt_dir = run_dir.checkpoints(target) if run_dir is not None else None
     state = load_latest(ckpt_dir) if ckpt_dir is not None and ckpt_dir.exists() else None
     if state is None:
         return TargetResult(target), None
@@ -230,12 +201,13 @@ def _open(host: EngineHost, cfg, split, num_classes, state):
 def _rounds(host, cfg, split, num_classes, state, res, run_dir, progress, on_round, stop_after, tensorboard):
     server, setup = _open(host, cfg, split, num_classes, state)
     if state is None:
-        res.ledger += [dict(x, target=split.target) for x in setup["ledger"]]
+        rows = stage_rows(split.target, setup["ledger"])
+        res.ledger += rows["ledger"]
         if run_dir is not None:
-            RecordTables(run_dir).write("ledger", split.target, 0, setup["ledger"])
+            run_dir.write_round(split.target, 0, rows)
     res.setup_info = setup["info"]
     if tensorboard is None and run_dir is not None and cfg.output.tensorboard:
-        tensorboard = run_dir / "tensorboard"
+        tensorboard = run_dir.tensorboard()
     callbacks: list[Any] = [ProgressBar(cfg, res)] if progress else []
     # order: the round's rows reach disk before its checkpoint (a resume never skips a round's rows)
     callbacks += [RecordWriter(run_dir, split.target)] if run_dir is not None else []
@@ -248,7 +220,7 @@ def _rounds(host, cfg, split, num_classes, state, res, run_dir, progress, on_rou
     if run_dir is not None and (cfg.output.wandb is not None or cfg.output.mlflow is not None):
         from .trackers import tracker_callbacks  # W&B / MLflow: imported only when the config asks for them
 
-        callbacks += tracker_callbacks(cfg, run_dir, split.target)
+        callbacks += tracker_callbacks(cfg, run_dir.path, split.target)
     callbacks += [RunDirWriter(cfg, run_dir, split.target)] if run_dir is not None else []
     callbacks += [OnRound(on_round)] if on_round is not None else []
     try:
@@ -276,7 +248,8 @@ def run_federation(cfg: ExperimentConfig, split: FederatedSplit, images_ref, lab
     starts its own, sized against the cluster, and ends them.  TensorBoard
     scalars go to ``tensorboard/<target>`` (default, with
     ``output.tensorboard``: ``run_dir/tensorboard``)."""
-    res, state = _resume(run_dir, split.target)
+    rd = None if run_dir is None else RunDir(run_dir)
+    res, state = _resume(rd, split.target)
     if res.rounds_done >= cfg.training.rounds:
         return res
     own = host is None
@@ -284,7 +257,7 @@ def run_federation(cfg: ExperimentConfig, split: FederatedSplit, images_ref, lab
         host = EngineHost(cfg.engine, [images_ref, labels_ref],
                           ensure_workers(cfg.engine, clients_per_round(cfg, split)))
     try:
-        _rounds(host, cfg, split, num_classes, state, res, run_dir, progress, on_round, stop_after, tensorboard)
+        _rounds(host, cfg, split, num_classes, state, res, rd, progress, on_round, stop_after, tensorboard)
     finally:
         if own:
             host.close()
@@ -293,38 +266,25 @@ def run_federation(cfg: ExperimentConfig, split: FederatedSplit, images_ref, lab
 
 # ------------------------------------------------------------------ experiment
 
-def make_run_dir(cfg: ExperimentConfig, run_dir: str | Path | None) -> Path:
-    if run_dir is None:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        run_dir = Path(cfg.output.root) / f"{cfg.output.name}-{stamp}"
-    run_dir = Path(run_dir)
-    if run_dir.exists() and any(run_dir.iterdir()):
-        raise ConfigError(f"run directory {run_dir} already exists and is not empty; "
-                          "choose another --run-dir, or continue it with --resume")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    os.chmod(run_dir, 0o755)
-    return run_dir
-
-
-def check_resume_dir(cfg: ExperimentConfig, run_dir: Path) -> None:
+def check_resume_dir(cfg: ExperimentConfig, run_dir: RunDir) -> None:
     """A run directory can be resumed only with the config that made it."""
     from rayfed_dg.config import load_config
 
-    saved = run_dir / "config.yaml"
-    if not saved.is_file():
-        raise ConfigError(f"--resume {run_dir}: no config.yaml there; not a rayfed-dg run directory")
-    legacy = [p.name for name in ("metrics.parquet", "ledger.parquet") for p in run_dir.rglob(name) if p.is_file()]
+    if not run_dir.has_config():
+        raise ConfigError(f"--resume {run_dir.path}: no config.yaml there; not a rayfed-dg run directory")
+    legacy = [p.name for name in ("metrics.parquet", "ledger.parquet") for p in run_dir.path.rglob(name)
+              if p.is_file()]
     if legacy:
-        raise ConfigError(f"--resume {run_dir}: its {legacy[0]} is one file, written by an older rayfed-dg "
+        raise ConfigError(f"--resume {run_dir.path}: its {legacy[0]} is one file, written by an older rayfed-dg "
                           "(records are now folders of per-round parts); start a new run")
-    old = load_config(saved).to_dict()
+    old = load_config(run_dir.config_path).to_dict()
     new = cfg.to_dict()
     diff = sorted(f"{s}.{k}" for s in new if s != "output" for k in (new[s] or {}) if isinstance(new[s], dict)
                   and (old.get(s) or {}).get(k) != new[s][k])
     if new.get("compare") != old.get("compare"):
         diff.append("compare")
     if diff:
-        raise ConfigError(f"--resume {run_dir}: that run used a different config ({', '.join(diff[:4])} differ); "
+        raise ConfigError(f"--resume {run_dir.path}: that run used a different config ({', '.join(diff[:4])} differ); "
                           "resume with the same config and --set values")
 
 
@@ -337,8 +297,7 @@ def run_experiment(cfg: ExperimentConfig, ds: DomainDataset, targets: list[str],
     them, this row starts its own and ends them."""
     splits = splits or make_splits(cfg, ds, targets)
     init_ray(cfg)
-    if not (run_dir / "config.yaml").exists():
-        save_config(cfg, run_dir / "config.yaml")
+    RunDir(run_dir).write_config(cfg)
     own = hosts is None
     if hosts is None:
         hosts = HostPool.planned([ray.put(ds.images), ray.put(ds.labels)], [(cfg, splits)])
@@ -356,7 +315,7 @@ def run_experiment(cfg: ExperimentConfig, ds: DomainDataset, targets: list[str],
     summary["label"] = label or cfg.method.label or cfg.method.name
     summary["seed"] = cfg.training.seed
     summary["stages"] = {name: sc.raw_params() for name, sc in cfg.stages.items() if sc is not None}
-    write_text(json.dumps(summary, indent=2), run_dir / "summary.json")
+    RunDir(run_dir).write_summary(summary)
     return summary
 
 

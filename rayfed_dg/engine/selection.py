@@ -22,19 +22,9 @@ hand-made records (``tests/test_selection.py``).
 """
 from __future__ import annotations
 
-from collections import defaultdict
-
 import numpy as np
 
-from .records import Split
-
-
-def _mean_by_round(rows: list[dict], split: str) -> dict[int, float]:
-    per_round: dict[int, list[float]] = defaultdict(list)
-    for r in rows:
-        if r["split"] == split:
-            per_round[int(r["round"])].append(float(r["accuracy"]))
-    return {rnd: sum(v) / len(v) for rnd, v in sorted(per_round.items())}
+from .records import Split, split_means
 
 
 def _argmax_first(values: dict[int, float]) -> int | None:
@@ -59,21 +49,21 @@ class TrainingDomainValidation(SelectionRule):
     name, label = "training_domain", "training-domain validation"
 
     def choose(self, rows):
-        return _argmax_first(_mean_by_round(rows, Split.SOURCE_VAL))
+        return _argmax_first(split_means(rows, Split.SOURCE_VAL))
 
 
 class HeldOutDomainValidation(SelectionRule):
     name, label, needs = "heldout_domain", "held-out-domain validation", Split.HELDOUT_VAL
 
     def choose(self, rows):
-        return _argmax_first(_mean_by_round(rows, Split.HELDOUT_VAL))
+        return _argmax_first(split_means(rows, Split.HELDOUT_VAL))
 
 
 class LastRound(SelectionRule):
     name, label = "last_round", "last round"
 
     def choose(self, rows):
-        evaluated = _mean_by_round(rows, Split.TARGET_TEST)
+        evaluated = split_means(rows, Split.TARGET_TEST)
         return max(evaluated) if evaluated else None
 
 
@@ -82,7 +72,7 @@ class TestDomainOracle(SelectionRule):
     name, label, upper_bound = "oracle", "test-domain oracle (upper bound)", True
 
     def choose(self, rows):
-        return _argmax_first(_mean_by_round(rows, Split.TARGET_TEST))
+        return _argmax_first(split_means(rows, Split.TARGET_TEST))
 
 
 RULES: tuple[SelectionRule, ...] = (TrainingDomainValidation(), HeldOutDomainValidation(), LastRound(),
@@ -97,7 +87,7 @@ def select(rows: list[dict], rule: SelectionRule) -> dict | None:
     rnd = rule.choose(rows)
     if rnd is None:
         return None
-    at = {s: _mean_by_round(rows, s).get(rnd) for s in (Split.SOURCE_VAL, Split.TARGET_TEST, Split.SOURCE_TEST,
+    at = {s: split_means(rows, s).get(rnd) for s in (Split.SOURCE_VAL, Split.TARGET_TEST, Split.SOURCE_TEST,
                                                          Split.PERSONAL_VAL)}
     return {"round": rnd, "source_val": at[Split.SOURCE_VAL], "target_acc": at[Split.TARGET_TEST],
             "source_test": at[Split.SOURCE_TEST], "personal_val": at[Split.PERSONAL_VAL]}
@@ -106,7 +96,7 @@ def select(rows: list[dict], rule: SelectionRule) -> dict | None:
 def select_round(rows: list[dict]) -> tuple[int | None, float | None]:
     """The training-domain-validation round and its mean source-validation accuracy."""
     rnd = TrainingDomainValidation().choose(rows)
-    return rnd, (None if rnd is None else _mean_by_round(rows, Split.SOURCE_VAL)[rnd])
+    return rnd, (None if rnd is None else split_means(rows, Split.SOURCE_VAL)[rnd])
 
 
 def mean_se(values: list[float]) -> tuple[float, float | None]:

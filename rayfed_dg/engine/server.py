@@ -42,7 +42,7 @@ from .evaluation import evaluate_global
 from .federation import Federation
 from .phases import RoundWork, run_phases
 from .pool import WorkerPool
-from .records import ClientRow, Ledger, RoundResult
+from .records import ClientRow, DropRow, Ledger, MetricRow, RoundResult
 from .stagehost import run_stages
 
 
@@ -139,7 +139,7 @@ class Server:
         every = fed.cfg.evaluation.every
         metrics = self.evaluate(work) if (every and r % every == 0) or r == fed.cfg.training.rounds else []
         return RoundResult(
-            round=r, sampled=sampled, dropped=[{"round": r, "client": c, "reason": why} for c, why in dropped],
+            round=r, sampled=sampled, dropped=[DropRow(r, c, why) for c, why in dropped],
             metrics=metrics, ledger=ledger.sorted_rows(),
             clients=self._client_rows(r, sampled, updates, dict(dropped), retries, ledger),
             train_loss=float(np.mean([u.train_loss for u in results])), tasks_retried=self.pool.retried,
@@ -147,11 +147,11 @@ class Server:
             seconds_train=seconds_train, seconds_total=time.perf_counter() - t0, seconds_clients=seconds_clients)
 
     def _client_rows(self, r: int, sampled: list[int], updates: dict[int, ClientUpdate], dropped: dict[int, str],
-                     retries: dict[int, int], ledger: Ledger) -> list[dict]:
+                     retries: dict[int, int], ledger: Ledger) -> list[ClientRow]:
         """One ``ClientRow`` per sampled client; its bytes from the round's ledger."""
         wire: dict[tuple[int, str], int] = {}
         for row in ledger.rows:
-            wire[row["client"], row["direction"]] = wire.get((row["client"], row["direction"]), 0) + row["bytes"]
+            wire[row.client, row.direction] = wire.get((row.client, row.direction), 0) + row.bytes
         sizes = self.split.client_sizes()
         rows = []
         for cid in sampled:
@@ -162,10 +162,10 @@ class Server:
                 local_steps=u.steps if u is not None else 0,
                 train_loss=u.train_loss if u is not None else None, seconds=u.seconds if u is not None else None,
                 bytes_up=wire.get((cid, "up"), 0), bytes_down=wire.get((cid, "down"), 0),
-                retried=retries.get(cid, 0), dropped=u is None, drop_reason=dropped.get(cid)).row())
+                retried=retries.get(cid, 0), dropped=u is None, drop_reason=dropped.get(cid)))
         return rows
 
-    def evaluate(self, work: RoundWork) -> list[dict]:
+    def evaluate(self, work: RoundWork) -> list[MetricRow]:
         run_phases(Slot.AT_EVALUATION, work)
         return evaluate_global(self.pool, self.fed.id, self.global_ref, self.split, work.own,
                                self.fed.cfg.evaluation.batch_size, work.round)

@@ -38,8 +38,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from .records import RoundResult, Split
 
 TAGS = ("accuracy/source_val", "accuracy/target", "accuracy/personal_val", "accuracy/source_test",
@@ -47,21 +45,20 @@ TAGS = ("accuracy/source_val", "accuracy/target", "accuracy/personal_val", "accu
         "comm/bytes_up", "comm/bytes_down")
 
 
-def round_scalars(out: RoundResult) -> dict[str, float]:
-    """The round's scalars, by tag (see the module docstring)."""
-    acc: dict[str, list[float]] = {}
-    for m in out.metrics:
-        acc.setdefault(m["split"], []).append(float(m["accuracy"]))
+def round_scalars(out: RoundResult, res: Any) -> dict[str, float]:
+    """The round's scalars, by tag (see the module docstring); its accuracies
+    from ``res``, the federation's ``run.TargetResult``."""
     s: dict[str, float] = {}
     for split, tag in ((Split.SOURCE_VAL, "accuracy/source_val"), (Split.TARGET_TEST, "accuracy/target"),
                        (Split.PERSONAL_VAL, "accuracy/personal_val"), (Split.SOURCE_TEST, "accuracy/source_test"),
                        (Split.HELDOUT_VAL, "accuracy/heldout_val")):
-        if acc.get(split):
-            s[tag] = 100 * float(np.mean(acc[split]))
+        acc = res.mean(split, out.round)
+        if acc is not None:
+            s[tag] = 100 * acc
     s["loss/train"] = float(out.train_loss)
     s["time/round_seconds"] = float(out.seconds_total)
     for direction in ("up", "down"):
-        s[f"comm/bytes_{direction}"] = float(sum(r["bytes"] for r in out.ledger if r["direction"] == direction))
+        s[f"comm/bytes_{direction}"] = float(sum(r.bytes for r in out.ledger if r.direction == direction))
     return s
 
 
@@ -84,7 +81,7 @@ class TensorBoardLogger:
         from tensorboardX.proto.event_pb2 import Event
         from tensorboardX.proto.summary_pb2 import Summary
 
-        values = [Summary.Value(tag=tag, simple_value=v) for tag, v in round_scalars(out).items()]
+        values = [Summary.Value(tag=tag, simple_value=v) for tag, v in round_scalars(out, res).items()]
         self.writer.write_event(Event(wall_time=time.time(), step=out.round, summary=Summary(value=values)))
         self.writer.flush()  # on disk before the round's checkpoint: kept if the run is killed
 

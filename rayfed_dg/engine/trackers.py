@@ -27,9 +27,8 @@ from typing import Any
 from rayfed_dg.config import ConfigError, ExperimentConfig
 
 from .records import RoundResult
+from .rundir import RUN_RECORD
 from .tblog import round_scalars
-
-RUN_RECORD = "run.json"  # the experiment's root holds it (cli.RUN_RECORD; the engine does not import the CLI)
 
 
 def _wandb():
@@ -101,7 +100,7 @@ class WandbLogger:
         self.rounds, self.last = cfg.training.rounds, 0
 
     def on_round(self, out: RoundResult, res: Any, new_best: bool, server_state) -> None:
-        self.run.log(round_scalars(out), step=out.round)
+        self.run.log(round_scalars(out, res), step=out.round)
         self.last = out.round
 
     def close(self) -> None:
@@ -139,7 +138,7 @@ class MlflowLogger:
 
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, out.round)
-                                                    for k, v in round_scalars(out).items()])
+                                                    for k, v in round_scalars(out, res).items()])
         self.last = out.round
 
     def close(self) -> None:

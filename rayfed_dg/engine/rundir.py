@@ -1,0 +1,273 @@
+"""``RunDir``: the layout of a run directory, its only writer and the reader
+every command goes through (``report``, ``evaluate``, ``plot``,
+``rayfed_dg.run`` / ``load``, ``run --resume``; a Tune trial's working
+folder too).
+
+An experiment's root holds ``run.json`` (how the run was started: targets,
+seeds, labels, rounds, config and ``--set`` values, the code's environment),
+then per training seed ``seed<S>/`` (a run with ``--seeds``; else the root
+itself), then per ``compare`` row ``<label>/`` (when there are several; else
+the seed folder itself).  Each level down to the row keeps the ``config.yaml``
+it ran with; a row (one method, one seed) holds its run:
+
+``config.yaml``        the resolved config
+``summary.json``       per target the selected round and its accuracies,
+                       plus ``average_target_acc``, ``method``, ``label``,
+                       ``seed``, ``stages`` (``run.TargetResult.summary``)
+``metrics.parquet/``, ``ledger.parquet/``, ``clients.parquet/``  the tables
+                       (``records.TABLES``), one Parquet part file per
+                       (target, round), each written atomically
+``best_<target>.pt``, ``final_<target>.pt``  global weights
+``checkpoints/<target>/round_*.pt``  resumable state
+``tensorboard/<target>/``  TensorBoard scalars (``output.tensorboard``)
+``skipped_images.txt`` images ``data.on_corrupt: skip`` left out (root)
+
+``summary.json`` has one shape, a row's.  Run directories written before
+this module also hold aggregate summaries (a compare run's ``{label:
+summary}`` beside its rows, a ``--seeds`` run's ``{"seeds": ...}`` at the
+root) and tables in one Parquet file: ``summary`` reads the former as no run
+(its rows are below) and ``read_table`` the latter as it is.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rayfed_dg.errors import ConfigError
+from rayfed_dg.utils import atomic_write_with, write_text
+
+from .records import table_schema
+
+if TYPE_CHECKING:
+    from rayfed_dg.config import ExperimentConfig
+
+RUN_RECORD = "run.json"
+CONFIG = "config.yaml"
+SUMMARY = "summary.json"
+NOT_RUNS = ("checkpoints", "tensorboard", "plots")  # folders of a run that hold no run
+
+
+def _part_key(p: Path) -> tuple[str, int]:
+    target, _, rnd = p.stem.rpartition("-r")
+    return target, int(rnd) if rnd.isdigit() else -1
+
+
+class RunDir:
+    """One folder of a run directory: an experiment's root, a seed's folder
+    or a row's (they may be the same folder).  Paths only; nothing is read
+    or written until asked."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
+
+    # ------------------------------------------------------------ layout
+
+    @classmethod
+    def create(cls, cfg: ExperimentConfig, path: str | Path | None) -> RunDir:
+        """A new, empty run directory (default ``output.root/name-timestamp``)."""
+        if path is None:
+            path = Path(cfg.output.root) / f"{cfg.output.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        path = Path(path)
+        if path.exists() and any(path.iterdir()):
+            raise ConfigError(f"run directory {path} already exists and is not empty; "
+                              "choose another --run-dir, or continue it with --resume")
+        path.mkdir(parents=True, exist_ok=True)
+        os.chmod(path, 0o755)
+        return cls(path)
+
+    def seed(self, seed: int | None) -> RunDir:
+        """A training seed's folder: ``seed<S>/``, or this one for a run without ``--seeds``."""
+        return self if seed is None else RunDir(self.path / f"seed{seed}")
+
+    def row(self, label: str, many: bool) -> RunDir:
+        """A ``compare`` row's folder within a seed's: ``<label>/`` when the experiment has several rows."""
+        return RunDir(self.path / label) if many else self
+
+    @staticmethod
+    def seed_of(name: str) -> int | None:
+        """The seed a folder named ``seed<S>`` holds, else None."""
+        m = re.fullmatch(r"seed(\d+)", name)
+        return int(m.group(1)) if m else None
+
+    def subdirs(self) -> list[RunDir]:
+        """Folders that may hold runs, in the experiment's order: seeds by
+        number, compare rows in config order, anything else by name."""
+        if not self.path.is_dir():
+            return []
+        labels = self.compare_labels()
+
+        def key(p: Path):
+            s = self.seed_of(p.name)
+            if s is not None:
+                return 0, s, ""
+            return (1, labels.index(p.name), "") if p.name in labels else (2, 0, p.name)
+
+        return [RunDir(p) for p in sorted((p for p in self.path.iterdir() if p.is_dir() and p.name not in NOT_RUNS
+                                           and not p.name.endswith(".parquet") and not p.name.startswith(".")),
+                                          key=key)]
+
+    def checkpoints(self, target: str) -> Path:
+        return self.path / "checkpoints" / target
+
+    def checkpoint(self, target: str, round: int) -> Path:
+        return self.checkpoints(target) / f"round_{round:05d}.pt"
+
+    def weights(self, kind: str, target: str) -> Path:
+        """``best`` (the selected round's) or ``final`` global weights of ``target``."""
+        return self.path / f"{kind}_{target}.pt"
+
+    def tensorboard(self) -> Path:
+        return self.path / "tensorboard"
+
+    # ------------------------------------------------------------ run.json
+
+    def write_record(self, record: dict) -> None:
+        write_text(json.dumps(record, indent=2) + "\n", self.path / RUN_RECORD)
+
+    def record(self) -> dict | None:
+        """This folder's ``run.json``; None when it has none (a seed's or a
+        row's folder, or a run made before run.json).  Unreadable: ConfigError."""
+        path = self.path / RUN_RECORD
+        if not path.is_file():
+            return None
+        try:
+            rec = json.loads(path.read_text())
+            rec["targets"], rec["seeds"] = list(rec["targets"]), rec.get("seeds")
+        except (ValueError, KeyError, TypeError):
+            raise ConfigError(f"{path} is unreadable; resume with the config, --target and --seeds the run was "
+                              "started with (rayfed-dg run CONFIG --resume RUN_DIR ...)") from None
+        return rec
+
+    def experiment(self) -> tuple[RunDir, dict] | None:
+        """(the experiment's root, its ``run.json``) for this folder or the
+        experiment it is in (a row, a seed, a seed's row); None for runs
+        made before ``run.json``."""
+        for d in [self.path, *list(self.path.parents)[:2]]:
+            rec = _json(d / RUN_RECORD)
+            if rec:
+                return RunDir(d), rec
+        return None
+
+    # ------------------------------------------------------------ config.yaml
+
+    @property
+    def config_path(self) -> Path:
+        return self.path / CONFIG
+
+    def has_config(self) -> bool:
+        return self.config_path.is_file()
+
+    def write_config(self, cfg: ExperimentConfig) -> None:
+        """The folder's ``config.yaml``, once: the first config written is the
+        one the folder was started with (a resume never rewrites it)."""
+        from rayfed_dg.config import save_config
+
+        self.path.mkdir(parents=True, exist_ok=True)
+        if not self.config_path.exists():
+            save_config(cfg, self.config_path)
+
+    def config_tree(self) -> dict:
+        """``config.yaml`` as plain YAML (no validation, no plugins): {} when absent or unreadable."""
+        import yaml
+
+        try:
+            tree = yaml.safe_load(self.config_path.read_text()) if self.config_path.is_file() else None
+        except (OSError, yaml.YAMLError):
+            return {}
+        return tree if isinstance(tree, dict) else {}
+
+    def compare_labels(self) -> list[str]:
+        """The row labels of the experiment whose config this folder holds, in
+        config order (as ``config.method_variants`` names them)."""
+        out: list[str] = []
+        seen: dict[str, int] = {}
+        for m in self.config_tree().get("compare") or []:
+            if not isinstance(m, dict):
+                continue
+            label = m.get("label") or m.get("name", "fedavg")
+            seen[label] = seen.get(label, 0) + 1
+            out.append(label if seen[label] == 1 else f"{label}-{seen[label]}")
+        return out
+
+    # ------------------------------------------------------------ summary.json
+
+    def write_summary(self, summary: dict) -> None:
+        write_text(json.dumps(summary, indent=2), self.path / SUMMARY)
+
+    def summary(self) -> dict | None:
+        """The finished row's summary; None while it runs, and for the
+        aggregate summaries older runs kept above their rows."""
+        s = _json(self.path / SUMMARY)
+        return s if "targets" in s else None
+
+    def targets(self) -> list[str]:
+        """The targets a finished row ran, in order."""
+        s = self.summary()
+        if s is None:
+            raise ConfigError(f"{self.path}: no summary.json (the run did not finish); name the targets with --target")
+        return list(s["targets"])
+
+    # ------------------------------------------------------------ tables
+
+    def has_table(self, name: str) -> bool:
+        return (self.path / f"{name}.parquet").exists()
+
+    def write_rows(self, name: str, target: str, round: int, rows: list[dict]) -> None:
+        """Table rows (``records.table_rows``) of one (target, round) as the
+        part file ``<name>.parquet/<target>-r<round:05d>.parquet``, written
+        atomically: a run killed at any moment leaves every finished round
+        readable and never a half-written part; a resumed run rewrites the
+        rounds it repeats under the same names (no duplicate rows)."""
+        if not rows:
+            return
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        folder = self.path / f"{name}.parquet"
+        folder.mkdir(exist_ok=True)
+        table = pa.Table.from_pylist(rows, schema=table_schema(name))
+        atomic_write_with(folder / f"{target}-r{round:05d}.parquet", lambda buf: pq.write_table(table, buf))
+
+    def write_round(self, target: str, round: int, tables: dict[str, list[dict]]) -> None:
+        for name, rows in tables.items():
+            self.write_rows(name, target, round, rows)
+
+    def read_table(self, name: str):
+        """Table ``name`` as one Arrow table, part files in (target, round)
+        order (a single file of an older run as it is).  Any Parquet reader
+        (pandas, DuckDB, Polars) reads the folder as one table too."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        path = self.path / f"{name}.parquet"
+        schema = table_schema(name)
+        if path.is_file():
+            return pq.read_table(path)
+        parts = sorted(path.glob("*.parquet"), key=_part_key) if path.is_dir() else []
+        if not parts:
+            return schema.empty_table()
+        return pa.concat_tables([pq.read_table(p, schema=schema) for p in parts])
+
+    def read_rows(self, name: str) -> list[dict]:
+        return self.read_table(name).to_pylist()
+
+    # ------------------------------------------------------------ other files
+
+    def write_skipped(self, files: list[str]) -> None:
+        """The images ``data.on_corrupt: skip`` left out (the loader warned, naming a few)."""
+        write_text("\n".join(files) + "\n", self.path / "skipped_images.txt")
+
+
+def _json(path: Path) -> dict[str, Any]:
+    try:
+        tree = json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, ValueError):
+        return {}
+    return tree if isinstance(tree, dict) else {}
