@@ -27,7 +27,7 @@ import ray
 
 from rayfed_dg.errors import EngineError
 
-from .dispatch import DispatchPlan, FailureLedger, Run, Verdict
+from .dispatch import Attempt, DispatchPlan, FailureLedger, Run, Verdict
 from .faults import OWN_FAULTS, DivergedError, JobFailed
 
 J = TypeVar("J", bound=Hashable)  # a job: a client id, or an evaluation chunk's key
@@ -56,6 +56,15 @@ def _settle(inflight: Mapping[Any, Any]) -> None:
             ray.get(ref)
         except Exception:
             pass
+
+
+def _apply(verdicts: list[Verdict], plan: DispatchPlan, on_result: Callable[[Any, Any], None]) -> None:
+    """A retry goes to the queue's head; a dropped job's result is None."""
+    for v in verdicts:
+        if v.again is None:
+            on_result(v.job, None)
+        else:
+            plan.requeue(v.again)
 
 
 @dataclass
@@ -181,6 +190,14 @@ class WorkerPool:
             return None
         return ready[0] if ready else None
 
+    def _send(self, w: int, group: list[Attempt], submit: Callable[[Any, Any, int], Any],
+              submit_many: Callable[[Any, list[tuple[Any, int]]], Any] | None) -> Any:
+        """The ObjectRef of a task carrying ``group`` to worker ``w``: a list
+        of jobs with ``submit_many``, else its one job."""
+        if submit_many is not None:
+            return submit_many(self.workers[w], [(q.job, q.attempt) for q in group])
+        return submit(self.workers[w], group[0].job, group[0].attempt)
+
     def _failed(self, task: _Task, err: Exception, ledger: FailureLedger) -> list[Verdict]:
         """The verdicts on a task that raised: a diverged client stops the
         run, and an error that is neither a worker's death nor the job's
@@ -212,26 +229,15 @@ class WorkerPool:
         ledger = FailureLedger(self.retries)
         self.last_retries = ledger.charged
         inflight: dict[Any, _Task] = {}
-
-        def apply(verdicts: list[Verdict]) -> None:
-            for v in verdicts:
-                if v.again is None:
-                    on_result(v.job, None)
-                else:
-                    plan.requeue(v.again)
-
         try:
             while plan.queue or inflight or ledger.awaiting:
                 while (step := plan.next(self._ready())) is not None:
-                    w, group = step
-                    runs = ledger.start(w, group)
-                    ref = (submit_many(self.workers[w], [(q.job, q.attempt) for q in group])
-                           if plan.grouping and submit_many is not None
-                           else submit(self.workers[w], group[0].job, group[0].attempt))
-                    inflight[ref] = _Task(w, runs, many=plan.grouping)
+                    runs = ledger.start(*step)
+                    ref = self._send(*step, submit, submit_many if plan.grouping else None)
+                    inflight[ref] = _Task(step[0], runs, many=plan.grouping)
                 if not inflight and not self.recovering:
                     raise EngineError("no worker left in the pool")
-                ref = self._wait(list(inflight), lambda w, died: apply(ledger.answered(w, died)))
+                ref = self._wait(list(inflight), lambda w, died: _apply(ledger.answered(w, died), plan, on_result))
                 if ref is None:
                     continue
                 task = inflight.pop(ref)
@@ -240,17 +246,17 @@ class WorkerPool:
                 try:
                     res = ray.get(ref)
                 except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as err:
-                    apply(self._failed(task, err, ledger))
+                    _apply(self._failed(task, err, ledger), plan, on_result)
                     continue
                 for run, out in zip(task.runs, res if task.many else [res]):
                     if isinstance(out, JobFailed):
-                        apply([ledger.charge(run, out.error)])
+                        _apply([ledger.charge(run, out.error)], plan, on_result)
                     else:
                         on_result(run.job, out)
         except Exception:
             _settle(inflight)
             raise
-        finally:
+        finally:  # the pool's counters span its life (the server resets them per federation)
             self.retried += ledger.retried
             self.reruns += ledger.reruns
         return ledger.dropped
