@@ -118,7 +118,7 @@ def test_the_round_tail_goes_out_in_shrinking_groups_to_idle_workers_only(ray_se
     """Largest first, small jobs grouped up to 1/32 of the map's cost (16
     tasks per worker, 2 workers) and to 1/4 of the cost still queued (guided
     self-scheduling); a second task is queued behind a running one only while
-    the queue behind it holds at least twice its cost (pool.py).  Group
+    the queue behind it holds at least twice its cost (dispatch.py).  Group
     compositions depend on the queue alone, so they are fixed whatever the
     timing: computed by hand below."""
     ray = ray_session

@@ -13,7 +13,6 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,26 +26,8 @@ from rayfed_dg.methods import ClientContext, ClientUpdate, LocalResult, build_me
 from rayfed_dg.seeding import Stream, numpy_rng, seed_int, seed_torch, torch_generator
 from rayfed_dg.stages import StageClient, build_stages
 
+from .faults import OWN_FAULTS, DivergedError, InjectedFault, JobFailed
 from .records import ClientTask
-
-
-class InjectedFault(RuntimeError):
-    pass
-
-
-class DivergedError(RuntimeError):
-    """A client's local loss became NaN or infinite: retrying would repeat it
-    (training is seeded), so the run stops instead of averaging garbage."""
-
-
-OWN_FAULTS = (InjectedFault, torch.OutOfMemoryError, MemoryError)
-
-
-@dataclass
-class JobFailed:
-    """One job's own fault inside a task that ran several (``submit_many``):
-    the task returns this in the job's place and the others' results stand."""
-    error: str
 
 
 def run_each(items: Sequence[Any], fn: Callable[[Any], Any]) -> list[Any]:
