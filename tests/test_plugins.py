@@ -1,7 +1,7 @@
 """Plugins (plugins.py): methods, stages and datasets from the user's own
 modules, named by a config's ``plugins:`` or found as installed
 ``rayfed_dg.plugins`` entry points, imported in the driver and in every
-process a config is sent to; the README's example (docs/examples/my_method.*)
+process a config is sent to; the example of docs/extending.md (docs/examples/my_method.*)
 run from outside the package."""
 import math
 import pickle

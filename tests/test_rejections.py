@@ -1,4 +1,4 @@
-"""Every row of the README's rejection table: one line, non-zero exit, nothing written.
+"""Every row of the rejection table (docs/running.md, "Bad input"): one line, non-zero exit, nothing written.
 
 Runs the CLI entry point in-process (``rayfed_dg.cli.main``) for speed; the
 subprocess tests in test_config.py and test_cli.py check the same path end

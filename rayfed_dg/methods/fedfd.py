@@ -24,7 +24,7 @@ paper (Sec. 3.2-3.3, Eq. 1-7, appendix F Tables 15-16) is the specification.
   that average as the payload ``global_stats``: the same bytes a FedAvg
   client receives for its statistics, nothing more.
 
-Where the paper is silent (our choices, also listed in the README):
+Where the paper is silent (our choices, also listed on the docs site's methods page):
 * sigma is the standard deviation sqrt(var + eps) (BN's eps 1e-5), instance
   statistics use the biased variance over H x W, as BN does;
 * gradients flow through the instance statistics (nothing is detached);
