@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from ._version import __version__
+
 __all__ = ["RunResult", "__version__", "load", "run"]
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from rayfed_dg import __version__
+from rayfed_dg._version import __version__
 from rayfed_dg.utils import render_table, run_cli, write_table, write_text
 
 

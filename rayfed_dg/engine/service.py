@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rayfed_dg._version import __version__
 from rayfed_dg.config import ConfigError, ExperimentConfig, load_config
 from rayfed_dg.utils import environment, environment_changes
 
@@ -164,8 +165,6 @@ def plan_resume(req: RunRequest, seeds: list[int] | None) -> tuple[RunDir, Confi
 def write_record(run_dir: RunDir, exp, req: RunRequest, seeds: list[int] | None) -> None:
     """``run.json`` and each seed's ``config.yaml``, before the first
     federation: what ``--resume`` and ``report`` read."""
-    from rayfed_dg import __version__
-
     for s, scfg in exp.configs.items():
         run_dir.seed(s).write_config(scfg)
     run_dir.write_record({"targets": list(exp.targets), "seeds": seeds, "labels": exp.labels,
