@@ -112,8 +112,7 @@ def trainable(trial_config: dict, *, config_path: str, fixed: list[str]) -> None
     if restored is not None:
         with restored.as_directory() as d:
             shutil.copytree(d, work.path, dirs_exist_ok=True)
-    saved_rounds = [int(p.stem.split("_")[1]) for p in work.checkpoints(target).glob("round_*.pt")]
-    last: dict = {"resumed_from_round": max(saved_rounds, default=0)}  # 0: the trial started at round 1
+    last: dict = {"resumed_from_round": max(work.saved_rounds(target), default=0)}  # 0: the trial started at round 1
     trial_dir = tune.get_context().get_trial_dir()  # Tune syncs it to the sweep folder
     tb = Path(trial_dir) / "tensorboard" if cfg.output.tensorboard and trial_dir else None
 

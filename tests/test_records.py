@@ -10,7 +10,7 @@ from conftest import tiny_cfg, tiny_federation
 
 from rayfed_dg.data import leave_one_domain_out
 from rayfed_dg.engine import ClientRunner
-from rayfed_dg.engine.records import TABLES
+from rayfed_dg.engine.records import TABLES, table_rows
 from rayfed_dg.engine.rundir import RunDir
 from rayfed_dg.engine.tblog import read_scalars
 
@@ -204,7 +204,7 @@ def test_progress_bar_and_tensorboard_show_percent():
                       tasks_retried=0, seconds_train=1.0, seconds_total=2.0)
     res = TargetResult("t")
     bar = ProgressBar(tiny_cfg(), res)
-    assert res.add_round(out)  # the one evaluated round is the selected one
+    assert res.add_round(out, table_rows("t", out))  # the one evaluated round is the selected one
     bar.on_round(out, res, True, dict)
     assert "src_val=37.5%" in bar.bar.postfix and "target=12.5%" in bar.bar.postfix, bar.bar.postfix
     bar.close()

@@ -186,7 +186,8 @@ def test_target_result_reads_the_selected_round_through_the_helper():
     from rayfed_dg.engine.run import TargetResult
 
     res = TargetResult("mono")
-    assert res.add_round(_round())
+    out = _round()
+    assert res.add_round(out, table_rows("mono", out))
     s = res.summary()
     assert (s["selected_round"], s["source_val_acc"], s["target_acc"], s["personal_val_acc"]) == (4, 0.375, 0.125,
                                                                                                    0.75)

@@ -50,18 +50,27 @@ def to_numpy_tree(x: Any) -> Any:
     return x
 
 
+def checkpoint_path(directory: Path, round: int) -> Path:
+    return directory / f"round_{round:05d}.pt"
+
+
+def saved_rounds(directory: Path) -> list[int]:
+    """The rounds ``directory`` holds checkpoints of (verified or not), ascending."""
+    return sorted(int(p.stem.split("_")[1]) for p in directory.glob("round_*.pt"))
+
+
 def save_checkpoint(directory: Path, round: int, state: dict) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
     torch.save(to_torch_tree(state), buf)
     data = buf.getvalue()
-    path = directory / f"round_{round:05d}.pt"
+    path = checkpoint_path(directory, round)
     atomic_write(path, data)
     digest = {"round": round, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
     atomic_write(path.with_suffix(".json"), json.dumps(digest).encode())
-    for old in sorted(directory.glob("round_*.pt"))[:-KEEP]:
-        old.unlink(missing_ok=True)
-        old.with_suffix(".json").unlink(missing_ok=True)
+    for old in saved_rounds(directory)[:-KEEP]:
+        checkpoint_path(directory, old).unlink(missing_ok=True)
+        checkpoint_path(directory, old).with_suffix(".json").unlink(missing_ok=True)
     return path
 
 
@@ -81,8 +90,8 @@ def _verified(path: Path) -> dict | None:
 
 def load_latest(directory: Path) -> dict | None:
     """The newest checkpoint that verifies, or None."""
-    for path in sorted(directory.glob("round_*.pt"), reverse=True):
-        state = _verified(path)
+    for r in reversed(saved_rounds(directory)):
+        state = _verified(checkpoint_path(directory, r))
         if state is not None:
             return state
     return None

@@ -23,9 +23,13 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from rayfed_dg.data.protocol import FederatedSplit
+    from rayfed_dg.methods import ClientUpdate
 
 
 @dataclass
@@ -199,6 +203,27 @@ def table_schema(name: str):
 
 def _table(target: str, rows: Iterable[_Row], **extra: Any) -> list[dict]:
     return [dict(r.row(), target=target, **extra) for r in rows]
+
+
+def client_rows(r: int, split: FederatedSplit, sampled: list[int], updates: dict[int, ClientUpdate],
+                dropped: dict[int, str], retries: dict[int, int], ledger: Ledger) -> list[ClientRow]:
+    """One ``ClientRow`` per sampled client; its bytes from the round's ledger."""
+    wire: dict[tuple[int, str], int] = {}
+    for row in ledger.rows:
+        wire[row.client, row.direction] = wire.get((row.client, row.direction), 0) + row.bytes
+    sizes = split.client_sizes()
+    rows = []
+    for cid in sampled:
+        u = updates.get(cid)
+        rows.append(ClientRow(
+            round=r, client=cid, domain=split.client_domains[cid],
+            samples=int(u.num_samples if u is not None else sizes[cid]),
+            local_steps=u.steps if u is not None else 0,
+            train_loss=u.train_loss if u is not None else None, seconds=u.seconds if u is not None else None,
+            bytes_up=wire.get((cid, "up"), 0), bytes_down=wire.get((cid, "down"), 0),
+            retried=retries.get(cid, 0), dropped=u is None, drop_reason=dropped.get(cid)))
+    return rows
+
 
 
 def table_rows(target: str, out: RoundResult) -> dict[str, list[dict]]:

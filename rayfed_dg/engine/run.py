@@ -1,8 +1,10 @@
 """Driver side: start Ray, run leave-one-domain-out federations, write records.
 
 The driver holds no model and does no training: it puts the decoded dataset
-in the object store once per run, starts one server actor per target domain
-(which starts its worker pool), calls ``run_round`` and hands each
+in the object store once per run, opens each target's federation on the
+experiment's actors (``host.EngineHost``: one server and its worker pool,
+started once), calls ``run_round``, turns each round's typed rows into table
+rows once (``records.table_rows``), writes them, and hands each
 ``RoundResult`` to the round callbacks (progress bar, run-directory writer,
 a Tune reporter).  What goes where in
 the run directory, and in which order, is ``rundir.RunDir``'s: the round's
@@ -19,24 +21,17 @@ from typing import Any, Protocol
 
 import numpy as np
 import ray
-import torch
 
 from rayfed_dg.config import ConfigError, ExperimentConfig
 from rayfed_dg.data import DomainDataset, FederatedSplit
-from rayfed_dg.utils import atomic_write_with, render_table
+from rayfed_dg.utils import render_table
 
-from .checkpoint import load_latest, save_checkpoint
 from .host import EngineHost, HostPool
 from .plan import clients_per_round, make_splits
 from .records import RoundResult, Split, split_mean, stage_rows, table_rows
 from .resources import ensure_workers, init_ray
 from .rundir import RunDir
 from .selection import select_round
-
-
-def save_weights(state: dict[str, np.ndarray], path: Path) -> None:
-    atomic_write_with(path, lambda buf: torch.save({k: torch.from_numpy(np.array(v)) for k, v in state.items()},
-                                                   buf))
 
 
 @dataclass
@@ -56,13 +51,12 @@ class TargetResult:
     tasks_rerun: int = 0
     setup_info: dict = field(default_factory=dict)
 
-    def add_round(self, out: RoundResult) -> bool:
-        """Fold one round's records in (as the run directory's table rows);
-        True when it is the new selected round."""
+    def add_round(self, out: RoundResult, rows: dict[str, list[dict]]) -> bool:
+        """Fold one round's records in (``rows``: its table rows,
+        ``records.table_rows``); True when it is the new selected round."""
         self.rounds_done, self.tasks_retried, self.tasks_rerun = out.round, out.tasks_retried, out.tasks_rerun
         self.seconds_per_round.append(out.seconds_total)
         self.seconds_clients_per_round.append(out.seconds_clients)
-        rows = table_rows(self.target, out)
         self.metrics += rows["metrics"]
         self.ledger += rows["ledger"]
         self.clients += rows["clients"]
@@ -124,21 +118,6 @@ class ProgressBar:
         self.bar.close()
 
 
-class RecordWriter:
-    """The round's rows of ``metrics``, ``ledger`` and ``clients`` as part
-    files (``RunDir.write_round``); runs before ``RunDirWriter``, so a
-    checkpoint never covers a round whose rows are not on disk."""
-
-    def __init__(self, run_dir: RunDir, target: str):
-        self.run_dir, self.target = run_dir, target
-
-    def on_round(self, out, res, new_best, server_state):
-        self.run_dir.write_round(self.target, out.round, table_rows(self.target, out))
-
-    def close(self):
-        pass
-
-
 class RunDirWriter:
     """Best and final weights, and resumable checkpoints every
     ``output.checkpoint_every`` rounds (and at the last round)."""
@@ -154,11 +133,11 @@ class RunDirWriter:
             return
         state = server_state()
         if best:
-            save_weights(state["global_state"], self.run_dir.weights("best", self.target))
+            self.run_dir.save_weights("best", self.target, state["global_state"])
         if last:
-            save_weights(state["global_state"], self.run_dir.weights("final", self.target))
+            self.run_dir.save_weights("final", self.target, state["global_state"])
         if ckpt:
-            save_checkpoint(self.run_dir.checkpoints(self.target), r, {"server": state, "result": asdict(res)})
+            self.run_dir.save_checkpoint(self.target, r, {"server": state, "result": asdict(res)})
 
     def close(self):
         pass
@@ -180,8 +159,7 @@ class OnRound:
 # ------------------------------------------------------------------ federation
 
 def _resume(run_dir: RunDir | None, target: str) -> tuple[TargetResult, dict | None]:
-    ckpt_dir = run_dir.checkpoints(target) if run_dir is not None else None
-    state = load_latest(ckpt_dir) if ckpt_dir is not None and ckpt_dir.exists() else None
+    state = run_dir.latest_checkpoint(target) if run_dir is not None else None
     if state is None:
         return TargetResult(target), None
     res = TargetResult(**state["result"])
@@ -209,8 +187,6 @@ def _rounds(host, cfg, split, num_classes, state, res, run_dir, progress, on_rou
     if tensorboard is None and run_dir is not None and cfg.output.tensorboard:
         tensorboard = run_dir.tensorboard()
     callbacks: list[Any] = [ProgressBar(cfg, res)] if progress else []
-    # order: the round's rows reach disk before its checkpoint (a resume never skips a round's rows)
-    callbacks += [RecordWriter(run_dir, split.target)] if run_dir is not None else []
     if tensorboard is not None:
         from .tblog import TensorBoardLogger
 
@@ -226,7 +202,10 @@ def _rounds(host, cfg, split, num_classes, state, res, run_dir, progress, on_rou
     try:
         for _ in range(res.rounds_done + 1, cfg.training.rounds + 1):
             out = ray.get(server.run_round.remote())
-            new_best = res.add_round(out)
+            rows = table_rows(split.target, out)  # the one place a round's typed rows become table rows
+            new_best = res.add_round(out, rows)
+            if run_dir is not None:  # before the callbacks: no checkpoint covers a round whose rows are not on disk
+                run_dir.write_round(split.target, out.round, rows)
             for cb in callbacks:
                 cb.on_round(out, res, new_best, lambda: ray.get(server.get_state.remote()))
             if stop_after is not None and out.round >= stop_after:
@@ -303,7 +282,7 @@ def run_experiment(cfg: ExperimentConfig, ds: DomainDataset, targets: list[str],
         hosts = HostPool.planned([ray.put(ds.images), ray.put(ds.labels)], [(cfg, splits)])
     summary: dict = {"targets": {}}
     try:
-        for split in splits:  # each round's rows are written as it ends (RecordWriter)
+        for split in splits:  # each round's rows are written as it ends (_rounds)
             res = run_federation(cfg, split, None, None, ds.num_classes, run_dir, progress, host=hosts.host(cfg))
             summary["targets"][split.target] = res.summary()
     finally:

@@ -35,15 +35,17 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import numpy as np
+import torch
+
+from rayfed_dg.config import ExperimentConfig, save_config
 from rayfed_dg.errors import ConfigError
 from rayfed_dg.utils import atomic_write_with, write_text
 
+from .checkpoint import checkpoint_path, load_latest, save_checkpoint, saved_rounds
 from .records import table_schema
-
-if TYPE_CHECKING:
-    from rayfed_dg.config import ExperimentConfig
 
 RUN_RECORD = "run.json"
 CONFIG = "config.yaml"
@@ -117,11 +119,32 @@ class RunDir:
         return self.path / "checkpoints" / target
 
     def checkpoint(self, target: str, round: int) -> Path:
-        return self.checkpoints(target) / f"round_{round:05d}.pt"
+        return checkpoint_path(self.checkpoints(target), round)
+
+    def save_checkpoint(self, target: str, round: int, state: dict) -> None:
+        """``state`` as ``target``'s checkpoint of ``round`` (verifiable; the
+        two newest are kept: ``checkpoint.py``)."""
+        save_checkpoint(self.checkpoints(target), round, state)
+
+    def latest_checkpoint(self, target: str) -> dict | None:
+        """``target``'s newest checkpoint that verifies, or None."""
+        d = self.checkpoints(target)
+        return load_latest(d) if d.is_dir() else None
+
+    def saved_rounds(self, target: str) -> list[int]:
+        return saved_rounds(self.checkpoints(target))
 
     def weights(self, kind: str, target: str) -> Path:
         """``best`` (the selected round's) or ``final`` global weights of ``target``."""
         return self.path / f"{kind}_{target}.pt"
+
+    def save_weights(self, kind: str, target: str, state: dict[str, np.ndarray]) -> None:
+        atomic_write_with(self.weights(kind, target), lambda buf: torch.save(
+            {k: torch.from_numpy(np.array(v)) for k, v in state.items()}, buf))
+
+    def has_seed_configs(self) -> bool:
+        """Whether seed folders below hold configs (a ``--seeds`` run)."""
+        return any(self.path.glob("seed*/" + CONFIG))
 
     def tensorboard(self) -> Path:
         return self.path / "tensorboard"
@@ -167,8 +190,6 @@ class RunDir:
     def write_config(self, cfg: ExperimentConfig) -> None:
         """The folder's ``config.yaml``, once: the first config written is the
         one the folder was started with (a resume never rewrites it)."""
-        from rayfed_dg.config import save_config
-
         self.path.mkdir(parents=True, exist_ok=True)
         if not self.config_path.exists():
             save_config(cfg, self.config_path)

@@ -42,7 +42,7 @@ from .evaluation import evaluate_global
 from .federation import Federation
 from .phases import RoundWork, run_phases
 from .pool import WorkerPool
-from .records import ClientRow, DropRow, Ledger, MetricRow, RoundResult
+from .records import DropRow, Ledger, MetricRow, RoundResult, client_rows
 from .stagehost import run_stages
 
 
@@ -141,29 +141,10 @@ class Server:
         return RoundResult(
             round=r, sampled=sampled, dropped=[DropRow(r, c, why) for c, why in dropped],
             metrics=metrics, ledger=ledger.sorted_rows(),
-            clients=self._client_rows(r, sampled, updates, dict(dropped), retries, ledger),
+            clients=client_rows(r, self.split, sampled, updates, dict(dropped), retries, ledger),
             train_loss=float(np.mean([u.train_loss for u in results])), tasks_retried=self.pool.retried,
             tasks_rerun=self.pool.reruns,
             seconds_train=seconds_train, seconds_total=time.perf_counter() - t0, seconds_clients=seconds_clients)
-
-    def _client_rows(self, r: int, sampled: list[int], updates: dict[int, ClientUpdate], dropped: dict[int, str],
-                     retries: dict[int, int], ledger: Ledger) -> list[ClientRow]:
-        """One ``ClientRow`` per sampled client; its bytes from the round's ledger."""
-        wire: dict[tuple[int, str], int] = {}
-        for row in ledger.rows:
-            wire[row.client, row.direction] = wire.get((row.client, row.direction), 0) + row.bytes
-        sizes = self.split.client_sizes()
-        rows = []
-        for cid in sampled:
-            u = updates.get(cid)
-            rows.append(ClientRow(
-                round=r, client=cid, domain=self.split.client_domains[cid],
-                samples=int(u.num_samples if u is not None else sizes[cid]),
-                local_steps=u.steps if u is not None else 0,
-                train_loss=u.train_loss if u is not None else None, seconds=u.seconds if u is not None else None,
-                bytes_up=wire.get((cid, "up"), 0), bytes_down=wire.get((cid, "down"), 0),
-                retried=retries.get(cid, 0), dropped=u is None, drop_reason=dropped.get(cid)))
-        return rows
 
     def evaluate(self, work: RoundWork) -> list[MetricRow]:
         run_phases(Slot.AT_EVALUATION, work)

@@ -118,7 +118,7 @@ def _record_seeds(rec: dict | None, run_dir: RunDir, req: RunRequest, seeds: lis
     if req.target is None:
         raise ConfigError(f"--resume {run_dir.path}: it has no {RUN_RECORD} (made by an older rayfed-dg), so its "
                           "targets are not recorded; give them again with --target (e.g. --target all)")
-    if seeds is None and not run_dir.has_config() and any(run_dir.path.glob("seed*/config.yaml")):
+    if seeds is None and not run_dir.has_config() and run_dir.has_seed_configs():
         raise ConfigError(f"--resume {run_dir.path}: a --seeds run; resume it with the same --seeds")
     return seeds, req.target
 

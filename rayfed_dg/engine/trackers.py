@@ -27,7 +27,7 @@ from typing import Any
 from rayfed_dg.config import ConfigError, ExperimentConfig
 
 from .records import RoundResult
-from .rundir import RUN_RECORD
+from .rundir import RunDir
 from .tblog import round_scalars
 
 
@@ -69,11 +69,12 @@ def require_trackers(cfg: ExperimentConfig) -> None:
 def _names(run_dir: Path, target: str) -> tuple[str, str]:
     """(this federation's run name, the experiment's name)."""
     run_dir = run_dir.resolve()
-    for root in [run_dir, *list(run_dir.parents)[:2]]:
-        if (root / RUN_RECORD).is_file():
-            rel = run_dir.relative_to(root)
-            return (f"{rel.as_posix()}/{target}" if rel.parts else target), root.name
-    return target, run_dir.name
+    found = RunDir(run_dir).experiment()
+    if found is None:
+        return target, run_dir.name
+    root = found[0].path
+    rel = run_dir.relative_to(root)
+    return (f"{rel.as_posix()}/{target}" if rel.parts else target), root.name
 
 
 def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:

@@ -76,8 +76,8 @@ state only shapes the loss.
 Rule for a new phase: add one only when a method needs clients to compute
 something at a point of the round that no hook or phase reaches (with a
 model the existing hooks never see), and only as an optional phase: a
-``Phase`` member with its ``Slot``, one runner in ``engine/server.py``'s
-``_PHASES``, its own ``seeding.Stream`` if it draws randomness, ledger rows
+``Phase`` member with its ``Slot``, one runner in ``engine/phases.py``'s
+``RUNNERS``, its own ``seeding.Stream`` if it draws randomness, ledger rows
 for what crosses the wire, and a row in this table.  A method that does not declare it must run
 exactly as before (no extra task, the same numbers).
 
@@ -89,7 +89,10 @@ one line saying what to change: ``prepares_round``,
 ``averages_global`` became ``phases`` and ``assembles``;
 ``assemble_global`` gained ``previous``; ``__init__`` takes
 ``num_clients``; ``local_train`` returns a ``LocalResult`` (a dict is one
-line from the worker).
+line from the worker).  One order changed with it: ``assemble_global``
+receives the clients' weighted ``average`` before the server optimizer
+steps the keys the method does not assemble (v1 handed it the stepped
+model); no built-in method reads a stepped key there.
 """
 from __future__ import annotations
 
