@@ -181,11 +181,11 @@ class EngineConfig(_Strict):
     ray_address: str | None = None  # None: start or join a local Ray
     include_dashboard: bool = False  # when on, bound to 127.0.0.1
     max_restarts: int = Field(3, ge=0)  # Ray restarts of a dead worker actor
-    # re-runs of a client task that failed by its own fault; a worker death it only shared costs none (pool.py)
+    # re-runs of a client task that failed by its own fault; a worker death it only shared costs none (dispatch.py)
     max_task_retries: int = Field(2, ge=0)
     # dispatch a round's clients largest first (less idle time at the round's end), or in client-id order
     schedule: Literal["largest_first", "in_order"] = "largest_first"
-    # small clients share one Ray task (about 1 ms of task overhead each otherwise; pool.py); off: one per task
+    # small clients share one Ray task (about 1 ms of task overhead each otherwise; dispatch.py); off: one per task
     group_small_clients: bool = True
     # a worker whose process died gets this long to be restarted by Ray (a lost cloud node: minutes)
     worker_restart_timeout_s: float = Field(300.0, gt=0.0)

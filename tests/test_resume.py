@@ -197,7 +197,7 @@ def test_fault_injection_gives_the_fault_free_result_on_a_busy_machine(ray_sessi
 @pytest.mark.parametrize("mode", ["exception", "kill"])
 def test_small_clients_grouped_in_one_task_give_the_same_numbers_and_retries(ray_session, tiny_ds, mode):
     """48 single-domain clients on one worker: the pool sends them in groups of
-    up to 1/16 of the round's samples (pool.py); with faults injected in both
+    up to 1/16 of the round's samples (engine/dispatch.py); with faults injected in both
     modes, the metrics are those of one client per task without faults, and
     each client's charged retries are its own seeded failures."""
     from rayfed_dg.seeding import Stream, numpy_rng

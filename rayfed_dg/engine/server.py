@@ -9,7 +9,7 @@ One ``run_round`` call is one federated round:
 3. the phases the method declares at ``Slot.BEFORE_TRAINING`` (``Phase.PREPARE``: every
    sampled client computes with this global model, and the method's
    ``server_payloads`` gets the results);
-4. dispatch the sampled clients' training to the worker pool (``pool.py``:
+4. dispatch the sampled clients' training to the worker pool (``pool.py``, its policy in ``dispatch.py``:
    largest first, small clients grouped into one Ray task, two tasks in
    flight per worker, retries, drops);
 5. fold updates into the average as they arrive, in client-id order, and

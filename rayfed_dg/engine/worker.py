@@ -317,7 +317,7 @@ class Worker(ClientRunner):
         return self.train(task, global_state, views=True)
 
     def train_many_in(self, federation: int, tasks: list[ClientTask], global_state: dict[str, np.ndarray]) -> list:
-        """Several clients in one Ray task (``pool.py``: small jobs travel
+        """Several clients in one Ray task (``dispatch.py``: small jobs travel
         together); each update is a copy but the last one's."""
         self._serve(federation)
         last = len(tasks) - 1
