@@ -31,6 +31,11 @@ from typing import Any
 
 import numpy as np
 
+from rayfed_dg.engine.evaluate import load_run_config, saved_features
+from rayfed_dg.engine.plan import load_data
+from rayfed_dg.engine.records import split_means
+from rayfed_dg.engine.rundir import RunDir
+from rayfed_dg.engine.selection import TrainingDomainValidation
 from rayfed_dg.errors import ConfigError
 from rayfed_dg.reporting import RunRecord, collect_runs
 
@@ -78,14 +83,10 @@ def _target_order(runs: list[RunRecord], rows: list[dict]) -> list[str]:
 
 
 def _by_round(rows: list[dict], target: str, split: str) -> dict[int, float]:
-    from rayfed_dg.engine.records import split_means
-
     return split_means((r for r in rows if r["target"] == target), split)
 
 
 def learning_curves(runs: dict[str, list[RunRecord]], targets: list[str] | None, path: Path) -> Path:
-    from rayfed_dg.engine.selection import TrainingDomainValidation
-
     plt = _plt()
     metrics = {label: [r.metrics() or [] for r in rs] for label, rs in runs.items()}
     targets = targets or _target_order([r for rs in runs.values() for r in rs],
@@ -148,8 +149,6 @@ FEW_CLIENTS = 12  # up to this many clients, a line per client; beyond, dots and
 
 
 def client_losses(run: RunRecord, title: str, path: Path, targets: list[str] | None = None) -> Path:
-    from rayfed_dg.engine.rundir import RunDir
-
     rows = RunDir(run.path).read_rows("clients")
     targets = targets or _target_order([run], rows)
     if not targets:
@@ -290,9 +289,6 @@ _DATA: dict[str, Any] = {}
 def _feature_maps(run: RunRecord, label: str, tag: str, kind: str, out: Path, targets: list[str] | None,
                   weights: str, per_domain: int) -> list[Path]:
     import json
-
-    from rayfed_dg.engine.evaluate import load_run_config, saved_features
-    from rayfed_dg.engine.plan import load_data
 
     cfg = load_run_config(run.path, [])
     key = json.dumps(cfg.data.model_dump(mode="json"), sort_keys=True)

@@ -10,7 +10,9 @@ from pathlib import Path
 import numpy as np
 
 from rayfed_dg.data import DomainDataset, FederatedSplit
+from rayfed_dg.engine import format_table
 from rayfed_dg.engine.rundir import RunDir
+from rayfed_dg.engine.selection import RULES, mean_se, select
 from rayfed_dg.errors import ConfigError
 from rayfed_dg.utils import render_table
 
@@ -264,7 +266,6 @@ def _data_stage(cfg: dict, label: str, method: str | None, plugin_error: str | N
 def run_table(summaries: dict[str, dict], run_dir: Path) -> str:
     """``rayfed-dg run``'s closing table (``engine.format_table``) with the
     rows named as ``report`` and the plots name them."""
-    from rayfed_dg.engine import format_table
 
     many = len(summaries) > 1
     return format_table({run_label(Path(run_dir) / label if many else Path(run_dir), s, int(many)): s
@@ -408,7 +409,6 @@ def rule_accuracies(run: RunRecord, targets: list[str]) -> dict[str, dict[str, d
     ``personal_val`` (means over source domains / clients); without a metrics
     table only the training-domain rule's target accuracy is known
     (``summary.json``)."""
-    from rayfed_dg.engine.selection import RULES, select
 
     rows = run.metrics()
     out: dict[str, dict[str, dict[str, float | None]]] = {w: {} for w in FIGURES}
@@ -431,7 +431,6 @@ SE_NOTE = "mean ± SE over seeds, SE = std(ddof=1)/sqrt(n), n = the seeds column
 
 def mean_se_cell(values: list[float]) -> str:
     """Fractions as a table cell in percent: mean ± SE, or the one value."""
-    from rayfed_dg.engine.selection import mean_se
 
     if not values:
         return "-"
@@ -470,7 +469,6 @@ def seeds_table(run_dirs: list[Path], fmt: str = "md") -> str:
     add, at each rule's round and averaged over targets, the sources'
     in-domain test accuracy and the clients' own (personalized) models'
     validation accuracy."""
-    from rayfed_dg.engine.selection import RULES
 
     runs = collect_runs(run_dirs)
     if not runs:
