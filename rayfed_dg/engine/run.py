@@ -176,14 +176,9 @@ def _open(host: EngineHost, cfg, split, num_classes, state):
     return server, setup
 
 
-def _rounds(host, cfg, split, num_classes, state, res, run_dir, progress, on_round, stop_after, tensorboard):
-    server, setup = _open(host, cfg, split, num_classes, state)
-    if state is None:
-        rows = stage_rows(split.target, setup["ledger"])
-        res.ledger += rows["ledger"]
-        if run_dir is not None:
-            run_dir.write_round(split.target, 0, rows)
-    res.setup_info = setup["info"]
+def _callbacks(cfg: ExperimentConfig, target: str, res: TargetResult, run_dir: RunDir | None, progress: bool,
+               on_round, tensorboard: Path | None) -> list[Any]:
+    """The round callbacks of one federation, in the order they run."""
     if tensorboard is None and run_dir is not None and cfg.output.tensorboard:
         tensorboard = run_dir.tensorboard()
     callbacks: list[Any] = [ProgressBar(cfg, res)] if progress else []
@@ -192,13 +187,25 @@ def _rounds(host, cfg, split, num_classes, state, res, run_dir, progress, on_rou
 
         # a resumed run hides what the killed one logged from the first round it repeats
         purge = res.rounds_done + 1 if res.rounds_done else None
-        callbacks.append(TensorBoardLogger(tensorboard / split.target, purge))
+        callbacks.append(TensorBoardLogger(tensorboard / target, purge))
     if run_dir is not None and (cfg.output.wandb is not None or cfg.output.mlflow is not None):
         from .trackers import tracker_callbacks  # W&B / MLflow: imported only when the config asks for them
 
-        callbacks += tracker_callbacks(cfg, run_dir.path, split.target)
-    callbacks += [RunDirWriter(cfg, run_dir, split.target)] if run_dir is not None else []
+        callbacks += tracker_callbacks(cfg, run_dir.path, target)
+    callbacks += [RunDirWriter(cfg, run_dir, target)] if run_dir is not None else []
     callbacks += [OnRound(on_round)] if on_round is not None else []
+    return callbacks
+
+
+def _rounds(host, cfg, split, num_classes, state, res, run_dir, progress, on_round, stop_after, tensorboard):
+    server, setup = _open(host, cfg, split, num_classes, state)
+    if state is None:
+        rows = stage_rows(split.target, setup["ledger"])
+        res.ledger += rows["ledger"]
+        if run_dir is not None:
+            run_dir.write_round(split.target, 0, rows)
+    res.setup_info = setup["info"]
+    callbacks = _callbacks(cfg, split.target, res, run_dir, progress, on_round, tensorboard)
     try:
         for _ in range(res.rounds_done + 1, cfg.training.rounds + 1):
             out = ray.get(server.run_round.remote())

@@ -89,7 +89,7 @@ class CSAC(Method):
         model_config = ConfigDict(extra="forbid")
         lam: float = Field(0.6, ge=0.0)  # weight of the calibration loss
         pretrain_steps: int | None = Field(1800, ge=1)  # None: one round's local budget
-        aggregation: Literal["l2", "fedavg"] = "l2"
+        aggregation: Literal["l2", "fedavg"] = "l2"  # l2: data-free semantic (layer-wise) weights; fedavg: |D_i|
 
     @classmethod
     def check(cls, cfg) -> None:

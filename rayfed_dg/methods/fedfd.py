@@ -143,12 +143,13 @@ class FedFD(Method):
 
     class Params(BaseModel):
         model_config = ConfigDict(extra="forbid")
-        base: Literal["fedavg", "fedbn", "silobn"] = "silobn"
+        base: Literal["fedavg", "fedbn", "silobn"] = "silobn"  # what BN keeps local: nothing, all, statistics
         lambda1: float = Field(0.1, ge=0.0, le=1.0)
         lambda2: float = Field(4.0, ge=0.0)
         u_low: float = 0.0  # u ~ U(u_low, u_high) per channel per iteration (Table 9 ranges)
-        u_high: float = 1.0
+        u_high: float = 1.0  # upper end of u's range
         u_fixed: float | None = None  # Table 2: 0 = global only, 1 = instance only, 0.5 = fixed
+        # the BN statistics used at test: global, instance or adapter-mixed; auto: adapter for FedFD-A, else global
         inference: Literal["auto", "global", "instance", "adapter"] = "auto"
         # client-side selection (Sec. 4.1): validate every `select_every` iterations (paper: 20)
         # on the validation split of the client's own domain (capped at `select_samples`

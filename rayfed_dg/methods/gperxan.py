@@ -63,7 +63,7 @@ class GPerXAN(Method):
     class Params(BaseModel):
         model_config = ConfigDict(extra="forbid")
         lam: float = Field(0.5, ge=0.0, le=1.0)  # lambda of Eq. 3
-        norm: Literal["xan", "bn", "ibn"] = "xan"
+        norm: Literal["xan", "bn", "ibn"] = "xan"  # xan: gPerXAN; bn, ibn: the paper's gFedAvg ablations
         personalize: bool = True  # PerXAN: BN side of XAN stays local
         placement: str = "auto"  # see models/norms.py; auto = the paper's per backbone
 

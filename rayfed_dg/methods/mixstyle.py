@@ -35,7 +35,7 @@ class StyleParams(BaseModel):
     """What every style-layer method sets: firing probability and sites."""
     model_config = ConfigDict(extra="forbid")
     p: float = Field(0.5, ge=0.0, le=1.0)
-    blocks: Annotated[list[str], AfterValidator(check_sites)] = list(SITES)
+    blocks: Annotated[list[str], AfterValidator(check_sites)] = list(SITES)  # sites the style layer follows (SITES)
 
 
 class StyleLayerMethod(Method):

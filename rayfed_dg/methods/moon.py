@@ -108,7 +108,7 @@ class Moon(Method):
         mu: float = Field(1.0, ge=0.0)
         tau: float = Field(0.5, gt=0.0)
         out_dim: int = Field(256, ge=1)  # the projection head's output dimension
-        projection_head: bool = True
+        projection_head: bool = True  # z from a two-layer MLP head (the reference's); false: z = pooled features
 
     # ------------------------------------------------------------------ model
     def build_model(self, num_classes):

@@ -55,8 +55,8 @@ SINGLE_BATCH = 32  # the paper's single-image bank: one style per batch of 32 im
 
 class CCSTParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    backend: Literal["ghiasi", "adain"] = "ghiasi"
-    style: Literal["overall", "single"] = "overall"
+    backend: Literal["ghiasi", "adain"] = "ghiasi"  # adain: the paper's (weight files); ghiasi: offline ONNX
+    style: Literal["overall", "single"] = "overall"  # one style of all a client's images, or J single-image ones
     k: int = Field(2, ge=1)  # augmentation level K: versions per image, K distinct clients' styles (<= clients)
     j: int | None = Field(None, ge=1)  # single-image styles per client; None: ceil(|D_i| / 32)
     adain_vgg: str | None = None  # vgg_normalised.pth (pytorch-AdaIN)
