@@ -31,11 +31,12 @@ PARAMS_MARK = re.compile(r"<!-- method-params (\w+) -->")
 
 
 def _type_name(ann: Any) -> str:
+    # shown in a code span, where a table cell's pipe needs no escape (an escape would show as a backslash)
     origin, args = typing.get_origin(ann), typing.get_args(ann)
     if origin is typing.Literal:
-        return " \\| ".join(json.dumps(a) for a in args)
+        return " | ".join(json.dumps(a) for a in args)
     if origin in (typing.Union, types.UnionType):
-        return " \\| ".join(_type_name(a) for a in args)
+        return " | ".join(_type_name(a) for a in args)
     if origin is not None:
         name = getattr(origin, "__name__", str(origin))
         return f"{name}[{', '.join(_type_name(a) for a in args)}]"
@@ -52,7 +53,7 @@ def _default(field: Any) -> str:
     value = field.get_default(call_default_factory=True)
     if isinstance(value, BaseModel):
         return "see below"
-    return json.dumps(value).replace("|", "\\|")
+    return json.dumps(value)
 
 
 def _bounds(field: Any) -> str:
