@@ -554,13 +554,23 @@ def validate(tree: dict, source: str = "<config>") -> ExperimentConfig:
     return cfg
 
 
+def row_labels(names: list[str]) -> list[str]:
+    """Compare rows' labels (a row's ``label``, else its method name): a
+    repeated one gets ``-2``, ``-3``, ... in config order."""
+    seen: dict[str, int] = {}
+    out = []
+    for label in names:
+        seen[label] = seen.get(label, 0) + 1
+        out.append(label if seen[label] == 1 else f"{label}-{seen[label]}")
+    return out
+
+
 def method_variants(cfg: ExperimentConfig) -> list[tuple[str, ExperimentConfig]]:
     """(label, config) for each method to run: ``compare`` if given, else ``method``."""
     if not cfg.compare:  # a single method's label names its row too (variants of one method, reported together)
         return [(cfg.method.label or cfg.method.name, cfg)]
     out: list[tuple[str, ExperimentConfig]] = []
-    seen: dict[str, int] = {}
-    for m in cfg.compare:
+    for label, m in zip(row_labels([m.label or m.name for m in cfg.compare]), cfg.compare):
         tree = cfg.to_dict()
         tree["compare"] = None
         tree["method"] = m.model_dump(mode="json", exclude={"partition", "stages", "server"})
@@ -570,10 +580,6 @@ def method_variants(cfg: ExperimentConfig) -> list[tuple[str, ExperimentConfig]]
             tree["server"] = _deep_merge(tree["server"], m.server)
         if m.stages is not None:  # this row's data stages, after the comparison's
             tree["stages"] = {**(tree.get("stages") or {}), **m.stages}
-        label = m.label or m.name
-        seen[label] = seen.get(label, 0) + 1
-        if seen[label] > 1:
-            label = f"{label}-{seen[label]}"
         out.append((label, validate(tree, f"compare ({label})")))
     return out
 

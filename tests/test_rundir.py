@@ -216,3 +216,13 @@ def test_only_rundir_names_the_run_directorys_files():
         found = {n.value for n in ast.walk(ast.parse(path.read_text()))
                  if isinstance(n, ast.Constant) and n.value in names}
         assert not found, (path, found)
+
+
+def test_a_run_directory_names_its_rows_as_the_config_does(tmp_path):
+    # repeated labels get -2, -3 in config order; reports find the row folders by these names
+    from rayfed_dg.config import load_config, method_variants, save_config
+
+    cfg = load_config(None, ['compare=[{name: fedavg}, {name: gperxan}, {name: fedavg}, {name: fedprox, label: fedavg}]'])
+    save_config(cfg, tmp_path / "config.yaml")
+    assert [label for label, _ in method_variants(cfg)] == ["fedavg", "gperxan", "fedavg-2", "fedavg-3"]
+    assert RunDir(tmp_path).compare_labels() == ["fedavg", "gperxan", "fedavg-2", "fedavg-3"]

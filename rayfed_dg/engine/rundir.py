@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rayfed_dg.config import ExperimentConfig, save_config
+from rayfed_dg.config import ExperimentConfig, row_labels, save_config
 from rayfed_dg.errors import ConfigError
 from rayfed_dg.utils import atomic_write_with, write_text
 
@@ -206,16 +206,10 @@ class RunDir:
 
     def compare_labels(self) -> list[str]:
         """The row labels of the experiment whose config this folder holds, in
-        config order (as ``config.method_variants`` names them)."""
-        out: list[str] = []
-        seen: dict[str, int] = {}
-        for m in self.config_tree().get("compare") or []:
-            if not isinstance(m, dict):
-                continue
-            label = m.get("label") or m.get("name", "fedavg")
-            seen[label] = seen.get(label, 0) + 1
-            out.append(label if seen[label] == 1 else f"{label}-{seen[label]}")
-        return out
+        config order (``config.row_labels``, read from the plain YAML, so a
+        run's plugins need not import)."""
+        rows = [m for m in self.config_tree().get("compare") or [] if isinstance(m, dict)]
+        return row_labels([m.get("label") or m.get("name", "fedavg") for m in rows])
 
     # ------------------------------------------------------------ summary.json
 
