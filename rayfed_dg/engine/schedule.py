@@ -145,12 +145,10 @@ def simulate(jobs: Sequence[FedJob], slots: int, max_running: int | None = None,
     free, now = slots, 0.0
     out = Schedule(0.0, sum(j.work for j in jobs) / slots)
     workers: dict[Hashable, int] = {}  # running federation -> its workers (those added mid-round included)
-    serving: dict[Hashable, int] = {}  # ... the workers its current round runs on
     left: dict[Hashable, int] = {}  # rounds not yet ended
     events: list[tuple[float, str, Hashable]] = []  # (time its round ends, tie-break, federation)
 
     def start_round(k: Hashable) -> None:
-        serving[k] = workers[k]
         out.widths[k].append(workers[k])
         heapq.heappush(events, (now + by_key[k].round_time(workers[k]), repr(k), k))
 
@@ -174,6 +172,5 @@ def simulate(jobs: Sequence[FedJob], slots: int, max_running: int | None = None,
             continue
         out.end[k] = now
         free += workers.pop(k)
-        serving.pop(k)
     out.makespan = max(out.end.values(), default=0.0)
     return out
