@@ -20,10 +20,11 @@ def _runner(ds, *sets):
     return ClientRunner(tiny_cfg(*sets), ds.images, ds.labels, ds.num_classes, 3)
 
 
-def _update(runner, client=0, indices=np.arange(96), rnd=1):
-    """One client's update from the runner's initial weights (seeded by training.seed: the same in every runner)."""
+def _update(runner, client=0, indices=None, rnd=1):
+    """One client's update (of samples 0-95 by default) from the runner's
+    initial weights (seeded by training.seed: the same in every runner)."""
     g0 = {k: v.detach().numpy().copy() for k, v in runner.model.state_dict().items()}
-    return runner.run_client(client, rnd, indices, g0)
+    return runner.run_client(client, rnd, np.arange(96) if indices is None else indices, g0)
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -123,7 +124,7 @@ def test_methods_owning_their_loop_train_in_bf16(ray_session, tiny_ds, engine_ho
     autocast: the worker refuses a loop that never entered it."""
     extra = {"fedfda": ["method.lambda2=0.1"], "csac": ["method.pretrain_steps=2"], "elcfs": ["stages.amplitude={}"]}
     res = tiny_federation(tiny_ds, "texture", f"method.name={name}", "training.rounds=1", "training.local_steps=2",
-                          "training.precision=bf16", "engine.num_cpus_per_worker=0.25", *extra.get(name, []),
+                          "training.precision=bf16", *extra.get(name, []),
                           host=engine_host(tiny_ds))
     assert res.clients and all(np.isfinite(c["train_loss"]) for c in res.clients)
 

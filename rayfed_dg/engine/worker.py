@@ -162,18 +162,11 @@ class ClientRunner:
                 self.resident = (torch.as_tensor(self.images).to(dev), torch.as_tensor(self.labels).to(dev))
 
     def _host_to_device(self, a: np.ndarray, idx: np.ndarray | None = None) -> torch.Tensor:
-        """``a`` (its rows ``idx``, when given) on the device.  On CUDA they
-        are gathered into pinned host memory and copied without blocking (the
-        caching host allocator keeps a buffer until its copy is done)."""
-        if self.device.type != "cuda":
-            return torch.from_numpy(np.ascontiguousarray(a if idx is None else a[idx]))
-        if idx is None:
-            buf = torch.from_numpy(np.ascontiguousarray(a)).pin_memory()
-        else:
-            buf = torch.empty((len(idx),) + a.shape[1:], dtype=torch.from_numpy(np.empty(0, a.dtype)).dtype,
-                              pin_memory=True)
-            np.take(a, idx, axis=0, out=buf.numpy())
-        return buf.to(self.device, non_blocking=True)
+        """``a`` (its rows ``idx``, when given) on the device.  On CUDA through
+        pinned host memory, copied without blocking (the caching host
+        allocator keeps a pinned buffer until its copy is done)."""
+        t = torch.from_numpy(np.ascontiguousarray(a if idx is None else a[idx]))
+        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
 
     # -------------------------------------------------------------- helpers
     def _load(self, arrays: dict[str, np.ndarray]) -> None:

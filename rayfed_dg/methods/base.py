@@ -36,7 +36,13 @@ and round per task.
 
 ``local_train`` owns the whole local loop; to keep one count of local
 steps it runs the shared loop, ``train_steps``, with its own loss and
-per-step hook, and returns (or amends the ``stats`` of) its ``LocalResult``.
+per-step hook and ``precision=ctx.precision``, and returns (or amends the
+``stats`` of) its ``LocalResult``.  ``ctx.precision`` (a ``Precision``) is
+``training.precision`` on the worker's device: ``train_steps`` runs each
+loss in its ``autocast()`` and each step through its ``step`` (fp16's
+gradient scaler), as a loop of the method's own must too; the worker stops
+a run whose ``local_train`` never entered it, and a method that cannot
+train in a precision refuses it in ``check`` (ELCFS: fp16).
 The new global model is the weighted average, then a server optimizer's
 step on the broadcast parameters outside ``assembles`` (``server:``), then
 ``assemble_global``'s tensors; a method that assembles every parameter
@@ -47,8 +53,8 @@ Hooks on a client receive a ``ClientContext``: the round, the client id, the
 seeded generator for all of the client's randomness, the device, its
 samples, payload and validation indices, the data stages' shared arrays
 (``stage_data``), the colour normalisation of the batches (``pixel_mean`` /
-``pixel_std``, for methods that work on pixels) and a ``scratch`` dict for
-snapshots that live for one client task.
+``pixel_std``, for methods that work on pixels), the task's ``precision``
+and a ``scratch`` dict for snapshots that live for one client task.
 
 ## Round phases
 
