@@ -35,8 +35,12 @@ def _same(a: dict, b: dict) -> bool:
 
 def test_bf16_trains_fp32_weights_and_differs_from_fp32(tiny_ds):
     sets = ("training.local_steps=3", "data.augment=flip_jitter")
-    fp32 = _update(_runner(tiny_ds, *sets))
-    bf16 = _update(_runner(tiny_ds, *sets, "training.precision=bf16"))
+    r32, r16 = _runner(tiny_ds, *sets), _runner(tiny_ds, *sets, "training.precision=bf16")
+    g0 = {k: v.detach().numpy().copy() for k, v in r32.model.state_dict().items()}
+    # evaluation autocasts too: the same weights give a slightly different summed loss
+    (c32, l32, n), (c16, l16, _) = r32.evaluate(g0, np.arange(300), 128), r16.evaluate(g0, np.arange(300), 128)
+    assert l16 != l32 and abs(l16 - l32) < 0.02 * l32 and abs(c16 - c32) <= 0.05 * n
+    fp32, bf16 = _update(r32), _update(r16)
     assert np.isfinite(bf16.train_loss) and bf16.steps == 3
     # the weights (and so the upload) stay fp32; only the arithmetic of the forward pass changed
     assert all(bf16.update[k].dtype == fp32.update[k].dtype for k in fp32.update)

@@ -257,7 +257,7 @@ def evaluate_on_val(model: nn.Module, ctx: ClientContext, batch_size: int = 256)
         x, y = ctx.fetch(ctx.val_indices[s:s + batch_size])
         with ctx.precision.autocast():
             logits = model(x)
-        loss += float(F.cross_entropy(logits, y, reduction="sum"))
+            loss += float(F.cross_entropy(logits, y, reduction="sum"))
         correct += int((logits.argmax(1) == y).sum())
     n = len(ctx.val_indices)
     return correct / n, loss / n
