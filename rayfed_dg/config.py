@@ -168,6 +168,11 @@ class TrainingConfig(_Strict):
     weight_decay: float = Field(5e-4, ge=0.0)  # L2 penalty of the local optimizer
     clients_per_round: int | None = Field(None, ge=1)  # None: all clients
     seed: int = 0  # every random choice of training (sampling, data order, augmentation, method noise)
+    # autocast of the forward passes and losses of local training and evaluation on the worker's device (weights,
+    # optimizer and uploads stay fp32). bf16: fp32's range with an 8-bit mantissa (CPUs, Ampere and later GPUs);
+    # fp16: with a gradient scaler (torch.amp.GradScaler, a fresh one per client task). Numbers differ from fp32,
+    # and from one device type to another; still the same on any worker count (docs/running.md, GPUs)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
 
 
 class EngineConfig(_Strict):
@@ -178,6 +183,18 @@ class EngineConfig(_Strict):
     # instead of stopping the run with "no usable CUDA"
     gpus_declared_only: bool = False
     device: Literal["cpu", "cuda", "auto"] = "auto"  # auto: CUDA for workers given GPUs, else the CPU
+    # CUDA only (no effect on the CPU): TF32 in matmuls and convolutions (10-bit mantissa). Numbers change vs fp32
+    # but stay the same run to run on one GPU model; off keeps convolutions in full fp32 too (torch's default uses
+    # TF32 there)
+    tf32: bool = False
+    # CUDA only (no effect on the CPU): cuDNN picks convolution algorithms by timing them. Faster, but the pick can
+    # change run to run, and so can the last bits of the numbers; off, cuDNN runs deterministic algorithms only
+    cudnn_benchmark: bool = False
+    # keep the decoded uint8 dataset on the worker's device, and gather and augment batches there (the same numbers
+    # either way). auto: on CUDA when it fits a quarter of the GPU memory the worker may use (its
+    # num_gpus_per_worker share); true: always (on the CPU, batches are then gathered by torch indexing); false:
+    # copy each batch from host memory (pinned, non-blocking on CUDA)
+    data_on_device: Literal["auto"] | bool = "auto"
     ray_address: str | None = None  # None: start or join a local Ray
     include_dashboard: bool = False  # when on, bound to 127.0.0.1
     max_restarts: int = Field(3, ge=0)  # Ray restarts of a dead worker actor

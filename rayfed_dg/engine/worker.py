@@ -5,6 +5,13 @@ indices, its persistent local state (from the server's client state store)
 and its payloads; the worker keeps nothing between tasks except the model
 buffers it overwrites at the start of each task.  A task is therefore safe to
 repeat, which is what Ray's actor restarts and task retries need.
+
+The data path: batches are gathered from the dataset's object-store views
+and copied to the device (on CUDA through pinned host memory, without
+blocking), or, with the dataset resident on the device
+(``engine.data_on_device``), gathered there by index; then augmented and
+normalised on the device.  Both give the same bits: the augmentation draws
+on the CPU generator whatever the device (data/augment.py).
 """
 from __future__ import annotations
 
@@ -22,7 +29,7 @@ import torch.nn.functional as F
 
 from rayfed_dg.config import ExperimentConfig
 from rayfed_dg.data.augment import augment
-from rayfed_dg.methods import ClientContext, ClientUpdate, LocalResult, build_method
+from rayfed_dg.methods import ClientContext, ClientUpdate, LocalResult, Precision, build_method
 from rayfed_dg.seeding import Stream, numpy_rng, seed_int, seed_torch, torch_generator
 from rayfed_dg.stages import StageClient, build_stages
 
@@ -80,6 +87,17 @@ def cuda_report() -> str:
             f"torch.cuda.device_count()={torch.cuda.device_count()}")
 
 
+# share of the GPU memory a worker may use (its num_gpus_per_worker fraction) that the decoded uint8 dataset
+# may take to be kept on the device under engine.data_on_device: auto; the rest is the model's and the batches'
+RESIDENT_SHARE = 0.25
+
+
+def resident_budget(total_memory: int, num_gpus: float) -> float:
+    """Bytes the dataset may take on a GPU of ``total_memory`` bytes for a
+    worker given ``num_gpus`` of it (0: GPUs not declared, the whole device)."""
+    return RESIDENT_SHARE * total_memory * (min(1.0, num_gpus) if num_gpus > 0 else 1.0)
+
+
 def to_numpy_state(sd: dict[str, torch.Tensor], keys, copy: bool = True) -> dict[str, np.ndarray]:
     """``copy=False`` returns views of the model's tensors: only for values that
     Ray serializes at once (a task's return value)."""
@@ -95,6 +113,7 @@ class ClientRunner:
                  num_clients: int):
         self.images = images  # zero-copy view of the object store
         self.labels = labels
+        self.resident: tuple[torch.Tensor, torch.Tensor] | None = None  # (images, labels) on the device
         self.bind(cfg, num_classes, num_clients)
 
     def bind(self, cfg: ExperimentConfig, num_classes: int, num_clients: int) -> None:
@@ -106,9 +125,16 @@ class ClientRunner:
         self.threads = max(1, int(e.num_cpus_per_worker))
         torch.set_num_threads(self.threads)
         self.device = resolve_device(e.device, e.num_gpus_per_worker, e.gpus_declared_only)
-        if self.device.type == "cuda" and e.num_gpus_per_worker > 0:
-            # fractional num_gpus caps nothing in Ray: bound memory ourselves
-            torch.cuda.set_per_process_memory_fraction(min(1.0, e.num_gpus_per_worker))
+        if self.device.type == "cuda":
+            if e.num_gpus_per_worker > 0:
+                # fractional num_gpus caps nothing in Ray: bound memory ourselves
+                torch.cuda.set_per_process_memory_fraction(min(1.0, e.num_gpus_per_worker))
+            # process-wide: set on every bind, so a federation never inherits the previous one's
+            torch.backends.cuda.matmul.allow_tf32 = e.tf32
+            torch.backends.cudnn.allow_tf32 = e.tf32
+            torch.backends.cudnn.benchmark = e.cudnn_benchmark
+            torch.backends.cudnn.deterministic = not e.cudnn_benchmark
+        self._place_data()
         d = self.cfg.data
         self.mean = torch.tensor(d.mean, dtype=torch.float32).view(1, 3, 1, 1).to(self.device)
         self.std = torch.tensor(d.std, dtype=torch.float32).view(1, 3, 1, 1).to(self.device)
@@ -121,6 +147,27 @@ class ClientRunner:
         self.upload_keys = [k for k in self._state if k not in self.private_keys]
         self.stages = build_stages(self.cfg)
 
+    def _place_data(self) -> None:
+        """Keep the dataset on the device, or not (``engine.data_on_device``);
+        a worker serving federation after federation copies it once."""
+        want, dev = self.cfg.engine.data_on_device, self.device
+        if want == "auto":
+            want = dev.type == "cuda" and self.images.nbytes <= resident_budget(
+                torch.cuda.get_device_properties(dev).total_memory, self.cfg.engine.num_gpus_per_worker)
+        if not want:
+            self.resident = None
+        elif self.resident is None or self.resident[0].device != dev:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # read-only object-store views: only ever read
+                self.resident = (torch.as_tensor(self.images).to(dev), torch.as_tensor(self.labels).to(dev))
+
+    def _host_to_device(self, a: np.ndarray, idx: np.ndarray | None = None) -> torch.Tensor:
+        """``a`` (its rows ``idx``, when given) on the device.  On CUDA through
+        pinned host memory, copied without blocking (the caching host
+        allocator keeps a pinned buffer until its copy is done)."""
+        t = torch.from_numpy(np.ascontiguousarray(a if idx is None else a[idx]))
+        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
+
     # -------------------------------------------------------------- helpers
     def _load(self, arrays: dict[str, np.ndarray]) -> None:
         with torch.no_grad(), warnings.catch_warnings():
@@ -129,19 +176,29 @@ class ClientRunner:
                 self._state[k].copy_(torch.as_tensor(np.asarray(v)))
 
     def _tensors(self, idx: np.ndarray, gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._to_tensors(self.images[idx], self.labels[idx], gen)
+        """The dataset's samples ``idx`` as a batch (``_batch``), gathered on
+        the device when the dataset is resident there, else from the host."""
+        if self.resident is not None:
+            images, labels = self.resident
+            at = torch.from_numpy(np.ascontiguousarray(idx, dtype=np.int64)).to(self.device, non_blocking=True)
+            return self._batch(images.index_select(0, at), labels.index_select(0, at), gen)
+        return self._batch(self._host_to_device(self.images, idx), self._host_to_device(self.labels, idx), gen)
 
     def _to_tensors(self, raw: np.ndarray, labels: np.ndarray, gen: torch.Generator | None):
-        """A batch on the device: augmented when ``gen`` is given (training;
-        every random draw from it, data/augment.py), else only resized from
-        the decode size to the resolution; then normalised."""
-        x = torch.from_numpy(np.ascontiguousarray(raw)).to(self.device).permute(0, 3, 1, 2).float().div_(255.0)
+        """A batch of host arrays (``_batch``)."""
+        return self._batch(self._host_to_device(raw), self._host_to_device(labels), gen)
+
+    def _batch(self, raw: torch.Tensor, y: torch.Tensor, gen: torch.Generator | None):
+        """uint8 images (N, D, D, 3) on the device as the model's batch:
+        augmented when ``gen`` is given (training; every random draw from it,
+        data/augment.py), else only resized from the decode size to the
+        resolution; then normalised."""
+        x = raw.permute(0, 3, 1, 2).float().div_(255.0)
         x = augment(x, self.cfg.data.augment, gen, self.cfg.data.resolution)
         # channels-last, as the permuted uint8 batch already is without a crop: conv layers on the CPU
         # run about twice as fast on it than on a crop's NCHW output (measured, bench/augment_cost.py)
         x = x.contiguous(memory_format=torch.channels_last)
         x = (x - self.mean) / self.std
-        y = torch.from_numpy(np.ascontiguousarray(labels)).to(self.device)
         return x, y
 
     def batches(self, indices: np.ndarray, gen: torch.Generator,
@@ -192,7 +249,11 @@ class ClientRunner:
                              num_samples=len(task.indices), payload=task.payload, indices=task.indices,
                              labels=self.labels[task.indices], fetch=lambda idx: self._tensors(idx, None),
                              val_indices=task.val_indices, stage_data=self._resolve(task.stage_data),
-                             pixel_mean=self.mean, pixel_std=self.std)
+                             pixel_mean=self.mean, pixel_std=self.std, precision=self._precision())
+
+    def _precision(self) -> Precision:
+        """``training.precision`` on this device, fresh (a new fp16 scaler) per task."""
+        return Precision(self.cfg.training.precision, self.device.type)
 
     @staticmethod
     def _resolve(stage_data: dict) -> dict:
@@ -231,6 +292,10 @@ class ClientRunner:
         if not isinstance(res, LocalResult):
             raise TypeError(f"method {self.method.name}: local_train returned {type(res).__name__}; in method contract "
                             "v2 it returns a LocalResult (train_steps returns one)")
+        if ctx.precision.dtype is not None and res.steps and not ctx.precision.autocasts:
+            raise TypeError(f"method {self.method.name}: local_train ignored training.precision="
+                            f"{ctx.precision.name}: pass precision=ctx.precision to train_steps (or refuse the "
+                            "precision in its check)")
         loss = float(res.loss)
         if not math.isfinite(loss):
             raise DivergedError(f"client {cid} round {rnd}: local training diverged (loss {loss}); "
@@ -262,11 +327,13 @@ class ClientRunner:
         if local_state:
             self._load(local_state)
         self.model.eval()
+        precision = self._precision()
         correct, loss_sum = 0, 0.0
         for s in range(0, len(indices), batch_size):
             x, y = self._tensors(indices[s:s + batch_size], None)
-            logits = self.model(x)
-            loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
+            with precision.autocast():
+                logits = self.model(x)
+                loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
             correct += int((logits.argmax(1) == y).sum())
         return correct, loss_sum, len(indices)
 
@@ -298,6 +365,7 @@ class Worker(ClientRunner):
         self._source = ray.get_actor(data_source)
         refs: list = ray.get(self._source.refs.remote())
         self.images, self.labels = ray.get(refs)
+        self.resident = None
         self.federation: int | None = None
         # torch.optim's first optimizer imports torch._dynamo (about 2 s of CPU): a start-up cost of the
         # process, paid here while the pool starts rather than inside round 1's time

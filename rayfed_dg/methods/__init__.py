@@ -26,6 +26,7 @@ from .base import (
                    LocalResult,
                    Method,
                    Phase,
+                   Precision,
                    Slot,
                    build_method,
                    get_method_class,
@@ -33,5 +34,5 @@ from .base import (
                    register_method,
 )
 
-__all__ = ["ClientContext", "ClientUpdate", "GlobalEval", "LocalResult", "Method", "Phase", "Slot", "build_method",
-           "get_method_class", "method_names", "register_method"]
+__all__ = ["ClientContext", "ClientUpdate", "GlobalEval", "LocalResult", "Method", "Phase", "Precision", "Slot",
+           "build_method", "get_method_class", "method_names", "register_method"]

@@ -36,7 +36,13 @@ and round per task.
 
 ``local_train`` owns the whole local loop; to keep one count of local
 steps it runs the shared loop, ``train_steps``, with its own loss and
-per-step hook, and returns (or amends the ``stats`` of) its ``LocalResult``.
+per-step hook and ``precision=ctx.precision``, and returns (or amends the
+``stats`` of) its ``LocalResult``.  ``ctx.precision`` (a ``Precision``) is
+``training.precision`` on the worker's device: ``train_steps`` runs each
+loss in its ``autocast()`` and each step through its ``step`` (fp16's
+gradient scaler), as a loop of the method's own must too; the worker stops
+a run whose ``local_train`` never entered it, and a method that cannot
+train in a precision refuses it in ``check`` (ELCFS: fp16).
 The new global model is the weighted average, then a server optimizer's
 step on the broadcast parameters outside ``assembles`` (``server:``), then
 ``assemble_global``'s tensors; a method that assembles every parameter
@@ -47,8 +53,8 @@ Hooks on a client receive a ``ClientContext``: the round, the client id, the
 seeded generator for all of the client's randomness, the device, its
 samples, payload and validation indices, the data stages' shared arrays
 (``stage_data``), the colour normalisation of the batches (``pixel_mean`` /
-``pixel_std``, for methods that work on pixels) and a ``scratch`` dict for
-snapshots that live for one client task.
+``pixel_std``, for methods that work on pixels), the task's ``precision``
+and a ``scratch`` dict for snapshots that live for one client task.
 
 ## Round phases
 
@@ -96,6 +102,7 @@ model); no built-in method reads a stepped key there.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 from collections.abc import Callable, Iterator
@@ -118,6 +125,46 @@ class NoParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class Precision:
+    """The numeric precision of one client task's training and evaluation
+    (``training.precision``) on one device type: ``autocast()`` around the
+    forward passes and losses, ``step(opt, loss)`` for the backward pass and
+    the optimizer's step, through a gradient scaler for fp16.  The weights
+    and the optimizer stay fp32.  The worker makes one per client task, so a
+    scaler's state never passes from one client (or retry) to another; fp32
+    runs exactly the operations it ran before precisions existed."""
+
+    DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+    def __init__(self, name: str = "fp32", device_type: str = "cpu"):
+        self.name, self.device_type = name, device_type
+        self.dtype = self.DTYPES[name]
+        self.scaler = torch.amp.GradScaler(device_type) if name == "fp16" else None
+        self.autocasts = 0  # times autocast() was entered: the worker checks a method's loop used it
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        self.autocasts += 1
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+    def step(self, opt: torch.optim.Optimizer, loss: torch.Tensor) -> None:
+        """``loss.backward()`` then ``opt.step()``; with fp16 the loss is
+        scaled, the gradients unscaled before the step (hooks on ``opt`` see
+        true gradients), a step with inf or NaN gradients skipped and the
+        scale updated."""
+        if self.scaler is None:
+            loss.backward()
+            opt.step()
+            return
+        self.scaler.scale(loss).backward()
+        self.scaler.step(opt)
+        self.scaler.update()
+
+
+FP32 = Precision()
+
+
 @dataclass
 class ClientContext:
     client_id: int
@@ -138,6 +185,9 @@ class ClientContext:
     # the batches are (pixels in [0, 1] - pixel_mean) / pixel_std, shape (1, 3, 1, 1)
     pixel_mean: torch.Tensor | None = None
     pixel_std: torch.Tensor | None = None
+    # training.precision on this device: a method's own loop runs its forward passes in ``precision.autocast()``
+    # and its steps through ``precision.step`` (train_steps does both given ``precision=ctx.precision``)
+    precision: Precision = field(default_factory=Precision)
 
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -205,8 +255,9 @@ def evaluate_on_val(model: nn.Module, ctx: ClientContext, batch_size: int = 256)
     correct, loss = 0, 0.0
     for s in range(0, len(ctx.val_indices), batch_size):
         x, y = ctx.fetch(ctx.val_indices[s:s + batch_size])
-        logits = model(x)
-        loss += float(F.cross_entropy(logits, y, reduction="sum"))
+        with ctx.precision.autocast():
+            logits = model(x)
+            loss += float(F.cross_entropy(logits, y, reduction="sum"))
         correct += int((logits.argmax(1) == y).sum())
     n = len(ctx.val_indices)
     return correct / n, loss / n
@@ -214,20 +265,24 @@ def evaluate_on_val(model: nn.Module, ctx: ClientContext, batch_size: int = 256)
 
 def train_steps(opt: torch.optim.Optimizer, batches: Callable[[], Iterator[Batch]],
                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], steps: int | None = None,
-                after_step: Callable[[torch.Tensor, torch.Tensor, int], None] | None = None) -> LocalResult:
+                after_step: Callable[[torch.Tensor, torch.Tensor, int], None] | None = None,
+                precision: Precision = FP32) -> LocalResult:
     """The local step loop, the default ``local_train``'s and that of the
     methods owning their loop: per batch, one step of ``opt`` on
     ``loss_fn(x, y)``, then ``after_step(x, y, i)`` (i: steps taken so far,
     from 1).  One pass of ``batches()`` (the worker already caps it at the
     round's budget), or exactly ``steps`` steps, drawing ``batches()`` again
-    as often as that takes.  The one place a round's local steps are counted."""
+    as often as that takes.  The one place a round's local steps are counted
+    (an fp16 step the scaler skips for inf gradients counts too).  Pass
+    ``precision=ctx.precision``: the loss runs in its autocast, the step
+    through its scaler."""
     total, n, done = 0.0, 0, 0
     while True:
         for x, y in batches():
-            loss = loss_fn(x, y)
+            with precision.autocast():
+                loss = loss_fn(x, y)
             opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+            precision.step(opt, loss)
             total += float(loss.detach()) * len(y)
             n += len(y)
             done += 1
@@ -314,7 +369,7 @@ class Method:
         cross-device federation holds no optimizer state between rounds)."""
         opt = self.make_optimizer(model, ctx.round)
         model.train()
-        return train_steps(opt, batches, lambda x, y: self.loss(model, x, y, ctx))
+        return train_steps(opt, batches, lambda x, y: self.loss(model, x, y, ctx), precision=ctx.precision)
 
     def upload_payload(self, model: nn.Module, ctx: ClientContext) -> dict[str, np.ndarray]:
         return {}
@@ -395,5 +450,5 @@ def build_method(cfg, num_clients: int) -> Method:
 
 
 __all__ = ["Batch", "ClientContext", "ClientUpdate", "ConfigError", "GlobalEval", "LocalResult", "Method", "NoParams",
-           "Phase", "Slot", "build_method", "evaluate_on_val", "get_method_class", "method_names", "register_method",
-           "train_steps"]
+           "Phase", "Precision", "Slot", "build_method", "evaluate_on_val", "get_method_class", "method_names",
+           "register_method", "train_steps"]

@@ -122,7 +122,8 @@ class CSAC(Method):
         model.train()
         private: nn.Module = model.private
         if float(getattr(model, READY)) == 0:  # local semantic acquisition (pre-training)
-            stats = train_steps(opt, batches, lambda x, y: F.cross_entropy(model(x), y), self.p.pretrain_steps)
+            stats = train_steps(opt, batches, lambda x, y: F.cross_entropy(model(x), y), self.p.pretrain_steps,
+                                precision=ctx.precision)
             with torch.no_grad():
                 src = {k: v for k, v in model.state_dict().items() if not k.startswith(PRIVATE) and k != READY}
                 private.load_state_dict(src)
@@ -137,7 +138,7 @@ class CSAC(Method):
                 fixed = private(x)
             return F.cross_entropy(logits, y) + self.p.lam * mk_mmd(fixed, logits)
 
-        return train_steps(opt, batches, loss_fn)
+        return train_steps(opt, batches, loss_fn, precision=ctx.precision)
 
     def assembles(self, model):
         if self.p.aggregation == "fedavg":

@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch.func import functional_call
 
+from rayfed_dg.errors import ConfigError
 from rayfed_dg.stages.amplitude import SHARED
 
 from .base import Method, register_method
@@ -89,6 +90,12 @@ class ELCFS(Method):
         band: float = Field(0.1, ge=0.0, le=0.5)  # L: half-width of the interpolated block / min(H, W)
         meta_step: float = Field(1e-3, gt=0.0)  # beta, the inner learning rate
         clip: float = Field(100.0, gt=0.0)  # c, element-wise clip of the inner gradient
+
+    @classmethod
+    def check(cls, cfg) -> None:
+        if cfg.training.precision == "fp16":  # the inner gradient is taken by autograd.grad, outside the scaler
+            raise ConfigError("elcfs takes its inner (meta) gradient outside fp16's gradient scaler, where small "
+                              "gradients vanish: set training.precision to bf16 or fp32")
 
     def transformed(self, x: torch.Tensor, ctx) -> torch.Tensor:
         """The interpolated version of a normalised batch, normalised again."""

@@ -275,10 +275,10 @@ class FedFD(Method):
                 for p in main:
                     p.requires_grad_(False)
                 set_mode(model, "adapt")
-                loss_a = F.cross_entropy(model(x), y)
+                with ctx.precision.autocast():
+                    loss_a = F.cross_entropy(model(x), y)
                 opt_a.zero_grad(set_to_none=True)
-                loss_a.backward()
-                opt_a.step()
+                ctx.precision.step(opt_a, loss_a)
                 for p in main:
                     p.requires_grad_(True)
             set_mode(model, "plain")
@@ -286,7 +286,7 @@ class FedFD(Method):
             if every and it % every == 0:
                 best = self._keep_best(model, ctx, it, best)
 
-        stats = train_steps(opt, batches, main_step_loss, after_step=after_main_step)
+        stats = train_steps(opt, batches, main_step_loss, after_step=after_main_step, precision=ctx.precision)
         if every:
             if it % every:  # the round's last iterate is always a candidate
                 best = self._keep_best(model, ctx, it, best)

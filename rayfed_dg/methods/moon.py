@@ -148,7 +148,7 @@ class Moon(Method):
         opt = self.make_optimizer(model, ctx.round)  # the previous model's parameters are frozen
         model.train()
         getattr(model, PREV).eval()  # model.train() reached it too
-        stats = train_steps(opt, batches, lambda x, y: self.loss(model, x, y, ctx))
+        stats = train_steps(opt, batches, lambda x, y: self.loss(model, x, y, ctx), precision=ctx.precision)
         with torch.no_grad():  # this round's local model is the client's next w_i^{t-1}
             own = {k: v for k, v in model.state_dict().items() if not k.startswith(PREV + ".") and k != SEEN}
             getattr(model, PREV).load_state_dict(own)

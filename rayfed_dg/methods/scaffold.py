@@ -163,7 +163,7 @@ class Scaffold(Method):
 
         opt.register_step_pre_hook(correct)
         model.train()
-        res = train_steps(opt, batches, lambda xb, yb: self.loss(model, xb, yb, ctx))
+        res = train_steps(opt, batches, lambda xb, yb: self.loss(model, xb, yb, ctx), precision=ctx.precision)
         with torch.no_grad():
             if res.steps:  # option II (line 12), K_eff for momentum (module docstring)
                 new = ci - c + (x - flat(params)) / (effective_steps(res.steps, self.training.momentum)
