@@ -137,7 +137,8 @@ def main() -> None:
     cluster, names = start_cluster(args.nodes, args.gpus, args.cpus, work / "ray")
     try:
         print(f"rehearsal cluster: head (no GPU) + {args.nodes} nodes x {args.gpus} GPUs, {args.cpus:g} CPU each; "
-              f"quickstart, seeds {args.seeds}, {args.rounds} rounds, {args.limit} images per domain")
+              f"quickstart, seeds {args.seeds}, {args.rounds} rounds, {args.limit} images per domain; "
+              f"run directories in {work}")
         seq = run_table(args, work / "one", 1 if has_key else None)
         report("engine.concurrent_federations: 1" if has_key else "sequential (this version's only way)",
                work / "one", seeds, names, seq)
