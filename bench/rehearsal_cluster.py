@@ -149,7 +149,7 @@ def main() -> None:
         report("engine.concurrent_federations: auto", work / "auto", seeds, names, conc)
         print("\nauto against 1, bit for bit (clients' wall seconds left out):")
         print("\n".join(compare(work / "auto", work / "one", seeds)))
-        print(f"wall time: 1 at a time {seq:.1f} s, auto {conc:.1f} s, ratio {seq / conc:.2f}")
+        print(f"wall time: 1 at a time {seq:.1f} s, auto {conc:.1f} s; speed-up (1 at a time / auto) {seq / conc:.2f}")
     finally:
         import ray
 
