@@ -18,6 +18,11 @@ server only coordinate) and one bundle per worker with the config's
 never starve each other; inside a trial the pool is sized from those bundles,
 not from the cluster.
 
+The sweep loads the dataset once and puts it into the object store once
+(``upload``): every trial reads that copy zero-copy, instead of loading and
+putting its own.  A space that searches a ``data.*`` key keeps per-trial
+loading, since its trials may need different data.
+
 Every round reports ``src_val`` (mean source-validation accuracy: the metric
 Tune optimises and ASHA stops on) and ``target_acc`` (recorded, never used
 to choose).  ``select_value`` applies the training-domain-validation rule:
@@ -46,6 +51,7 @@ import numpy as np
 import yaml
 
 from rayfed_dg.config import ConfigError, ExperimentConfig, load_config
+from rayfed_dg.data import DomainDataset
 from rayfed_dg.engine.records import Split
 from rayfed_dg.errors import EngineError
 from rayfed_dg.utils import did_you_mean, env_set, render_table, write_table, write_text
@@ -91,9 +97,26 @@ def overrides_of(trial_config: dict) -> list[str]:
     return [f"{k}={json.dumps(v)}" for k, v in sorted(trial_config.items()) if k != "target"]
 
 
-def trainable(trial_config: dict, *, config_path: str, fixed: list[str]) -> None:
+def upload(sw: Sweep) -> dict | None:
+    """The sweep's dataset in the object store, once for every trial: the
+    refs of its images and labels, and the rest of the dataset (domains,
+    names), small, which each trial rebuilds it from.  None when the space
+    searches a ``data.*`` key: a trial may then need other data (another
+    resolution, subsample or split seed) and loads its own."""
+    import ray
+
+    if any(key == "data" or key.startswith("data.") for key in sw.space["params"]):
+        return None
+    ds = sw.ds
+    return {"refs": [ray.put(ds.images), ray.put(ds.labels)],
+            "rest": {"domains": ds.domains, "domain_names": ds.domain_names, "class_names": ds.class_names,
+                     "meta": ds.meta}}
+
+
+def trainable(trial_config: dict, *, config_path: str, fixed: list[str], data: dict | None = None) -> None:
     """One Tune trial: a complete federation for ``trial_config['target']``
-    (``engine.experiment.run_trial``, on actors in the trial's placement group)."""
+    (``engine.experiment.run_trial``, on actors in the trial's placement group).
+    ``data``: the sweep's ``upload`` (None: the trial loads its own)."""
     import logging
 
     import ray
@@ -113,6 +136,11 @@ def trainable(trial_config: dict, *, config_path: str, fixed: list[str]) -> None
         with restored.as_directory() as d:
             shutil.copytree(d, work.path, dirs_exist_ok=True)
     last: dict = {"resumed_from_round": max(work.saved_rounds(target), default=0)}  # 0: the trial started at round 1
+    dataset = None
+    if data is not None:
+        images, labels = ray.get(data["refs"])  # read-only views of the object store, not copies
+        dataset = (DomainDataset(images, labels, **data["rest"]), data["refs"])
+        last["data_upload"] = data["refs"][0].hex()  # the sweep's one upload, the same in every trial
     trial_dir = tune.get_context().get_trial_dir()  # Tune syncs it to the sweep folder
     tb = Path(trial_dir) / "tensorboard" if cfg.output.tensorboard and trial_dir else None
 
@@ -136,7 +164,8 @@ def trainable(trial_config: dict, *, config_path: str, fixed: list[str]) -> None
         shutil.rmtree(snap.path, ignore_errors=True)
 
     try:
-        run_trial(cfg, target, work.path, ray.util.get_current_placement_group(), on_round=report, tensorboard=tb)
+        run_trial(cfg, target, work.path, ray.util.get_current_placement_group(), on_round=report, tensorboard=tb,
+                  dataset=dataset)
     finally:
         shutil.rmtree(work.path, ignore_errors=True)
 
@@ -303,6 +332,7 @@ class Sweep:
     config_path: str  # absolute: trials run in folders of their own
     fixed: list[str]  # the space's ``set`` and the command line's overrides (and this machine's data root)
     cfg: ExperimentConfig
+    ds: DomainDataset  # as the driver loaded it for the checks (``upload`` shares it with the trials)
     targets: list[str]
     workers: int  # per trial
     storage: str  # a local folder (absolute) or a URI
@@ -352,14 +382,15 @@ def plan_sweep(space_name: str, config: str | None, target: str, samples: int, s
     storage = storage if "://" in storage else str(Path(storage).resolve())
     if seeds is not None and ("training.seed" in space["params"] or len(set(seeds)) != len(seeds) or not seeds):
         raise ConfigError("--seeds: give distinct seeds, and not with a space that searches training.seed")
-    return Sweep(space, name, config_path, fixed, cfg, targets, workers, storage, scheduler, samples,
+    return Sweep(space, name, config_path, fixed, cfg, ds, targets, workers, storage, scheduler, samples,
                  sorted(seeds) if seeds else None)
 
 
 def _tuner(sw: Sweep, resume: bool, verbose: int, callbacks: list):
     from ray import tune
 
-    fn = tune.with_parameters(trainable, config_path=sw.config_path, fixed=sw.fixed)
+    # with_parameters stores its arguments in the object store once; the refs in ``data`` travel inside them
+    fn = tune.with_parameters(trainable, config_path=sw.config_path, fixed=sw.fixed, data=upload(sw))
     fn = tune.with_resources(fn, placement(sw.cfg, sw.workers))
     if resume:
         if not tune.Tuner.can_restore(sw.where):

@@ -207,6 +207,54 @@ def test_sweep_interrupted_mid_trial_exits_130_chooses_nothing_and_resumes_to_an
     assert max(resumed(tmp_path / "killed")) >= 2 and set(resumed(tmp_path / "clean")) == {0}
 
 
+def _space_searching_data(path, base):
+    """``base``'s space with data.split_seed searched over its one configured value: the same trials, but a
+    ``data.*`` key is searched, so each trial loads and puts a dataset of its own."""
+    space = yaml.safe_load(base.read_text())
+    space["params"]["data.split_seed"] = {"grid": [0]}
+    path.write_text(yaml.safe_dump(space))
+    return path
+
+
+def test_a_sweep_uploads_its_dataset_once_unless_a_data_key_is_searched(ray_session, tmp_path):
+    import numpy as np
+
+    from rayfed_dg.tuning import plan_sweep, upload
+
+    space = tiny_space(tmp_path / "tiny.yaml")
+    sw = plan_sweep(str(space), None, "colour", 1, "fifo", [], str(tmp_path / "st"))
+    data = upload(sw)
+    images, labels = ray_session.get(data["refs"])
+    # the trials' copy is the driver's dataset, read in place (a read-only view of the object store)
+    assert np.array_equal(images, sw.ds.images) and np.array_equal(labels, sw.ds.labels)
+    assert not images.flags.writeable
+    assert np.array_equal(data["rest"]["domains"], sw.ds.domains) and data["rest"]["domain_names"] == sw.ds.domain_names
+    searched = plan_sweep(str(_space_searching_data(tmp_path / "d.yaml", space)), None, "colour", 1, "fifo", [],
+                          str(tmp_path / "st"))
+    assert upload(searched) is None
+
+
+@pytest.mark.slow
+def test_trials_share_one_upload_and_give_the_numbers_of_per_trial_loading(ray_session, tmp_path, monkeypatch):
+    from rayfed_dg.tuning import run_sweep
+
+    monkeypatch.chdir(REPO)
+    space = tiny_space(tmp_path / "tiny.yaml", "training.rounds=2")
+    _space_searching_data(tmp_path / "own.yaml", space)
+    shared = run_sweep("tiny", None, "colour", 1, "fifo", False, [], str(tmp_path / "a"), space_dir=tmp_path,
+                       verbose=0)
+    own = run_sweep("own", None, "colour", 1, "fifo", False, [], str(tmp_path / "b"), space_dir=tmp_path, verbose=0)
+    reported = lambda d: [[json.loads(line) for line in p.read_text().splitlines()]  # noqa: E731
+                          for p in sorted(d.glob("*/result.json"))]
+    uploads = {r.get("data_upload") for rs in reported(tmp_path / "a" / "tiny") for r in rs}
+    assert len(uploads) == 1 and None not in uploads  # both trials, every round: the one object the driver put
+    assert all("data_upload" not in r for rs in reported(tmp_path / "b" / "own") for r in rs)
+    cols = ["method.lam", "target", "selected_round", "selected_src_val", "selected_target_acc", "rounds_run"]
+    key = lambda out: sorted(tuple(r[c] for c in cols) for r in out["records"])  # noqa: E731
+    assert len(shared["records"]) == 2 and key(shared) == key(own)
+    assert shared["chosen"] == {"method.lam": own["chosen"]["method.lam"]}
+
+
 def test_wandb_and_mlflow_are_never_imported_unless_asked_for():
     code = ("import sys; import rayfed_dg.tuning as t; assert t.logger_callbacks('x') == []; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('wandb', 'mlflow') "

@@ -94,19 +94,28 @@ def run_planned(exp: Experiment, run_dir: RunDir, progress: bool = True) -> dict
 
 def run_trial(cfg: ExperimentConfig, target: str, run_dir: Path, placement_group=None,
               on_round: Callable[[RoundResult, TargetResult], None] | None = None,
-              tensorboard: Path | None = None) -> TargetResult:
+              tensorboard: Path | None = None,
+              dataset: tuple[DomainDataset, list[ray.ObjectRef]] | None = None) -> TargetResult:
     """One federation for ``target`` on actors of its own.  In a Tune trial,
     ``placement_group`` is the trial's: it reserved an empty bundle for the
     server and one per worker, so the pool has that many workers and every
-    actor is placed in it (concurrent trials never take each other's)."""
-    ds = load_data(cfg)
+    actor is placed in it (concurrent trials never take each other's).
+    ``dataset``: a sweep's one upload, the dataset (its images and labels
+    read zero-copy from the object store) and the refs of its images and
+    labels, which the workers read; None: the trial loads the config's
+    dataset and puts a copy of its own."""
+    if dataset is None:
+        ds = load_data(cfg)
+        data_refs = [ray.put(ds.images), ray.put(ds.labels)]
+    else:
+        ds, data_refs = dataset
     split = split_for(cfg, ds, target)
     if placement_group is not None:
         opts = {"scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group)}
         workers = len(placement_group.bundle_specs) - 1
     else:
         opts, workers = None, ensure_workers(cfg.engine, clients_per_round(cfg, split))
-    host = EngineHost(cfg.engine, [ray.put(ds.images), ray.put(ds.labels)], workers, opts)
+    host = EngineHost(cfg.engine, data_refs, workers, opts)
     try:
         return run_federation(cfg, split, None, None, ds.num_classes, run_dir, progress=False, on_round=on_round,
                               tensorboard=tensorboard, host=host)
