@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -78,3 +79,24 @@ def test_simple_cnn_is_pfl_researchs_cifar10_model():
     assert float(dense.abs().max()) <= (6 / (12544 + 128)) ** 0.5 and float(dense.std()) > 0.8 * (2 / (12544 + 128)) ** 0.5
     with pytest.raises(ModelError, match="simple_cnn has no pretrained weights"):
         build_backbone("simple_cnn", 10, "IMAGENET1K_V1")
+
+
+def test_simple_cnn_dropout_is_seeded_by_round_and_client(tiny_ds):
+    """simple_cnn's dropout draws from torch's global generator, which a worker seeds per (round, client): a
+    client's update is the same on a fresh worker as on one that trained another client first."""
+    from rayfed_dg.config import load_config
+    from rayfed_dg.engine import ClientRunner
+    from rayfed_dg.engine.worker import to_numpy_state
+
+    cfg = load_config(None, ["model.arch=simple_cnn", "data.resolution=32", "training.local_steps=2",
+                             "training.batch_size=8", "engine.num_cpus_per_worker=1"])
+    runner = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, tiny_ds.num_classes, 2)
+    g = to_numpy_state(runner.model.state_dict(), runner.model.state_dict().keys())
+    first = runner.run_client(0, 1, np.arange(16), g).update
+    runner.run_client(1, 1, np.arange(16, 32), g)
+    torch.manual_seed(123)  # whatever the generator held before, the task reseeds it
+    again = runner.run_client(0, 1, np.arange(16), g).update
+    later = runner.run_client(0, 2, np.arange(16), g).update  # round 2: other dropout masks, other batches
+    for k in first:
+        np.testing.assert_array_equal(first[k], again[k])
+    assert not np.array_equal(first["head.weight"], later["head.weight"])
