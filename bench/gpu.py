@@ -11,7 +11,7 @@ On the CUDA GPU torch finds, prints:
    doing the same work in this process on the same GPU, in each precision
    of ``--precisions`` (``training.precision``; the bare loop autocasts the
    same way, with a gradient scaler for fp16), for the two shapes of
-   ``bench/engine_overhead.py`` (defined again below, ``SHAPES``), with the
+   ``bench/engine_overhead.py`` (imported from there, ``SHAPES``), with the
    GPU's mean utilisation during each (``nvidia-smi`` sampled every 100 ms)
    and the engine's orchestration per client.  Both sides keep the dataset
    on the GPU (the engine by ``engine.data_on_device: auto``) and use the
@@ -44,7 +44,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -54,29 +53,16 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 
 
-@dataclass(frozen=True)
-class Shape:
-    label: str
-    clients: int
-    per_client: int
-    per_round: int
-    config: tuple[str, ...]  # overrides; the bare loop reads the same config
+# bench/engine_overhead.py's two shapes (issues 2 and 39): the ResNet one, and pfl-research's CIFAR10 cross-device
+# benchmark with its 2-conv CNN (model.arch simple_cnn)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_overhead import SHAPES, Shape  # noqa: E402
 
-
-# bench/engine_overhead.py's two shapes (issues 2 and 39), written again here: that file is CPU-only.  The
-# cross-device one is pfl-research's CIFAR10 benchmark with its 2-conv CNN, model.arch simple_cnn, where this
-# checkout has it (else the conv net of width 32 stands in, and the output says so)
-SHAPES = {
-    "resnet": Shape("30 clients, 10/round, ResNet-18 32px, 64 samples/client, batch 32, 1 epoch", 30, 64, 10,
-                    ("model.arch=resnet18", "training.batch_size=32", "training.lr=0.01")),
-    "cross_device": Shape("1,000 clients, 50/round, 50 samples/client at 32px, batch 10, 1 epoch", 1000, 50, 50,
-                          ("training.batch_size=10", "training.lr=0.1", "training.momentum=0.0",
-                           "training.weight_decay=0.0")),
-}
 TINY = {"resnet": Shape("tiny: 6 clients, 3/round, ResNet-18 32px, 16 samples/client, batch 8", 6, 16, 3,
                         SHAPES["resnet"].config[:1] + ("training.batch_size=8", "training.lr=0.01")),
         "cross_device": Shape("tiny: 40 clients, 10/round, 10 samples/client, batch 5", 40, 10, 10,
-                              SHAPES["cross_device"].config[1:] + ("training.batch_size=5",))}
+                              SHAPES["cross_device"].config[:1] + SHAPES["cross_device"].config[2:]
+                              + ("training.batch_size=5",))}
 
 
 def _cfg(*overrides):
@@ -84,16 +70,6 @@ def _cfg(*overrides):
 
     return load_config(None, ["data.resolution=32", "training.local_epochs=1", "evaluation.every=0",
                               "output.save_best_checkpoint=false", "output.tensorboard=false", *overrides])
-
-
-def cross_device_arch() -> tuple[str, ...]:
-    from rayfed_dg.config import ConfigError
-
-    try:
-        _cfg("model.arch=simple_cnn")
-        return ("model.arch=simple_cnn",)
-    except ConfigError:
-        return ("model.arch=convnet", "model.width=32")
 
 
 def make_data(n_clients: int, per_client: int, res: int, seed: int = 0):
@@ -284,14 +260,10 @@ def part_shapes(args, device) -> None:
 
     shapes = TINY if args.tiny else SHAPES
     rounds = 3 if args.tiny else args.rounds
-    arch = cross_device_arch()
-    if arch[0] != "model.arch=simple_cnn":
-        print("[shapes] this checkout has no model.arch simple_cnn (pfl-research's 2-conv CNN): the cross-device "
-              "shape runs the conv net of width 32 instead")
     for name, shape in shapes.items():
         images, labels, clients, val_idx = make_data(shape.clients, shape.per_client, 32)
         refs = [ray.put(images), ray.put(labels)]
-        base = [*shape.config, *(arch if name == "cross_device" else ()), f"training.rounds={rounds}",
+        base = [*shape.config, f"training.rounds={rounds}",
                 f"training.clients_per_round={shape.per_round}", *engine_overrides(args, args.workers)]
         host = EngineHost(_cfg(*base).engine, refs, args.workers)
         try:
