@@ -1,6 +1,6 @@
 import numpy as np
 
-from rayfed_dg.engine import OrderedReducer, select_round
+from rayfed_dg.engine import Reducer, select_round
 
 
 def test_weighted_mean_matches_hand_computation():
@@ -9,7 +9,7 @@ def test_weighted_mean_matches_hand_computation():
            3: {"w": np.array([4, 0, -2], np.float32), "n": np.array(20)},
            5: {"w": np.array([0, 8, 1], np.float32), "n": np.array(30)}}
     sizes = {0: 100, 3: 300, 5: 600}
-    red = OrderedReducer([0, 3, 5], sizes)
+    red = Reducer([0, 3, 5], sizes)
     for cid in (5, 0, 3):  # arrival order must not matter
         red.add(cid, ups[cid])
     out = red.result(like)
@@ -27,12 +27,12 @@ def test_arrival_order_is_bitwise_irrelevant_and_drop_renormalises():
     like = {"w": np.zeros(1000, np.float32)}
     results = []
     for order in ([0, 1, 2, 3, 4, 5], [5, 3, 1, 0, 2, 4], [2, 5, 4, 3, 1, 0]):
-        red = OrderedReducer(list(range(6)), w)
+        red = Reducer(list(range(6)), w)
         for c in order:
             red.add(c, ups[c])
         results.append(red.result(like)["w"])
     assert all(np.array_equal(results[0], r) for r in results[1:])
-    red = OrderedReducer([0, 1, 2], w)
+    red = Reducer([0, 1, 2], w)
     red.add(1, None)
     red.add(0, ups[0])
     red.add(2, ups[2])
