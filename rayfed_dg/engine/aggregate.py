@@ -52,7 +52,7 @@ import torch
 W = 32  # bits per bin
 K = 3  # bins kept per tensor
 MAX_TERMS = 2 ** 20  # limbs stay below 2^52: the carries of ``_normalize`` stay exact
-CHUNK = 1 << 17  # elements per pass on a CPU: the passes over one chunk run in cache, not memory
+CHUNK = 1 << 15  # elements per pass on a CPU: the passes over one chunk run in cache, not memory
 FAST_FROM = -29  # from this top bin up, w * 2^(-tW) * v rounds where w * v does, in every kept bit
 
 
@@ -108,7 +108,7 @@ class BinnedSum:
         self.top: dict[str, int | None] = {}  # None: only zeros so far
         self.nonfinite: set[str] = set()
         self.limbs: dict[str, torch.Tensor] = {}  # key -> (K, n) float64 integers
-        self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._scratch: torch.Tensor | None = None  # (K, chunk) float64
 
     def keys(self) -> Iterable[str]:
         return self.shapes.keys()
@@ -144,7 +144,7 @@ class BinnedSum:
             v = v.detach().reshape(-1)
             if not v.is_floating_point():
                 v = v.double()  # integer buffers (num_batches_tracked): small, exact below 2^53
-            # max |w v| (rounding is monotone); NaN when some v is
+            # max |w v| (rounding is monotone), NaN where some v is
             m = abs(w) * float(torch.linalg.vector_norm(v, math.inf)) if v.numel() else 0.0
             if not math.isfinite(m):
                 self.nonfinite.add(key)
@@ -156,6 +156,10 @@ class BinnedSum:
             self._deposit(limbs, v, w, t)
 
     def _deposit(self, limbs: torch.Tensor, v: torch.Tensor, w: float, t: int) -> None:
+        """limb k += part of (w v) in bin t - k, elementwise, in chunks that
+        stay in cache: Z_k = trunc(w v 2^(-(t-k)W)) for every k at once, then
+        part_k = Z_k - 2^W Z_(k-1) (exact: integers within a factor of 2 of
+        each other, Sterbenz), then one add."""
         n = v.numel()
         step = n if v.device.type != "cpu" else CHUNK
         # one multiply by s = w 2^(-tW) (exact) instead of two, where v s rounds as (w v) 2^(-tW) does in every
@@ -166,22 +170,22 @@ class BinnedSum:
             fast = t >= FAST_FROM and abs(s) >= 2.0 ** -1022
         except OverflowError:
             fast = False
-        if self._scratch is None or self._scratch[0].numel() < min(step, n) or self._scratch[0].device != v.device:
-            self._scratch = (torch.empty(min(step, n), dtype=torch.float64, device=v.device),
-                             torch.empty(min(step, n), dtype=torch.float64, device=v.device))
+        rows = torch.tensor([math.ldexp(s if fast else 1.0, k * W) for k in range(K)], dtype=torch.float64,
+                            device=v.device)[:, None]
+        if self._scratch is None or self._scratch.shape[1] < min(step, n) or self._scratch.device != v.device:
+            self._scratch = torch.empty((K, min(step, n)), dtype=torch.float64, device=v.device)
         for lo in range(0, n, step):
             hi = min(lo + step, n)
-            z, a = self._scratch[0][:hi - lo], self._scratch[1][:hi - lo]
-            z.copy_(v[lo:hi])
+            z = self._scratch[:, :hi - lo]
             if fast:
-                z.mul_(s)
-            else:
-                _scale(z.mul_(w), -t * W)
-            for k in range(K):  # z in bin t's units: |z| < 2^W
-                torch.trunc(z, out=a)
-                limbs[k, lo:hi].add_(a)
-                if k < K - 1:
-                    z.sub_(a).mul_(2.0 ** W)
+                torch.mul(v[None, lo:hi], rows, out=z)
+            else:  # y = w v rounded as the term is defined, then scaled to bin t's units (|y 2^(-tW)| < 2^W)
+                y = _scale(v[lo:hi].to(torch.float64, copy=True).mul_(w), -t * W)
+                torch.mul(y[None], rows, out=z)
+            z.trunc_()
+            for k in range(K - 1, 0, -1):
+                z[k].sub_(z[k - 1], alpha=2.0 ** W)
+            limbs[:, lo:hi].add_(z)
 
     def merge(self, other: BinnedSum | PackedSum) -> None:
         """Add another sum (a worker's partial)."""
