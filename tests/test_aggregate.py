@@ -64,21 +64,21 @@ def _sum(terms, parts=None):
     return out
 
 
-def test_parts_are_truncated_at_fixed_bin_boundaries_by_hand():
+def test_parts_are_rounded_at_fixed_bin_boundaries_by_hand():
     b = BinnedSum()
     b.add(1.0, {"x": torch.tensor([2.0 ** 40 + 3 + 2.0 ** -3, -(2.0 ** 33 + 0.75)], dtype=torch.float64)})
-    # max |y| = 2^40 + ...: bin 1 (2^32 .. 2^63); limbs for bins 1, 0, -1, each part truncated toward zero
+    # 2 max |y| = 2^41 + ...: bin 1 (2^32 .. 2^63); limbs for bins 1, 0, -1: R_j - 2^32 R_(j+1), R_j = round(y 2^-32j)
     assert b.top["x"] == 1
-    assert b.limbs["x"].tolist() == [[256.0, -2.0], [3.0, 0.0], [2.0 ** 29, -3 * 2.0 ** 30]]
-    b.add(1.0, {"x": torch.tensor([-(2.0 ** -40), 0.0], dtype=torch.float64)})  # below bin -1: dropped
-    assert b.limbs["x"].tolist() == [[256.0, -2.0], [3.0, 0.0], [2.0 ** 29, -3 * 2.0 ** 30]]
+    assert b.limbs["x"].tolist() == [[256.0, -2.0], [3.0, -1.0], [2.0 ** 29, 2.0 ** 30]]
+    b.add(1.0, {"x": torch.tensor([-(2.0 ** -40), 0.0], dtype=torch.float64)})  # below half of bin -1's unit: dropped
+    assert b.limbs["x"].tolist() == [[256.0, -2.0], [3.0, -1.0], [2.0 ** 29, 2.0 ** 30]]
     b.add(3.0, {"x": torch.tensor([2.0 ** 68, 1.5], dtype=torch.float32)})  # w v = 3 2^68: bin 2, the window shifts
     assert b.top["x"] == 2
-    assert b.limbs["x"].tolist() == [[48.0, 0.0], [256.0, -2.0], [3.0, 4.0]]  # 4 = trunc(4.5); bin -1 dropped
-    assert b.total("x").tolist() == [3 * 2.0 ** 68 + 2.0 ** 40 + 3, -(2.0 ** 33) + 4]
-    c = BinnedSum()  # a weight that is not an integer: the term is w * v rounded once
+    assert b.limbs["x"].tolist() == [[48.0, 0.0], [256.0, -2.0], [3.0, 3.0]]  # 4.5 rounds to 4; bin -1 dropped
+    assert b.total("x").tolist() == [3 * 2.0 ** 68 + 2.0 ** 40 + 3, -(2.0 ** 33) + 3]
+    c = BinnedSum()  # a weight that is not an integer: the term is w * v rounded once, kept whole in the window
     c.add(0.1, {"x": torch.tensor([3.0])})
-    assert c.top["x"] == -1 and c.total("x").item() == 0.1 * 3.0 - (0.1 * 3.0) % 2.0 ** -96
+    assert c.top["x"] == -1 and c.total("x").item() == 0.1 * 3.0
 
 
 ADVERSARIAL = [  # per position: huge and tiny magnitudes, cancellation, subnormals (float32 and float64)

@@ -15,14 +15,16 @@ simplified to one window per tensor:
 * a term is y = float64(w) * float64(v), v the upload, w its reduce weight
   (exact when w is an integer below 2^29, e.g. a sample count; otherwise
   rounded once, and only from (w, v));
-* bins of ``W`` = 32 bits at fixed exponents (bin j holds the bits of
-  weight 2^(jW) to 2^(jW + W - 1)); a tensor keeps ``K`` = 3 limbs, for
-  bins t, t-1, t-2, t the bin of the largest |y| seen so far;
-* each term is split at the bin boundaries by truncation, a_k =
-  trunc(y / 2^((t-k)W)) less the bits above (exact: power-of-two scaling,
-  removing top bits), and limb k += a_k.  |a_k| < 2^32, so the float64
-  limbs add them exactly for up to ``MAX_TERMS`` = 2^20 terms (asserted);
-  bits below bin t-2 are dropped;
+* bins of ``W`` = 32 bits at fixed exponents (bin j holds the weights
+  2^(jW) to 2^(jW + W - 1)); a tensor keeps ``K`` = 3 limbs, for bins t,
+  t-1, t-2, t the bin of 2 max|y| over the terms seen so far (a margin: no
+  term rounds up into bin t+1);
+* a term's part in bin j is R_j - 2^W R_(j+1), R_j = round(y / 2^(jW))
+  (to nearest, ties to even: a function of the term and the bin only;
+  power-of-two scaling is exact, and so is the difference, an integer
+  |part| <= 2^(W-1)); limb k += the part in bin t - k.  The float64 limbs
+  add such integers exactly for up to ``MAX_TERMS`` = 2^20 terms
+  (asserted); what lies below bin t-2 is dropped;
 * a term (or a merged partial) with a higher top bin first shifts the
   limbs down; limbs falling out of the window are dropped.
 
@@ -30,13 +32,16 @@ Why the order does not matter: the boundaries are fixed and a part depends
 only on the term and its bin, so each limb holds exactly the sum over the
 terms of their part in that bin, and the window is set by max|y| over all
 terms; a dropped limb holds exactly what would never have been deposited
-had the largest term come first.
+had the largest term come first.  (This is the brief's truncation scheme
+with rounding in place of truncation: torch's ``round`` is vectorised on
+the CPU and ``trunc`` is not, ten times slower.)
 
-Error against the exact sum of the terms: each term loses less than
-2^((t-2)W) <= 2^-64 max|y| (max over the tensor), and the result is
-rounded to float64 once the limbs are combined (at most 1 ulp), before the
-division by the weights' sum (an exact sum of the weights as fractions,
-rounded once).  A tensor with a non-finite term averages to NaN.
+Error against the exact sum of the terms: each term loses at most half of
+bin t-2's unit, 2^((t-2)W - 1) <= 2^-64 max|y| (max over the tensor), and
+the result is rounded to float64 once the limbs are combined (at most 1
+ulp), before the division by the weights' sum (an exact sum of the weights
+as fractions, rounded once).  A tensor with a non-finite term averages to
+NaN.
 """
 from __future__ import annotations
 
@@ -52,13 +57,14 @@ import torch
 W = 32  # bits per bin
 K = 3  # bins kept per tensor
 MAX_TERMS = 2 ** 20  # limbs stay below 2^52: the carries of ``_normalize`` stay exact
-CHUNK = 1 << 15  # elements per pass on a CPU: the passes over one chunk run in cache, not memory
+CHUNK = 1 << 17  # elements per pass on a CPU: the passes over one chunk run in cache, not memory
 FAST_FROM = -29  # from this top bin up, w * 2^(-tW) * v rounds where w * v does, in every kept bit
 
 
-def _bin(m: float) -> int:
-    """The bin of the leading bit of ``m`` > 0."""
-    return (math.frexp(m)[1] - 1) // W
+def _top(m: float) -> int:
+    """The top bin of a window holding terms up to ``m`` > 0: the bin of 2m's
+    leading bit, so |y| < 2^((t+1)W - 1) and no term rounds up into bin t+1."""
+    return math.frexp(m)[1] // W
 
 
 def _scale(x: torch.Tensor, e: int) -> torch.Tensor:
@@ -144,27 +150,28 @@ class BinnedSum:
             v = v.detach().reshape(-1)
             if not v.is_floating_point():
                 v = v.double()  # integer buffers (num_batches_tracked): small, exact below 2^53
-            # max |w v| (rounding is monotone), NaN where some v is
-            m = abs(w) * float(torch.linalg.vector_norm(v, math.inf)) if v.numel() else 0.0
+            lo, hi = torch.aminmax(v) if v.numel() else (torch.zeros(()), torch.zeros(()))
+            m = abs(w) * max(-float(lo), float(hi))  # max |w v| (rounding is monotone); NaN where some v is NaN
+            if math.isnan(float(lo)) or math.isnan(float(hi)):
+                m = math.nan
             if not math.isfinite(m):
                 self.nonfinite.add(key)
                 continue
             if m == 0.0:
                 continue
-            t = self._raise_top(key, _bin(m))
+            t = self._raise_top(key, _top(m))
             assert t is not None
             self._deposit(limbs, v, w, t)
 
     def _deposit(self, limbs: torch.Tensor, v: torch.Tensor, w: float, t: int) -> None:
         """limb k += part of (w v) in bin t - k, elementwise, in chunks that
-        stay in cache: Z_k = trunc(w v 2^(-(t-k)W)) for every k at once, then
-        part_k = Z_k - 2^W Z_(k-1) (exact: integers within a factor of 2 of
-        each other, Sterbenz), then one add."""
+        stay in cache: R_k = round(w v 2^(-(t-k)W)) for every k at once, then
+        part_k = R_k - 2^W R_(k-1) (exact: an integer below 2^W), then one add."""
         n = v.numel()
         step = n if v.device.type != "cpu" else CHUNK
         # one multiply by s = w 2^(-tW) (exact) instead of two, where v s rounds as (w v) 2^(-tW) does in every
         # kept bit: s normal, and from bin FAST_FROM up a product that differs (subnormal, below 2^-1022) lies
-        # below the window's last bin and truncates to zero either way
+        # below half the window's last unit and rounds to zero either way
         try:
             s = math.ldexp(w, -t * W)
             fast = t >= FAST_FROM and abs(s) >= 2.0 ** -1022
@@ -182,7 +189,7 @@ class BinnedSum:
             else:  # y = w v rounded as the term is defined, then scaled to bin t's units (|y 2^(-tW)| < 2^W)
                 y = _scale(v[lo:hi].to(torch.float64, copy=True).mul_(w), -t * W)
                 torch.mul(y[None], rows, out=z)
-            z.trunc_()
+            z.round_()
             for k in range(K - 1, 0, -1):
                 z[k].sub_(z[k - 1], alpha=2.0 ** W)
             limbs[:, lo:hi].add_(z)
