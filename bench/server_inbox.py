@@ -56,7 +56,6 @@ def fold_cost_ms(state: dict[str, torch.Tensor], reps: int = 5) -> tuple[float, 
     """Median ms to fold one ResNet-18 upload: the binned sum, the old float64 add."""
     from rayfed_dg.engine.aggregate import BinnedSum
 
-    torch.set_num_threads(1)  # a worker's thread (engine.num_cpus_per_worker: 1)
     b = BinnedSum()
     acc = {k: torch.zeros(v.shape, dtype=torch.float64) for k, v in state.items()}
     binned, plain = [], []
@@ -98,6 +97,7 @@ def main() -> None:
     split = FederatedSplit(target="t", clients=clients, client_domains=["d"] * n,
                            val={"d": np.arange(n * per, n * per + 32)},
                            test={"t": np.arange(n * per + 32, len(images))})
+    torch.set_num_threads(1)  # as the server actor (num_cpus 0: Ray gives it one OpenMP thread)
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     host = EngineHost(cfg.engine, [ray.put(images), ray.put(labels)], args.workers)
     try:
