@@ -116,9 +116,6 @@ class BinnedSum:
         self.limbs: dict[str, torch.Tensor] = {}  # key -> (K, n) float64 integers
         self._scratch: torch.Tensor | None = None  # (K, chunk) float64
 
-    def keys(self) -> Iterable[str]:
-        return self.shapes.keys()
-
     def _count(self, terms: int) -> None:
         self.terms += terms
         assert self.terms <= MAX_TERMS, f"a binned sum holds at most {MAX_TERMS} terms exactly"
@@ -150,10 +147,8 @@ class BinnedSum:
             v = v.detach().reshape(-1)
             if not v.is_floating_point():
                 v = v.double()  # integer buffers (num_batches_tracked): small, exact below 2^53
-            lo, hi = torch.aminmax(v) if v.numel() else (torch.zeros(()), torch.zeros(()))
-            m = abs(w) * max(-float(lo), float(hi))  # max |w v| (rounding is monotone); NaN where some v is NaN
-            if math.isnan(float(lo)) or math.isnan(float(hi)):
-                m = math.nan
+            lo, hi = (float(x) for x in torch.aminmax(v)) if v.numel() else (0.0, 0.0)
+            m = abs(w) * max(-lo, hi)  # max |w v| (rounding is monotone); aminmax gives NaN, both, where a v is NaN
             if not math.isfinite(m):
                 self.nonfinite.add(key)
                 continue
