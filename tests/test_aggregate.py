@@ -253,11 +253,12 @@ def test_a_worker_killed_after_folding_loses_its_partial_and_the_round_is_the_sa
     """One worker: client 0 trains and folds, then client 1's first attempt
     kills the process (seeded: its draw is 0.194 < 0.2, client 0's 0.233,
     client 2's 0.99), so client 0's fold is lost although its update came
-    back; the server trains it again, uncharged, and the records equal the
-    fault-free run's but for client 1's charged retry."""
+    back; the server trains it again, uncharged, from the local state it
+    started the round with (FedBN's), and the records equal the fault-free
+    run's but for client 1's charged retry."""
     from conftest import tiny_federation
 
-    sets = ("training.local_steps=2", "engine.num_workers=1")
+    sets = ("method.name=fedbn", "training.local_steps=2", "engine.num_workers=1")
     clean = tiny_federation(tiny_ds, "colour", *sets, host=engine_host(tiny_ds, 1))
     faulty = tiny_federation(tiny_ds, "colour", *sets, "engine.fault_probability=0.2", "engine.fault_mode=kill",
                              "engine.max_restarts=10")

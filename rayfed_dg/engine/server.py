@@ -128,7 +128,6 @@ class Server:
             if upd is None:
                 return
             updates[cid] = upd
-            fed.store.put(cid, upd.update, upd.private)
             ledger.add_state(cid, "up", upd.sizes, fed.groups.__getitem__)  # the whole upload left the client
             ledger.add_payload(cid, "up", upd.payload)
             ledger.add_state(cid, "down", bcast_sizes)
@@ -152,6 +151,8 @@ class Server:
             self.gather(reducer, lambda w, cid, attempt, epoch: w.train_in.remote(
                 fed.id, task(cid, retries.get(cid, 0) + attempt, epoch), self.global_ref))
         seconds_clients = time.perf_counter() - t_clients
+        for cid in sorted(updates):  # after the gather: a client trained again starts from the round's local state
+            fed.store.put(cid, updates[cid].update, updates[cid].private)
         results = work.results = [updates[c] for c in sorted(updates)]
         fed.aggregate(r, reducer, results)
         work.global_ref = self.global_ref = ray.put(fed.global_state)
