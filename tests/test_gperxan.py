@@ -167,7 +167,7 @@ def test_unseen_target_is_evaluated_with_the_weighted_average_of_everything(ray_
     sample-weighted average of all client parameters, the BN sides included
     (they are never broadcast back, but they are averaged)."""
     from rayfed_dg.data import leave_one_domain_out
-    from rayfed_dg.engine import OrderedReducer, run_federation
+    from rayfed_dg.engine import Reducer, run_federation
     from rayfed_dg.engine.worker import to_numpy_state
 
     cfg = tiny_cfg("method.name=gperxan", "training.rounds=1")
@@ -181,7 +181,7 @@ def test_unseen_target_is_evaluated_with_the_weighted_average_of_everything(ray_
     ups = {c: runner.run_client(c, 1, split.clients[c], g0, {k: g0[k] for k in local}, {}).update
            for c in range(3)}
     n = split.client_sizes()
-    reducer = OrderedReducer([0, 1, 2], {c: float(n[c]) for c in range(3)})
+    reducer = Reducer([0, 1, 2], {c: float(n[c]) for c in range(3)})
     for c in (2, 0, 1):
         reducer.add(c, ups[c])
     avg = reducer.result(g0)

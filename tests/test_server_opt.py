@@ -17,7 +17,7 @@ from conftest import tiny_cfg, tiny_federation
 
 from rayfed_dg.config import ConfigError, load_config, method_variants, validate
 from rayfed_dg.data import leave_one_domain_out
-from rayfed_dg.engine import ClientRunner, OrderedReducer
+from rayfed_dg.engine import ClientRunner, Reducer
 from rayfed_dg.engine.checkpoint import load_latest
 from rayfed_dg.engine.server_opt import ServerOptimizer, stepped_keys
 from rayfed_dg.methods import build_method
@@ -162,7 +162,7 @@ def test_engine_steps_parameters_and_averages_the_rest(ray_session, tiny_ds, eng
     runner = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, tiny_ds.num_classes, split.num_clients)
     ups = {c: runner.run_client(c, 1, split.clients[c], g0, {k: g0[k] for k in local}).update
            for c in range(split.num_clients)}
-    red = OrderedReducer(list(range(split.num_clients)), dict(enumerate(split.client_sizes().astype(float))))
+    red = Reducer(list(range(split.num_clients)), dict(enumerate(split.client_sizes().astype(float))))
     for c in ups:
         red.add(c, ups[c])
     avg = red.result(g0)

@@ -2,7 +2,7 @@
 and the run service."""
 from rayfed_dg.errors import EngineError, ResourceError
 
-from .aggregate import OrderedReducer
+from .aggregate import Reducer
 from .host import launch_server
 from .plan import (
                    clients_per_round,
@@ -22,7 +22,7 @@ from .selection import select_round
 from .server import Server
 from .worker import ClientRunner, Worker
 
-__all__ = ["ClientRunner", "ClientStore", "ClientTask", "EngineError", "Ledger", "OrderedReducer", "ResourceError",
+__all__ = ["ClientRunner", "ClientStore", "ClientTask", "EngineError", "Ledger", "Reducer", "ResourceError",
            "RoundResult", "RunDir", "Server", "TargetResult", "Worker", "check_resume_dir", "clients_per_round",
            "format_table", "init_ray", "launch_server", "load_data", "make_splits", "match_budget", "plan_workers",
            "preflight", "resolve_targets", "resolve_variants", "run_experiment", "run_federation", "select_round",

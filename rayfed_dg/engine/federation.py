@@ -10,7 +10,9 @@ and knows nothing of Ray: the server (``server.py``) moves work to the
 workers and back, and calls these steps in a round's order.
 
 The new global model of a round (``aggregate``), from the global model x_t
-it started from and the reduce's weighted average (``aggregate.py``):
+it started from and the reduce's weighted average (``aggregate.py``: an
+order-independent sum of the uploads, folded on the workers unless the
+method reads them, ``Method.folds_on_workers``):
 
 1. every key starts at the average (the previous value where nobody
    uploaded one);
@@ -33,9 +35,9 @@ from rayfed_dg.errors import EngineError
 from rayfed_dg.methods import ClientUpdate, Phase, build_method
 from rayfed_dg.seeding import Stream, numpy_rng, sample_clients, seed_int
 
-from .aggregate import OrderedReducer
+from .aggregate import Reducer
 from .plan import clients_per_round
-from .records import ClientStore, ClientTask
+from .records import ClientStore, ClientTask, Fold
 from .server_opt import ServerOptimizer, stepped_keys
 from .worker import to_numpy_state
 
@@ -89,9 +91,9 @@ class Federation:
         per_round = clients_per_round(self.cfg, self.split)
         return sample_clients(self.cfg.training.seed, r, self.split.num_clients, per_round)
 
-    def reducer(self, sampled: list[int]) -> OrderedReducer:
+    def reducer(self, sampled: list[int]) -> Reducer:
         sizes = self.split.client_sizes()[sampled]
-        return OrderedReducer(sampled, dict(zip(sampled, self.method.aggregation_weights(
+        return Reducer(sampled, dict(zip(sampled, self.method.aggregation_weights(
             sampled, sizes, self.server_state))))
 
     def payloads(self, r: int, sampled: list[int], prepared: dict[int, dict[str, np.ndarray]]) -> dict[int, dict]:
@@ -102,14 +104,15 @@ class Federation:
     def broadcast_state(self) -> dict[str, np.ndarray]:
         return {k: v for k, v in self.global_state.items() if k not in self.local_keys}
 
-    def task(self, r: int, cid: int, payload: dict, attempt: int) -> ClientTask:
-        """Client ``cid``'s task in round ``r``; ``attempt``: its retries so far."""
+    def task(self, r: int, cid: int, payload: dict, attempt: int, fold: Fold | None = None) -> ClientTask:
+        """Client ``cid``'s task in round ``r``; ``attempt``: its retries so far;
+        ``fold``: where its worker sums its upload (None: it travels whole)."""
         indices, extra = self.training_set(cid)
         return ClientTask(client=cid, round=r, indices=indices, local_state=self.store.get(cid), payload=payload,
                           extra=extra, val_indices=self.client_val(cid), fault_p=self.cfg.engine.fault_probability,
-                          stage_data=dict(self.stage_data), attempt=attempt)
+                          stage_data=dict(self.stage_data), attempt=attempt, fold=fold)
 
-    def aggregate(self, r: int, reducer: OrderedReducer, results: list[ClientUpdate]) -> None:
+    def aggregate(self, r: int, reducer: Reducer, results: list[ClientUpdate]) -> None:
         """The new global model (the module docstring's three steps)."""
         x_t, average = self.global_state, reducer.result(self.global_state)
         new = average if self.server_opt is None else self.server_opt.step(x_t, average)

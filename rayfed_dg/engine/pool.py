@@ -274,6 +274,18 @@ class WorkerPool:
         self.map(jobs, submit, on_result, cost)
         return out
 
+    def ask_each(self, call: Callable[[Any], Any]) -> list[Any]:
+        """``call(worker)`` (an ObjectRef) on every worker that takes work now:
+        their answers, None from one whose process died meanwhile."""
+        refs = [call(self.workers[w]) for w in sorted(self._ready())]
+        out = []
+        for ref in refs:
+            try:
+                out.append(ray.get(ref))
+            except ray.exceptions.RayActorError:
+                out.append(None)
+        return out
+
     def shutdown(self) -> None:
         for w in self.workers:
             ray.kill(w)

@@ -1,6 +1,7 @@
 """Typed records of a round and the two stores the server keeps.
 
-``ClientTask``   what a worker needs to run one client in one round
+``ClientTask``   what a worker needs to run one client in one round;
+``Fold``         where it folds the client's upload (``aggregate.py``)
 ``MetricRow``, ``ClientRow``, ``LedgerRow``, ``DropRow``  one row of a
                  round's records, typed from where they are made to the
                  writer: ``table_rows`` is the one place they become the
@@ -32,6 +33,18 @@ if TYPE_CHECKING:
     from rayfed_dg.methods import ClientUpdate
 
 
+@dataclass(frozen=True)
+class Fold:
+    """The worker adds the client's upload, times ``weight``, to its partial
+    sum of (federation, round, epoch) instead of returning it; epoch 0 is
+    the round's training, 1, 2, ... re-runs of clients whose partial was
+    lost with its worker's process (``Server.gather``)."""
+    federation: int
+    round: int
+    epoch: int
+    weight: float
+
+
 @dataclass
 class ClientTask:
     client: int
@@ -44,6 +57,7 @@ class ClientTask:
     stage_data: dict[str, Any] = field(default_factory=dict)  # data stages' shared arrays (or ObjectRefs), by name
     attempt: int = 0  # retries of this task so far (faults are seeded per attempt)
     fault_p: float = 0.0
+    fold: Fold | None = None  # None: the whole upload travels back (a method that reads it, tests)
 
 
 class Split(StrEnum):
@@ -135,19 +149,22 @@ class Ledger:
         self.rows.append(LedgerRow(self.round, int(client), direction, group, int(tensors), int(nbytes)))
 
     @staticmethod
-    def group_sizes(arrays: dict[str, np.ndarray], group_of: Callable[[str], str]) -> list[tuple[str, int, int]]:
-        """(group, bytes, tensors) of model tensors, by group name."""
+    def group_sizes(arrays: Mapping[str, np.ndarray | int],
+                    group_of: Callable[[str], str]) -> list[tuple[str, int, int]]:
+        """(group, bytes, tensors) of model tensors (or of their sizes in bytes), by group name."""
         groups: dict[str, list[int]] = {}
         for key, arr in arrays.items():
             g = groups.setdefault(group_of(key), [0, 0])
             g[0] += 1
-            g[1] += arr.nbytes
+            g[1] += arr if isinstance(arr, int) else arr.nbytes
         return [(group, b, cnt) for group, (cnt, b) in sorted(groups.items())]
 
-    def add_state(self, client: int, direction: str, arrays: dict[str, np.ndarray] | list[tuple[str, int, int]],
+    def add_state(self, client: int, direction: str,
+                  arrays: Mapping[str, np.ndarray | int] | list[tuple[str, int, int]],
                   group_of: Callable[[str], str] | None = None) -> None:
-        """Model tensors, one row per tensor group (or their ``group_sizes``,
-        when many clients receive the same tensors)."""
+        """Model tensors (or their sizes in bytes: an upload folded on its
+        worker), one row per tensor group (or their ``group_sizes``, when
+        many clients receive the same tensors)."""
         sizes = arrays if isinstance(arrays, list) else self.group_sizes(arrays, group_of or str)
         for group, b, cnt in sizes:
             self.add(client, direction, group, b, cnt)

@@ -12,8 +12,12 @@ One ``run_round`` call is one federated round:
 4. dispatch the sampled clients' training to the worker pool (``pool.py``, its policy in ``dispatch.py``:
    largest first, small clients grouped into one Ray task, two tasks in
    flight per worker, retries, drops);
-5. fold updates into the average as they arrive, in client-id order, and
-   write each client's local state back into the client store;
+5. fold updates into the average (``aggregate.py``: a sum whose bits do not
+   depend on order): each worker folds the uploads of the clients it
+   trained into one partial sum and the server merges one per worker
+   (``gather``), or, for a method that reads each upload
+   (``Method.folds_on_workers`` False), the server folds each as it
+   arrives; each client's local state goes back into the client store;
 6. the new global model (``Federation.aggregate``: the average, a server
    optimizer's step, the method's own tensors), put in the object store;
 7. the phases at ``Slot.AFTER_AGGREGATION`` (``Phase.EVALUATE_ON_CLIENTS``), the
@@ -28,6 +32,8 @@ Data stages run before round 1 (``stagehost.run_stages``).
 from __future__ import annotations
 
 import time
+from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -38,12 +44,19 @@ from rayfed_dg.data.protocol import FederatedSplit
 from rayfed_dg.errors import EngineError
 from rayfed_dg.methods import ClientUpdate, Slot
 
+from .aggregate import Reducer
 from .evaluation import evaluate_global
 from .federation import Federation
 from .phases import RoundWork, run_phases
 from .pool import WorkerPool
-from .records import DropRow, Ledger, MetricRow, RoundResult, client_rows
+from .records import ClientTask, DropRow, Fold, Ledger, MetricRow, RoundResult, client_rows
 from .stagehost import run_stages
+
+
+def _rerun_done(cid: int, upd: ClientUpdate | None) -> None:
+    """A lost fold's re-run came back; its update is the one already recorded."""
+    if upd is None:
+        raise EngineError(f"client {cid}'s partial sum was lost with its worker, and training it again failed")
 
 
 class Server:
@@ -107,18 +120,23 @@ class Server:
         bcast_sizes = Ledger.group_sizes(fed.broadcast_state(), fed.groups.__getitem__)  # every client receives these
         updates: dict[int, ClientUpdate] = {}
 
+        folds = fed.method.folds_on_workers
+
         def on_update(cid: int, upd: ClientUpdate | None) -> None:
-            reducer.add(cid, None if upd is None else upd.update)
+            if upd is None or not folds:
+                reducer.add(cid, None if upd is None else upd.update)
             if upd is None:
                 return
             updates[cid] = upd
-            fed.store.put(cid, upd.update, upd.private)
-            ledger.add_state(cid, "up", upd.update, fed.groups.__getitem__)
+            ledger.add_state(cid, "up", upd.sizes, fed.groups.__getitem__)  # the whole upload left the client
             ledger.add_payload(cid, "up", upd.payload)
             ledger.add_state(cid, "down", bcast_sizes)
             ledger.add_payload(cid, "down", payloads.get(cid, {}))
 
-        task = lambda cid, attempt: fed.task(r, cid, payloads.get(cid, {}), attempt)
+        def task(cid: int, attempt: int, epoch: int = 0) -> ClientTask:
+            fold = Fold(fed.id, r, epoch, reducer.weights[cid]) if folds else None
+            return fed.task(r, cid, payloads.get(cid, {}), attempt, fold)
+
         t_clients = time.perf_counter()
         dropped = self.pool.map(
             sampled, lambda w, cid, attempt: w.train_in.remote(fed.id, task(cid, attempt), self.global_ref),
@@ -126,10 +144,15 @@ class Server:
             largest_first=fed.cfg.engine.schedule == "largest_first",
             submit_many=None if not fed.cfg.engine.group_small_clients else lambda w, jobs: w.train_many_in.remote(
                 fed.id, [task(cid, attempt) for cid, attempt in jobs], self.global_ref))
-        seconds_clients = time.perf_counter() - t_clients
         retries = dict(self.pool.last_retries)
         if len(reducer.dropped) == len(sampled):
             raise EngineError(f"round {r}: every sampled client failed ({dropped[0][1]})")
+        if folds:
+            self.gather(reducer, lambda w, cid, attempt, epoch: w.train_in.remote(
+                fed.id, task(cid, retries.get(cid, 0) + attempt, epoch), self.global_ref))
+        seconds_clients = time.perf_counter() - t_clients
+        for cid in sorted(updates):  # after the gather: a client trained again starts from the round's local state
+            fed.store.put(cid, updates[cid].update, updates[cid].private)
         results = work.results = [updates[c] for c in sorted(updates)]
         fed.aggregate(r, reducer, results)
         work.global_ref = self.global_ref = ray.put(fed.global_state)
@@ -145,6 +168,31 @@ class Server:
             train_loss=float(np.mean([u.train_loss for u in results])), tasks_retried=self.pool.retried,
             tasks_rerun=self.pool.reruns,
             seconds_train=seconds_train, seconds_total=time.perf_counter() - t0, seconds_clients=seconds_clients)
+
+    def gather(self, reducer: Reducer, rerun: Callable[[Any, int, int, int], Any]) -> None:
+        """Merge each worker's partial sum of the round.  The clients of a
+        partial that was lost (its worker's process died after folding them)
+        or is not whole (a client in two partials, or one the round dropped)
+        train again, at the attempt that succeeded (training is seeded: the
+        same upload), folding into the next epoch's partials: uncharged and
+        unrecorded, counted only as re-runs.  ``rerun(worker, client,
+        attempt, epoch)`` submits one."""
+        fed, r = self.fed, self.fed.round + 1
+        for epoch in range(fed.cfg.engine.max_task_retries + 2):
+            if epoch:
+                lost = reducer.missing
+                self.pool.reruns += len(lost)
+                self.pool.map(lost, lambda w, cid, attempt: rerun(w, cid, attempt, epoch), _rerun_done)
+            parts = [p for p in self.pool.ask_each(lambda w: w.take_partial.remote(fed.id, r, epoch)) if p]
+            waiting = set(reducer.missing)
+            seen = Counter(c for p in parts for c in p.clients)
+            for p in parts:
+                if all(c in waiting and seen[c] == 1 for c in p.clients):
+                    reducer.add_partial(p)
+            if reducer.complete:
+                return
+        raise EngineError(f"round {r}: the partial sums of clients {reducer.missing} were lost "
+                          f"{fed.cfg.engine.max_task_retries + 2} times (workers dying); see the workers' logs")
 
     def evaluate(self, work: RoundWork) -> list[MetricRow]:
         run_phases(Slot.AT_EVALUATION, work)

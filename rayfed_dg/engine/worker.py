@@ -33,8 +33,9 @@ from rayfed_dg.methods import ClientContext, ClientUpdate, LocalResult, Precisio
 from rayfed_dg.seeding import Stream, numpy_rng, seed_int, seed_torch, torch_generator
 from rayfed_dg.stages import StageClient, build_stages
 
+from .aggregate import BinnedSum, Partial
 from .faults import OWN_FAULTS, DivergedError, InjectedFault, JobFailed
-from .records import ClientTask
+from .records import ClientTask, Fold
 
 
 def run_each(items: Sequence[Any], fn: Callable[[Any], Any]) -> list[Any]:
@@ -114,6 +115,7 @@ class ClientRunner:
         self.images = images  # zero-copy view of the object store
         self.labels = labels
         self.resident: tuple[torch.Tensor, torch.Tensor] | None = None  # (images, labels) on the device
+        self.partials: dict[tuple[int, int, int], tuple[list[int], BinnedSum]] = {}  # ``fold``'s sums, by key
         self.bind(cfg, num_classes, num_clients)
 
     def bind(self, cfg: ExperimentConfig, num_classes: int, num_clients: int) -> None:
@@ -301,14 +303,42 @@ class ClientRunner:
             raise DivergedError(f"client {cid} round {rnd}: local training diverged (loss {loss}); "
                                 "lower training.lr or the method's loss weights")
         sd = self.model.state_dict()
-        return ClientUpdate(
+        out = ClientUpdate(
             client=cid,
             num_samples=len(task.indices) + (0 if extra is None else len(extra["labels"])),
-            update=to_numpy_state(sd, self.upload_keys, copy=not views),
-            private=to_numpy_state(sd, sorted(self.private_keys)),
+            update={}, private=to_numpy_state(sd, sorted(self.private_keys)),
             payload=self.method.upload_payload(self.model, ctx),
             train_loss=loss, seconds=time.perf_counter() - t0, stats=dict(res.stats), steps=res.steps,
-            samples_stepped=res.samples)
+            samples_stepped=res.samples, sizes={k: sd[k].nelement() * sd[k].element_size() for k in self.upload_keys})
+        if task.fold is None:
+            out.update = to_numpy_state(sd, self.upload_keys, copy=not views)
+        else:  # last, once nothing can fail: a task that raised folded nothing, and a retry folds once
+            self.fold(task.fold, cid, {k: sd[k] for k in self.upload_keys})
+            out.update = to_numpy_state(sd, [k for k in self.upload_keys if k in self.local_keys])  # the client store's
+        return out
+
+    def fold(self, to: Fold, client: int, upload: dict[str, torch.Tensor]) -> None:
+        """Add ``client``'s upload to this process's partial sum of ``to``'s
+        (federation, round, epoch); an older one of that federation was
+        abandoned by the server (``take_partial``) and is dropped."""
+        key = (to.federation, to.round, to.epoch)
+        for k in [k for k in self.partials if k[0] == to.federation and k != key]:
+            del self.partials[k]
+        part = self.partials.setdefault(key, ([], BinnedSum()))
+        try:
+            part[1].add(to.weight, upload)
+        except BaseException:  # half folded: the whole partial is lost, and the server re-runs its clients
+            del self.partials[key]
+            raise
+        part[0].append(client)
+
+    def take_partial(self, federation: int, round: int, epoch: int) -> Partial | None:
+        """This process's partial sum of (federation, round, epoch), handed
+        over once (None: it folded none, or its process was restarted)."""
+        part = self.partials.pop((federation, round, epoch), None)
+        for k in [k for k in self.partials if k[0] == federation]:
+            del self.partials[k]
+        return None if part is None else Partial(sorted(part[0]), part[1].pack())
 
     def run_client(self, client: int, round: int, indices: np.ndarray, global_state: dict[str, np.ndarray],
                    local_state: dict | None = None, payload: dict | None = None, *, extra: dict | None = None,
@@ -367,6 +397,7 @@ class Worker(ClientRunner):
         self.images, self.labels = ray.get(refs)
         self.resident = None
         self.federation: int | None = None
+        self.partials = {}
         # torch.optim's first optimizer imports torch._dynamo (about 2 s of CPU): a start-up cost of the
         # process, paid here while the pool starts rather than inside round 1's time
         import torch._dynamo  # noqa: F401

@@ -17,6 +17,7 @@ and round per task.
 | ``check(cfg)`` | the whole config -> raises ``ConfigError`` to veto it | driver, once |
 | ``stages_needed`` | (attribute) the data stages it reads, ``ctx.stage_data`` (ELCFS) | driver, once |
 | ``phases`` | (attribute or property) the optional round phases it needs (below) | server, each round |
+| ``folds_on_workers`` | (attribute or property) uploads are read only as their average (below) | server, each round |
 | ``__init__`` | params, model and training config, ``num_clients`` (the partition's) | everywhere |
 | ``build_model`` | number of classes -> the network, identical everywhere | server, workers |
 | ``local_keys`` | model -> state kept per client, never broadcast | server, workers |
@@ -33,6 +34,15 @@ and round per task.
 | ``upload_payload`` | model, ``ClientContext`` -> named arrays to upload | worker, each client |
 | ``assemble_global`` | round, updates, average, previous global, server state -> its tensors | server, each round |
 | ``after_round`` | round, updates (``global_eval`` set by its phase), server state | server, each round |
+
+Uploads are summed where they are made: with ``folds_on_workers`` (the
+default) each worker folds the weighted uploads of the clients it trains
+into one partial sum and the server adds one per worker
+(``engine/aggregate.py``); the updates that ``assemble_global`` and
+``after_round`` receive then hold no uploaded tensors but the local ones
+(payloads, stats and ``global_eval`` are all there).  A method that reads
+clients' uploaded tensors there sets it False and gets them whole (COPA:
+each client's own head; CSAC's layer-wise weights).
 
 ``local_train`` owns the whole local loop; to keep one count of local
 steps it runs the shared loop, ``train_steps``, with its own loss and
@@ -236,7 +246,8 @@ class ClientUpdate:
     """What one client returned from one round's training task."""
     client: int
     num_samples: int
-    update: dict[str, np.ndarray]  # the uploaded state (every key but the private ones)
+    # the uploaded state (every key but the private ones); only its local keys where the worker folded it
+    update: dict[str, np.ndarray]
     private: dict[str, np.ndarray]  # state that never leaves the client
     payload: dict[str, np.ndarray]  # the method's extra upload (``upload_payload``)
     train_loss: float
@@ -245,6 +256,7 @@ class ClientUpdate:
     steps: int = 0  # ``LocalResult.steps``
     samples_stepped: int = 0  # ``LocalResult.samples``
     global_eval: GlobalEval | None = None  # set in ``Phase.EVALUATE_ON_CLIENTS``
+    sizes: dict[str, int] = field(default_factory=dict)  # bytes of each uploaded tensor, folded or not (the ledger)
 
 
 @torch.no_grad()
@@ -305,6 +317,9 @@ class Method:
     # beside the global one (not for state only the loss reads, e.g. FedSR's reference distribution)
     phases: tuple[Phase, ...] = (Phase.PERSONAL_EVAL,)
     stages_needed: tuple[str, ...] = ()  # data stages whose shared arrays the method reads
+    # the server reads the uploads only through their weighted average, so workers may sum them (the hook map);
+    # False: each ``ClientUpdate.update`` reaches ``assemble_global`` and ``after_round`` whole
+    folds_on_workers: bool = True
 
     def __init__(self, params: Any, model_cfg, training_cfg, num_clients: int):
         self.p = params

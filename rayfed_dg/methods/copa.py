@@ -167,6 +167,7 @@ class COPA(Method):
         return set(ENSEMBLE)
 
     def assemble_global(self, round, results, average, previous, server_state):
+        # the heads are local keys: they reach the server in r.update even where workers fold the rest
         w = np.array(average["head.ensemble_w"])
         b = np.array(average["head.ensemble_b"])
         filled = np.array(average["head.ensemble_filled"])

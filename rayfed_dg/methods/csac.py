@@ -91,6 +91,11 @@ class CSAC(Method):
         pretrain_steps: int | None = Field(1800, ge=1)  # None: one round's local budget
         aggregation: Literal["l2", "fedavg"] = "l2"  # l2: data-free semantic (layer-wise) weights; fedavg: |D_i|
 
+    @property
+    def folds_on_workers(self) -> bool:  # type: ignore[override]
+        # the layer-wise weights read every client's tensors (assemble_global)
+        return self.p.aggregation == "fedavg"
+
     @classmethod
     def check(cls, cfg) -> None:
         # the layer-wise aggregation assembles every shared float tensor: a server optimizer would step none
