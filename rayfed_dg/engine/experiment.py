@@ -147,6 +147,7 @@ class _Driver:
         self.results: dict[Key, dict] = {}  # finished federations' target summaries
         self.running: dict[Key, _Fed] = {}
         self.most_at_once = 0
+        self.before = 0  # federations a resumed run had finished
         self.bar_leave = False
         self.actors = ExperimentActors([ray.put(exp.ds.images), ray.put(exp.ds.labels)])
 
@@ -171,7 +172,8 @@ class _Driver:
                     f.run.close()
             self.actors.close()
         n = len(self.feds)
-        self.say(f"== {n} federation{'s' * (n != 1)}, at most {self.most_at_once} at once")
+        before = f" ({self.before} finished before)" if self.before else ""
+        self.say(f"== {n} federation{'s' * (n != 1)}{before}, at most {self.most_at_once} at once")
         by_seed: dict[int | None, dict[str, dict]] = {}
         for row in self.exp.rows:
             by_seed.setdefault(row.seed, {})[row.label] = row_summary(
@@ -186,7 +188,9 @@ class _Driver:
         run = FederationRun(f.row.cfg, f.split, f.dir)
         if not run.finished:  # its newest checkpoint was unreadable: it runs from an older one
             return False
-        self._finished(key, run.res.summary() | {"placement": None})
+        old = (f.dir.summary() or {}).get("targets", {}).get(f.split.target, {})
+        self._finished(key, run.res.summary() | {"placement": old.get("placement")})  # where it ran then
+        self.before += 1
         return True
 
     def _group(self, keys: list[Key]) -> None:
@@ -208,7 +212,7 @@ class _Driver:
             if not self.running:
                 raise EngineError(f"federation {waiting[0]} needs {plan.width[waiting[0]]} workers; "
                                   f"{slots} fit the cluster")
-            if not waiting and self.actors.free_slots:
+            if not waiting and self.actors.free_slots and e.num_workers is None:  # num_workers: a fixed width
                 left = {k: (jobs[k], len(f.workers), f.row.cfg.training.rounds - (f.run.res.rounds_done if f.run
                                                                                     else 0))
                         for k, f in self.running.items()}
