@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,7 +91,7 @@ def plan_experiment(cfgs: list[tuple[int | None, ExperimentConfig]], ds: DomainD
     return Experiment(ds, targets, dict(cfgs), rows)
 
 
-Key = tuple[int | None, str, str]  # a federation: (seed, row label, target)
+Key = Hashable  # a federation: (seed, row label, target)
 
 
 @dataclass
@@ -213,19 +213,27 @@ class _Driver:
                 raise EngineError(f"federation {waiting[0]} needs {plan.width[waiting[0]]} workers; "
                                   f"{slots} fit the cluster")
             if not waiting and self.actors.free_slots and e.num_workers is None:  # num_workers: a fixed width
-                left = {k: (jobs[k], len(f.workers), f.row.cfg.training.rounds - (f.run.res.rounds_done if f.run
-                                                                                    else 0))
-                        for k, f in self.running.items()}
-                for k, n in schedule.grow(left, self.actors.free_slots).items():
-                    f = self.running[k]
-                    more = self.actors.take(n)
-                    f.added.append(self.actors.add(f.server, more))
-                    f.workers += more
+                self._grow(jobs)
             by_ref = {f.ref: k for k, f in self.running.items()}
             ready, _ = ray.wait(list(by_ref), num_returns=1)
             self._step(by_ref[ready[0]])
 
+    def _grow(self, jobs: dict[Key, schedule.FedJob]) -> None:
+        """Free workers to running federations, as ``schedule.grow`` says; they join between rounds."""
+        left = {k: (jobs[k], len(f.workers), self._to_start(f)) for k, f in self.running.items()}
+        for k, n in schedule.grow(left, self.actors.free_slots).items():
+            f = self.running[k]
+            more = self.actors.take(n)
+            f.added.append(self.actors.add(f.server, more))
+            f.workers += more
+
     # ------------------------------------------------------------ a federation
+    @staticmethod
+    def _to_start(f: _Fed) -> int:
+        """Rounds a worker added now would serve: those not sent yet."""
+        assert f.run is not None
+        return f.row.cfg.training.rounds - f.run.res.rounds_done - (f.opening is None)
+
     def _start(self, key: Key, width: int) -> None:
         f = self.feds[key]
         row = f.row
@@ -272,9 +280,9 @@ class _Driver:
         self.results[key] = summary
         f = self.feds[key]
         row = f.row
-        keys = [(row.seed, row.label, s.target) for s in row.splits]
-        if all(k in self.results for k in keys):
-            f.dir.write_summary(row_summary(row, {k[2]: self.results[k] for k in keys}))
+        keys = {s.target: (row.seed, row.label, s.target) for s in row.splits}
+        if all(k in self.results for k in keys.values()):
+            f.dir.write_summary(row_summary(row, {t: self.results[k] for t, k in keys.items()}))
 
 
 def run_planned(exp: Experiment, run_dir: RunDir, progress: bool = True) -> dict[int | None, dict[str, dict]]:
