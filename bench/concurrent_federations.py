@@ -9,7 +9,7 @@ wall time, how many federations ran at once, the ratio, and asserts the two
 tables (metrics, ledger, clients of every row; selected rounds and
 accuracies) are the same.
 
-    python bench/concurrent.py [--set KEY=VALUE ...]
+    python bench/concurrent_federations.py [--set KEY=VALUE ...]
 """
 from __future__ import annotations
 
