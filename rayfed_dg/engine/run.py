@@ -103,11 +103,11 @@ class ProgressBar:
     """``bar``: tqdm's ``desc``, ``position`` (one line per running
     federation) and ``leave``, where they differ from one bar per target."""
 
-    def __init__(self, cfg: ExperimentConfig, res: TargetResult, bar: dict):
+    def __init__(self, cfg: ExperimentConfig, res: TargetResult, bar: dict | None = None):
         from tqdm import tqdm
 
         self.bar = tqdm(total=cfg.training.rounds, initial=res.rounds_done, unit="round",
-                        **{"desc": f"target {res.target}", "leave": True, **bar})
+                        **{"desc": f"target {res.target}", "leave": True, **(bar or {})})
 
     def on_round(self, out, res, new_best, server_state):
         src, tgt = res.mean(Split.SOURCE_VAL, out.round), res.mean(Split.TARGET_TEST, out.round)
