@@ -218,6 +218,16 @@ class EngineConfig(_Strict):
     # process: beside two busy loops of the same shell, a 3-round quickstart had not finished round 1 in 240 s
     # (97 s at 0)
     worker_niceness: int = Field(0, ge=0, le=19)
+    # federations (seed x row x target) run side by side: auto, as many as the cluster's workers fit (longest expected
+    # first, engine/schedule.py); N, at most N at once; 1, one after another.  The numbers do not depend on it
+    concurrent_federations: Literal["auto"] | int = "auto"
+
+    @field_validator("concurrent_federations", mode="before")
+    @classmethod
+    def _concurrent(cls, v: Any) -> Any:
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            return v
+        raise ValueError("use auto (as many as the cluster fits) or a whole number >= 1 (1: one after another)")
 
 
 class EvaluationConfig(_Strict):

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 class DataSource:
     """Holds the dataset's object references for an experiment's workers, and
-    what each federation of the experiment is (config, classes, clients), so
-    that a worker, restarted or not, builds the federation a task names."""
+    what each running federation of the experiment is (config, classes,
+    clients), so that any worker, restarted or not, builds the federation a
+    task names.  Federations run side by side: each is registered when it
+    opens and dropped when it ends."""
 
     def __init__(self, refs: list):
         self._refs = list(refs)
@@ -20,7 +22,10 @@ class DataSource:
         return self._refs
 
     def register(self, federation: int, spec: tuple) -> None:
-        self._federations = {federation: spec}  # one federation runs at a time: keep only it
+        self._federations[federation] = spec
+
+    def drop(self, federation: int) -> None:
+        self._federations.pop(federation, None)
 
     def federation(self, federation: int) -> tuple:
         return self._federations[federation]

@@ -6,7 +6,7 @@ from conftest import tiny_cfg
 
 from rayfed_dg.data import leave_one_domain_out
 from rayfed_dg.engine import run_federation
-from rayfed_dg.engine.host import HostPool, actor_key
+from rayfed_dg.engine.host import EngineHost
 
 # rows whose clients compute differently: another model (gPerXAN's XAN layers), another loss (FedProx), another
 # seed; FedBN's client-local state must be its own federation's
@@ -28,16 +28,15 @@ def test_one_host_serves_every_federation_with_the_numbers_of_fresh_actors(ray_s
     # today's way: every federation starts its own actors (here one worker)
     fresh = [run_federation(cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"num_workers": 1})}), split,
                             *refs, 10, progress=False) for cfg, split in runs]
-    hosts = HostPool(refs, {actor_key(runs[0][0].engine): 2})
+    host = EngineHost(runs[0][0].engine, refs, 2)
     try:
-        host = hosts.host(runs[0][0])
         pids = ray.get([w.ping.remote() for w in host.workers])
         shared = [run_federation(cfg, split, None, None, 10, progress=False, host=host) for cfg, split in runs]
         assert ray.get([w.ping.remote() for w in host.workers]) == pids  # the same processes served every row
         assert host.federations == len(runs)
         assert len({tuple(r.metrics[-1].values()) for r in shared}) == len(runs)  # the rows differ
     finally:
-        hosts.close()
+        host.close()
     for (m, t), a, b in zip(ROWS, fresh, shared):
         assert a.metrics == b.metrics, (m, t)
         assert a.ledger == b.ledger and _no_time(a.clients) == _no_time(b.clients), (m, t)
@@ -61,16 +60,15 @@ def test_workers_killed_in_one_federation_are_replaced_before_the_next_with_the_
     refs = [ray.put(tiny_ds.images), ray.put(tiny_ds.labels)]
     clean = [run_federation(tiny_cfg(*base, "engine.num_workers=2"), s, *refs, 10, progress=False) for s in splits]
     cfg = tiny_cfg(*base, *faults)
-    hosts = HostPool(refs, {actor_key(cfg.engine): 2})
+    host = EngineHost(cfg.engine, refs, 2)
     try:
-        host = hosts.host(cfg)
         faulty, handles = [], []
         for s in splits:
             faulty.append(run_federation(cfg, s, None, None, 10, progress=False, host=host))
             handles.append(list(host.workers))
         replaced_after_first = [a != b for a, b in zip(handles[0], handles[1])]
     finally:
-        hosts.close()
+        host.close()
     for a, b in zip(clean, faulty):
         assert a.metrics == b.metrics and b.dropped == []
     assert faulty[0].tasks_retried >= 1  # seeded: round 1 kills client 0's and client 1's first attempts

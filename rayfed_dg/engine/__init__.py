@@ -3,6 +3,7 @@ and the run service."""
 from rayfed_dg.errors import EngineError, ResourceError
 
 from .aggregate import Reducer
+from .experiment import run_experiment
 from .host import launch_server
 from .plan import (
                    clients_per_round,
@@ -16,7 +17,7 @@ from .plan import (
 )
 from .records import ClientStore, ClientTask, Ledger, RoundResult
 from .resources import init_ray, plan_workers
-from .run import TargetResult, check_resume_dir, format_table, run_experiment, run_federation
+from .run import TargetResult, check_resume_dir, format_table, run_federation
 from .rundir import RunDir
 from .selection import select_round
 from .server import Server

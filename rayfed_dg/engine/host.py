@@ -1,17 +1,25 @@
-"""The actors of an experiment, started once and reused by every federation.
+"""The actors of an experiment: one dataset upload and one ``DataSource``
+for all of it, generic worker actors, and a server actor per running federation.
 
-An experiment (every target, every ``compare`` row, every ``--seeds`` seed)
-runs its federations one after another on one set of actors: a named
-``DataSource`` that holds the dataset's references and the current
-federation's spec, the worker pool, and the server.  Starting them costs
+``ExperimentActors`` serves ``experiment.run_planned``, which runs the
+federations of an experiment (every target, every ``compare`` row, every
+``--seeds`` seed) side by side: the named ``DataSource`` holds the dataset's
+references and the spec of every running federation (so any worker builds
+whichever federation a task names), workers are started as needed up to the
+slots the cluster fits, lent to a federation's server when it opens (more
+between its rounds, ``add``) and taken back when it ends, and an ended
+federation's server actor opens the next one.  Starting an actor costs
 seconds (each process imports torch); opening a federation on running
 actors costs a registration and the server's model build.
 
-Rows whose workers need other resources (``engine.num_cpus_per_worker``,
-``num_gpus_per_worker``, ``max_restarts``, ``device``) cannot share actors:
-``HostPool`` starts a host for each distinct set when a row needs it, ending
-the one before (each is sized to what the cluster fits).  A Tune trial keeps a host of its own (its placement group
-reserves the workers).
+Federations whose workers need other resources (``engine.num_cpus_per_worker``,
+``num_gpus_per_worker``, ``max_restarts``, ``device``: ``actor_key``) cannot
+share workers: they run in a later group (``group`` ends the idle workers of
+the one before).
+
+``EngineHost`` is one server and its own workers, opening one federation
+after another: ``run_federation`` without an experiment, a Tune trial (its
+placement group reserves the workers), tests and tools.
 """
 from __future__ import annotations
 
@@ -25,8 +33,6 @@ from rayfed_dg.config import EngineConfig, ExperimentConfig
 from rayfed_dg.data.protocol import FederatedSplit
 from rayfed_dg.datasource import DataSource
 
-from .plan import clients_per_round
-from .resources import ensure_workers
 from .server import Server
 from .worker import Worker
 
@@ -76,6 +82,7 @@ class EngineHost:
             for w, actor in fresh.items():
                 self.workers[w] = actor
         ray.get(self.data_source.register.remote(self.federations, (cfg, num_classes, split.num_clients)))
+        self.data_source.drop.remote(self.federations - 1)
         ray.get(self.server.start.remote(cfg, split, num_classes, self.federations))
         return self.server
 
@@ -99,34 +106,103 @@ def launch_server(cfg: ExperimentConfig, split: FederatedSplit, data_refs: list,
     return host.server
 
 
-class HostPool:
-    """One ``EngineHost`` per distinct worker resources, started on first use
-    with as many workers as the largest federation planned for it needs."""
+class ExperimentActors:
+    """The actors ``experiment.run_planned`` runs an experiment's federations
+    on, side by side (the module docstring).  The driver lends workers to a
+    federation (``take``, ``open``, ``add``) and gets them back (``release``);
+    a worker serves one federation at a time, so federations never share a
+    worker mid-round and each computes what it would alone."""
 
-    def __init__(self, data_refs: list, workers: dict[tuple, int]):
-        self.data_refs, self.workers = list(data_refs), dict(workers)
-        self.hosts: dict[tuple, EngineHost] = {}
+    def __init__(self, data_refs: list):
+        self.here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.name = f"rayfed_dg_data_{uuid.uuid4().hex}"
+        self.data_source: Any = ray.remote(DataSource).options(num_cpus=0, scheduling_strategy=self.here,
+                                                                name=self.name).remote(list(data_refs))
+        self.servers: list = []  # every server actor started
+        self.idle_servers: list = []
+        self.workers: list = []  # every worker actor started (for close)
+        self.free: list = []  # the current group's workers lent to no federation
+        self.slots = self.lent = 0
+        self._node: dict[Any, Any] = {}  # worker -> ObjectRef of its node id
+        self._opts: dict = {}
+        self.federations = 0  # ids given so far: a worker builds a federation by its id, so each has its own
 
-    @classmethod
-    def planned(cls, data_refs: list, rows: list[tuple[ExperimentConfig, list[FederatedSplit]]]) -> HostPool:
-        """Sized for the largest federation of ``rows`` on each set of worker
-        resources (a federation with fewer clients a round leaves the extra
-        workers idle, which costs them nothing)."""
-        need: dict[tuple, int] = {}
-        for cfg, splits in rows:
-            n = max(ensure_workers(cfg.engine, clients_per_round(cfg, s)) for s in splits)
-            need[actor_key(cfg.engine)] = max(need.get(actor_key(cfg.engine), 0), n)
-        return cls(data_refs, need)
+    def group(self, engine: EngineConfig, slots: int) -> None:
+        """Workers of ``engine``'s resources from now on, at most ``slots`` of
+        them; the previous group's (all idle by now) end, freeing theirs."""
+        for w in self.free:
+            ray.kill(w)
+        self.free, self.slots, self.lent = [], slots, 0
+        self._opts = dict(num_cpus=engine.num_cpus_per_worker, num_gpus=engine.num_gpus_per_worker,
+                          max_restarts=engine.max_restarts, max_task_retries=0)
 
-    def host(self, cfg: ExperimentConfig) -> EngineHost:
-        key = actor_key(cfg.engine)
-        if key not in self.hosts:
-            # each host is sized to what the cluster fits: another one still running could leave it unplaceable
-            self.close()
-            self.hosts[key] = EngineHost(cfg.engine, self.data_refs, self.workers[key])
-        return self.hosts[key]
+    @property
+    def free_slots(self) -> int:
+        """Workers that could still be lent (idle ones, or ones not started yet)."""
+        return self.slots - self.lent
+
+    def take(self, n: int) -> list:
+        """``n`` workers: idle ones first, then new ones."""
+        if n > self.free_slots:
+            raise ValueError(f"{n} workers asked with {self.free_slots} free")
+        got, self.free = self.free[:n], self.free[n:]
+        for _ in range(n - len(got)):
+            w: Any = ray.remote(Worker).options(**self._opts).remote(self.name)
+            self._node[w] = w.node.remote()
+            self.workers.append(w)
+            got.append(w)
+        self.lent += n
+        return got
+
+    def open(self, cfg: ExperimentConfig, split: FederatedSplit, num_classes: int, workers: list,
+             state: dict | None) -> tuple[Any, int, list]:
+        """Open ``split``'s federation on a server with ``workers``: (server,
+        the federation's id, the refs of its opening calls: start, the data
+        stages' setup, and the checkpoint's ``set_state`` when resuming)."""
+        self.federations += 1
+        fid = self.federations
+        if self.idle_servers:
+            server = self.idle_servers.pop()
+        else:
+            server = ray.remote(Server).options(num_cpus=0, scheduling_strategy=self.here).remote([], self.data_source)
+            self.servers.append(server)
+        # before any task names it: a worker asks the data source for the spec on its first task
+        ray.get(self.data_source.register.remote(fid, (cfg, num_classes, split.num_clients)))
+        refs = [server.start.remote(cfg, split, num_classes, fid, workers), server.setup.remote()]
+        if state is not None:
+            refs.append(server.set_state.remote(state["server"]))
+        return server, fid, refs
+
+    def add(self, server: Any, workers: list) -> Any:
+        """Lend ``workers`` to a running federation: the call queues behind the
+        round in flight, so they join between rounds.  Returns its ref."""
+        return server.add_workers.remote(workers)
+
+    def release(self, server: Any, fid: int, workers: list) -> None:
+        """Take back a finished federation's server and ``workers`` (in the
+        order its pool holds them).  A worker whose process died during it
+        (its Ray restarts spent) is ended and its slot freed: the next
+        federation gets a new one with a whole ``engine.max_restarts``."""
+        gone = set(ray.get(server.retire_restarted.remote()))
+        self.free += [w for i, w in enumerate(workers) if i not in gone]
+        self.lent -= len(workers)
+        self.data_source.drop.remote(fid)
+        self.idle_servers.append(server)
+
+    def nodes(self, workers: list) -> list[str]:
+        """The sorted ids of the nodes ``workers`` were started on."""
+        out = set()
+        for w in workers:
+            try:
+                out.add(ray.get(self._node[w]))
+            except ray.exceptions.RayError:  # died before it answered: its node is unknown
+                pass
+        return sorted(out)
 
     def close(self) -> None:
-        hosts, self.hosts = list(self.hosts.values()), {}
-        for h in hosts:
-            h.close()
+        """End every actor, whatever state each is in (busy with a round after Ctrl-C, or dead)."""
+        for actor in [*self.servers, *self.workers, self.data_source]:
+            try:
+                ray.kill(actor)
+            except Exception:  # noqa: BLE001 - already gone
+                pass

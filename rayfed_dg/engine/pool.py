@@ -112,6 +112,11 @@ class WorkerPool:
                 self.pids[w] = pid
         self.restarted -= set(fresh)
 
+    def add(self, workers: list[Any]) -> None:
+        """More workers, between maps (placed after the ones already held)."""
+        self.pids += ray.get([w.ping.remote() for w in workers])
+        self.workers += workers
+
     def _ready(self) -> set[int]:
         """The workers that may be sent work: neither restarting nor dead."""
         return {w for w in range(len(self.workers)) if w not in self.dead and w not in self.recovering}

@@ -1,16 +1,18 @@
 """Driver side: start Ray, run leave-one-domain-out federations, write records.
 
 The driver holds no model and does no training: it puts the decoded dataset
-in the object store once per run, opens each target's federation on the
-experiment's actors (``host.EngineHost``: one server and its worker pool,
-started once), calls ``run_round``, turns each round's typed rows into table
-rows once (``records.table_rows``), writes them, and hands each
+in the object store once per run, opens each federation on actors
+(``host.py``), calls ``run_round``, and hands each finished round to the
+federation's ``FederationRun``: it turns the round's typed rows into table
+rows once (``records.table_rows``), writes them, and hands the
 ``RoundResult`` to the round callbacks (progress bar, run-directory writer,
-a Tune reporter).  What goes where in
-the run directory, and in which order, is ``rundir.RunDir``'s: the round's
-table rows reach disk before its checkpoint, so a run killed at any point
-keeps every finished round readable and a resumed run rewrites the rounds it
-repeats under the same names (no duplicate rows).
+a Tune reporter).  ``run_federation`` drives one federation round by round;
+``experiment.run_planned`` drives many side by side through the same
+objects.  What goes where in the run directory, and in which order, is
+``rundir.RunDir``'s: the round's table rows reach disk before its
+checkpoint, so a run killed at any point keeps every finished round
+readable and a resumed run rewrites the rounds it repeats under the same
+names (no duplicate rows).
 """
 from __future__ import annotations
 
@@ -23,13 +25,13 @@ import numpy as np
 import ray
 
 from rayfed_dg.config import ConfigError, ExperimentConfig
-from rayfed_dg.data import DomainDataset, FederatedSplit
+from rayfed_dg.data import FederatedSplit
 from rayfed_dg.utils import render_table
 
-from .host import EngineHost, HostPool
-from .plan import clients_per_round, make_splits
+from .host import EngineHost
+from .plan import clients_per_round
 from .records import RoundResult, Split, split_mean, stage_rows, table_rows
-from .resources import ensure_workers, init_ray
+from .resources import ensure_workers
 from .rundir import RunDir
 from .selection import select_round
 
@@ -98,11 +100,14 @@ class RoundCallback(Protocol):
 
 
 class ProgressBar:
-    def __init__(self, cfg: ExperimentConfig, res: TargetResult):
+    """``bar``: tqdm's ``desc``, ``position`` (one line per running
+    federation) and ``leave``, where they differ from one bar per target."""
+
+    def __init__(self, cfg: ExperimentConfig, res: TargetResult, bar: dict | None = None):
         from tqdm import tqdm
 
-        self.bar = tqdm(total=cfg.training.rounds, initial=res.rounds_done, desc=f"target {res.target}",
-                        unit="round", leave=True)
+        self.bar = tqdm(total=cfg.training.rounds, initial=res.rounds_done, unit="round",
+                        **{"desc": f"target {res.target}", "leave": True, **(bar or {})})
 
     def on_round(self, out, res, new_best, server_state):
         src, tgt = res.mean(Split.SOURCE_VAL, out.round), res.mean(Split.TARGET_TEST, out.round)
@@ -168,20 +173,12 @@ def _resume(run_dir: RunDir | None, target: str) -> tuple[TargetResult, dict | N
     return res, state
 
 
-def _open(host: EngineHost, cfg, split, num_classes, state):
-    server = host.open(cfg, split, num_classes)
-    setup = ray.get(server.setup.remote())
-    if state is not None:
-        ray.get(server.set_state.remote(state["server"]))
-    return server, setup
-
-
-def _callbacks(cfg: ExperimentConfig, target: str, res: TargetResult, run_dir: RunDir | None, progress: bool,
+def _callbacks(cfg: ExperimentConfig, target: str, res: TargetResult, run_dir: RunDir | None, bar: dict | None,
                on_round, tensorboard: Path | None) -> list[Any]:
     """The round callbacks of one federation, in the order they run."""
     if tensorboard is None and run_dir is not None and cfg.output.tensorboard:
         tensorboard = run_dir.tensorboard()
-    callbacks: list[Any] = [ProgressBar(cfg, res)] if progress else []
+    callbacks: list[Any] = [ProgressBar(cfg, res, bar)] if bar is not None else []
     if tensorboard is not None:
         from .tblog import TensorBoardLogger
 
@@ -197,28 +194,57 @@ def _callbacks(cfg: ExperimentConfig, target: str, res: TargetResult, run_dir: R
     return callbacks
 
 
-def _rounds(host, cfg, split, num_classes, state, res, run_dir, progress, on_round, stop_after, tensorboard):
-    server, setup = _open(host, cfg, split, num_classes, state)
-    if state is None:
-        rows = stage_rows(split.target, setup["ledger"])
-        res.ledger += rows["ledger"]
-        if run_dir is not None:
-            run_dir.write_round(split.target, 0, rows)
-    res.setup_info = setup["info"]
-    callbacks = _callbacks(cfg, split.target, res, run_dir, progress, on_round, tensorboard)
-    try:
-        for _ in range(res.rounds_done + 1, cfg.training.rounds + 1):
-            out = ray.get(server.run_round.remote())
-            rows = table_rows(split.target, out)  # the one place a round's typed rows become table rows
-            new_best = res.add_round(out, rows)
-            if run_dir is not None:  # before the callbacks: no checkpoint covers a round whose rows are not on disk
-                run_dir.write_round(split.target, out.round, rows)
-            for cb in callbacks:
-                cb.on_round(out, res, new_best, lambda: ray.get(server.get_state.remote()))
-            if stop_after is not None and out.round >= stop_after:
-                break
-    finally:
-        for cb in callbacks:
+class FederationRun:
+    """One federation seen from the driver, between its rounds: its records
+    so far (``res``, resumed from the newest checkpoint in ``run_dir``),
+    its round callbacks, and what a finished round does.  Both drivers use
+    it: ``run_federation`` (one federation, ``ray.get`` per round) and
+    ``experiment.run_planned`` (many at once, one ``ray.wait`` loop).
+
+    ``state``: the checkpoint to resume from, until ``opened``;
+    ``bar``: the progress bar's options (``ProgressBar``), None for none;
+    ``stop_after``: finished after that round (tests of resume use it)."""
+
+    def __init__(self, cfg: ExperimentConfig, split: FederatedSplit, run_dir: RunDir | None, bar: dict | None = None,
+                 on_round: Callable[[RoundResult, TargetResult], None] | None = None, stop_after: int | None = None,
+                 tensorboard: Path | None = None):
+        self.cfg, self.split, self.run_dir, self.bar = cfg, split, run_dir, bar
+        self.on_round, self.stop_after, self.tensorboard = on_round, stop_after, tensorboard
+        self.res, self.state = _resume(run_dir, split.target)
+        self.finished = self.res.rounds_done >= cfg.training.rounds  # a resumed run may have nothing left
+        self.server: Any = None
+        self.callbacks: list[Any] = []
+
+    def opened(self, server: Any, setup: dict) -> None:
+        """The federation is open on ``server`` and its data stages ran
+        (``setup``, ``Server.setup``): a fresh run records the stages' ledger
+        as round 0; the callbacks start."""
+        self.server = server
+        target = self.split.target
+        fresh, self.state = self.state is None, None  # the checkpoint was sent to the server: drop the copy
+        if fresh:
+            rows = stage_rows(target, setup["ledger"])
+            self.res.ledger += rows["ledger"]
+            if self.run_dir is not None:
+                self.run_dir.write_round(target, 0, rows)
+        self.res.setup_info = setup["info"]
+        self.callbacks = _callbacks(self.cfg, target, self.res, self.run_dir, self.bar, self.on_round,
+                                    self.tensorboard)
+
+    def round_done(self, out: RoundResult) -> None:
+        """Fold in a finished round: its table rows made once and written,
+        then the callbacks (the server is idle: the next round is not sent yet)."""
+        rows = table_rows(self.split.target, out)  # the one place a round's typed rows become table rows
+        new_best = self.res.add_round(out, rows)
+        if self.run_dir is not None:  # before the callbacks: no checkpoint covers a round whose rows are not on disk
+            self.run_dir.write_round(self.split.target, out.round, rows)
+        for cb in self.callbacks:
+            cb.on_round(out, self.res, new_best, lambda: ray.get(self.server.get_state.remote()))
+        self.finished = out.round >= self.cfg.training.rounds or (
+            self.stop_after is not None and out.round >= self.stop_after)
+
+    def close(self) -> None:
+        for cb in self.callbacks:
             cb.close()
 
 
@@ -229,25 +255,34 @@ def run_federation(cfg: ExperimentConfig, split: FederatedSplit, images_ref, lab
                    host: EngineHost | None = None) -> TargetResult:
     """Run one federation (one target domain) to the end, resuming from the
     newest valid checkpoint in ``run_dir`` if there is one.  ``stop_after``
-    ends early after that round (tests of resume use it).  ``host``: the
-    experiment's running actors (``host.py``); without one, the federation
-    starts its own, sized against the cluster, and ends them.  TensorBoard
-    scalars go to ``tensorboard/<target>`` (default, with
-    ``output.tensorboard``: ``run_dir/tensorboard``)."""
-    rd = None if run_dir is None else RunDir(run_dir)
-    res, state = _resume(rd, split.target)
-    if res.rounds_done >= cfg.training.rounds:
-        return res
+    ends early after that round (tests of resume use it).  ``host``: running
+    actors (``host.EngineHost``); without one, the federation starts its
+    own, sized against the cluster, and ends them.  TensorBoard scalars go
+    to ``tensorboard/<target>`` (default, with ``output.tensorboard``:
+    ``run_dir/tensorboard``)."""
+    fed = FederationRun(cfg, split, None if run_dir is None else RunDir(run_dir), {} if progress else None, on_round,
+                        stop_after, tensorboard)
+    if fed.finished:
+        return fed.res
     own = host is None
     if host is None:
         host = EngineHost(cfg.engine, [images_ref, labels_ref],
                           ensure_workers(cfg.engine, clients_per_round(cfg, split)))
     try:
-        _rounds(host, cfg, split, num_classes, state, res, rd, progress, on_round, stop_after, tensorboard)
+        server = host.open(cfg, split, num_classes)
+        setup = ray.get(server.setup.remote())
+        if fed.state is not None:
+            ray.get(server.set_state.remote(fed.state["server"]))
+        fed.opened(server, setup)
+        try:
+            while not fed.finished:
+                fed.round_done(ray.get(server.run_round.remote()))
+        finally:
+            fed.close()
     finally:
         if own:
             host.close()
-    return res
+    return fed.res
 
 
 # ------------------------------------------------------------------ experiment
@@ -272,37 +307,6 @@ def check_resume_dir(cfg: ExperimentConfig, run_dir: RunDir) -> None:
     if diff:
         raise ConfigError(f"--resume {run_dir.path}: that run used a different config ({', '.join(diff[:4])} differ); "
                           "resume with the same config and --set values")
-
-
-def run_experiment(cfg: ExperimentConfig, ds: DomainDataset, targets: list[str], run_dir: Path,
-                   progress: bool = True, splits: list[FederatedSplit] | None = None, label: str | None = None,
-                   hosts: HostPool | None = None) -> dict:
-    """Leave-one-domain-out over ``targets``; writes (or resumes) ``run_dir``.
-    ``label``: the method's row name in tables (a compare entry's label).
-    ``hosts``: the experiment's running actors (``experiment.py``); without
-    them, this row starts its own and ends them."""
-    splits = splits or make_splits(cfg, ds, targets)
-    init_ray(cfg)
-    RunDir(run_dir).write_config(cfg)
-    own = hosts is None
-    if hosts is None:
-        hosts = HostPool.planned([ray.put(ds.images), ray.put(ds.labels)], [(cfg, splits)])
-    summary: dict = {"targets": {}}
-    try:
-        for split in splits:  # each round's rows are written as it ends (_rounds)
-            res = run_federation(cfg, split, None, None, ds.num_classes, run_dir, progress, host=hosts.host(cfg))
-            summary["targets"][split.target] = res.summary()
-    finally:
-        if own:
-            hosts.close()
-    accs = [v["target_acc"] for v in summary["targets"].values() if v["target_acc"] is not None]
-    summary["average_target_acc"] = float(np.mean(accs)) if accs else None
-    summary["method"] = cfg.method.name
-    summary["label"] = label or cfg.method.label or cfg.method.name
-    summary["seed"] = cfg.training.seed
-    summary["stages"] = {name: sc.raw_params() for name, sc in cfg.stages.items() if sc is not None}
-    RunDir(run_dir).write_summary(summary)
-    return summary
 
 
 def format_table(summaries: dict[str, dict]) -> str:

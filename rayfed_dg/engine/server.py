@@ -80,8 +80,16 @@ class Server:
     def replace_workers(self, fresh: dict[int, Any]) -> None:
         self.pool.replace(fresh)
 
-    def start(self, cfg: ExperimentConfig, split: FederatedSplit, num_classes: int, federation: int) -> None:
-        """Begin a federation (its workers build its model on their first task)."""
+    def add_workers(self, workers: list) -> None:
+        """More workers for the current federation (called between its rounds)."""
+        self.pool.add(workers)
+
+    def start(self, cfg: ExperimentConfig, split: FederatedSplit, num_classes: int, federation: int,
+              workers: list | None = None) -> None:
+        """Begin a federation (its workers build its model on their first
+        task); ``workers``: its own pool instead of the one kept so far."""
+        if workers is not None:
+            self.pool = WorkerPool(workers, 0)
         self.fed = Federation(cfg, split, num_classes, federation)
         e = cfg.engine
         self.pool.retries, self.pool.restart_timeout_s = e.max_task_retries, e.worker_restart_timeout_s

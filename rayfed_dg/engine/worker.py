@@ -436,3 +436,9 @@ class Worker(ClientRunner):
 
     def ping(self) -> int:
         return os.getpid()
+
+    def node(self) -> str:
+        """The Ray node this worker runs on (the experiment's placement records)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
