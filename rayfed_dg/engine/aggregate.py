@@ -223,8 +223,8 @@ class BinnedSum:
         out.terms, out.shapes, out.top, out.nonfinite = p.terms, dict(p.shapes), dict(p.top), set(p.nonfinite)
         for key in p.shapes:
             limbs = torch.empty((K, p.high[key].size), dtype=torch.float64)
-            limbs[0] = torch.from_numpy(p.high[key])
-            limbs[1:] = torch.from_numpy(p.low[key])
+            view = limbs.numpy()  # copied in by numpy: a partial from the object store is read-only, which
+            view[0], view[1:] = p.high[key], p.low[key]  # torch.from_numpy would warn about on every merge
             out.limbs[key] = limbs
         return out
 
