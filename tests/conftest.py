@@ -152,3 +152,28 @@ def tiny_space(path, *sets):
         "params": {"method.lam": {"grid": [0.0, 1.0]}}}))
     return path
 
+
+
+def ctrl_c_when(cmd: list[str], ready, what: str, timeout: float = 600) -> tuple[int, str, str]:
+    """Run the CLI ``cmd`` in its own process group and, once ``ready()``
+    holds, send it SIGINT as Ctrl-C in a terminal does (to the whole group);
+    (exit code, stdout, stderr).  ``what``: the state ``ready`` waits for."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + timeout
+        while not ready():
+            assert proc.poll() is None and time.time() < deadline, f"the run ended or stalled before {what}"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return proc.returncode, out, err

@@ -6,7 +6,7 @@ import sys
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, ctrl_c_when
 
 
 def quick_run(run_dir, *sets, options=()):
@@ -390,9 +390,6 @@ def test_one_label_and_one_order_per_row(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_ctrl_c_prints_the_resume_command_and_resume_needs_only_the_run_directory(tmp_path, capsys):
-    import os
-    import signal
-    import time
 
     from rayfed_dg.cli import main
 
@@ -402,23 +399,12 @@ def test_ctrl_c_prints_the_resume_command_and_resume_needs_only_the_run_director
     # 12 short rounds: on a busy machine this process may not poll for seconds, and Ctrl-C must land mid-run
     for kv in ("training.rounds=12", "data.resolution=16", "model.width=8", "compare=null", "output.checkpoint_every=1"):
         cmd += ["--set", kv]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        # any saved round, not round 1's file: only the newest checkpoints are kept, and on a busy machine this
-        # loop can miss round 1's before round 2 replaces it
-        deadline = time.time() + 600
-        while not list((run / "checkpoints" / "colour").glob("round_*.json")):
-            assert proc.poll() is None and time.time() < deadline, "the run ended or stalled before a round was saved"
-            time.sleep(0.05)
-        seen = sorted(p.name for p in (run / "checkpoints" / "colour").glob("round_*.json"))
-        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends: the whole process group
-        out, err = proc.communicate(timeout=120)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert proc.returncode == 130, (seen, err[-2000:])
+    ckpts = run / "checkpoints" / "colour"
+    # any saved round, not round 1's file: only the newest checkpoints are kept, and on a busy machine this
+    # loop can miss round 1's before round 2 replaces it
+    code, out, err = ctrl_c_when(cmd, lambda: any(ckpts.glob("round_*.json")), "a round was saved")
+    seen = sorted(p.name for p in ckpts.glob("round_*.json"))
+    assert code == 130, (seen, err[-2000:])
     assert err.strip().splitlines()[-1] == f"rayfed-dg: interrupted; resume with: rayfed-dg run --resume {run}"
     assert not (run / "summary.json").exists()
     assert json.loads((run / "run.json").read_text())["targets"] == ["colour"]

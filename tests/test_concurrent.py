@@ -3,14 +3,11 @@ one after another, whatever runs beside a federation, how many workers it
 has, or which of its workers die; a stopped concurrent run resumes to the
 same numbers; where each federation ran is recorded."""
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
-from conftest import REPO
+from conftest import REPO, ctrl_c_when
 
 from rayfed_dg.config import ConfigError, load_config
 from rayfed_dg.engine.records import TABLES
@@ -105,22 +102,11 @@ def cli(run_dir, *sets):
 @pytest.mark.slow
 def test_ctrl_c_in_a_concurrent_run_then_resume_gives_the_uninterrupted_numbers(tmp_path):
     run, clean = tmp_path / "run", tmp_path / "clean"
-    proc = subprocess.Popen(cli(run), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        deadline = time.time() + 900
-        # two federations with a saved round: Ctrl-C lands while several run
-        while len({p.parent for p in run.glob("*/checkpoints/*/round_*.json")}) < 2:
-            assert proc.poll() is None and time.time() < deadline, "the run ended or stalled before two rounds"
-            time.sleep(0.05)
-        os.killpg(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert proc.returncode == 130, err[-2000:]
+    def two_saved():  # two federations with a saved round: Ctrl-C lands while several run
+        return len({p.parent for p in run.glob("*/checkpoints/*/round_*.json")}) >= 2
+
+    code, _, err = ctrl_c_when(cli(run), two_saved, "two federations saved a round", timeout=900)
+    assert code == 130, err[-2000:]
     assert err.strip().splitlines()[-1] == f"rayfed-dg: interrupted; resume with: rayfed-dg run --resume {run}"
     r = subprocess.run([sys.executable, "-m", "rayfed_dg", "run", "--resume", str(run), "--no-progress"],
                        capture_output=True, text=True, timeout=900)
