@@ -44,8 +44,10 @@ def run_dir_jobs(paths: list[str]) -> list[FedJob]:
 
     jobs = []
     for path in paths:
-        for rd in [d for d in Path(path).rglob("clients") if d.is_dir()]:
-            rows = RunDir(rd.parent).read_rows("clients")
+        for rd in [RunDir(d) for d in sorted({p.parent for p in Path(path).rglob("clients*")})]:
+            if not rd.has_table("clients"):
+                continue
+            rows = rd.read_rows("clients")
             seconds: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
             rounds: dict[str, set[int]] = defaultdict(set)
             per_round: dict[tuple[str, int], int] = defaultdict(int)
@@ -58,7 +60,7 @@ def run_dir_jobs(paths: list[str]) -> list[FedJob]:
                 k = max(n for (t, _), n in per_round.items() if t == target)
                 means = sorted((sum(v) / len(v) for v in by_client.values()), reverse=True)
                 cost = tuple(means[:k]) if k >= len(means) else (sum(means) / len(means),) * k
-                jobs.append(FedJob((str(rd.parent), target), cost, len(rounds[target])))
+                jobs.append(FedJob((str(rd.path), target), cost, len(rounds[target])))
     if not jobs:
         raise SystemExit(f"schedule_sim: no clients tables under {' '.join(paths)}; give rayfed-dg run directories")
     return jobs
