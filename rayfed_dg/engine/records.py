@@ -102,6 +102,11 @@ class ClientRow(_Row):
     retried: int
     dropped: bool
     drop_reason: str | None
+    # the virtual clock (``devices`` / an asynchronous server mode); None where it is off
+    sim_start: float | None = None  # simulated seconds when the client began training
+    sim_finish: float | None = None  # simulated seconds when its upload arrived (or would have)
+    deadline_met: bool | None = None  # whether it arrived by the round's deadline and was aggregated
+    staleness: int | None = None  # asynchronous modes: server versions between its start and its aggregation
 
 
 @dataclass
@@ -136,6 +141,7 @@ class RoundResult:
     seconds_total: float
     tasks_rerun: int = 0  # over the run so far: re-runs after a shared worker died (scheduling, like seconds)
     seconds_clients: float = 0.0  # the clients' phase: first dispatch to last update in (its makespan)
+    sim_time: float | None = None  # the virtual clock when the round's aggregation happened (None: no clock)
 
 
 class Ledger:
@@ -202,13 +208,14 @@ class ClientStore:
 TABLES: dict[str, list[tuple[str, str]]] = {
     "metrics": [("target", "string"), ("round", "int64"), ("split", "string"), ("domain", "string"),
                 ("client", "int64"), ("accuracy", "float64"), ("loss", "float64"), ("samples", "int64"),
-                ("clients_dropped", "int64")],
+                ("clients_dropped", "int64"), ("sim_time", "float64")],
     "ledger": [("target", "string"), ("round", "int64"), ("client", "int64"), ("direction", "string"),
                ("group", "string"), ("tensors", "int64"), ("bytes", "int64")],
     "clients": [("target", "string"), ("round", "int64"), ("client", "int64"), ("domain", "string"),
                 ("samples", "int64"), ("local_steps", "int64"), ("train_loss", "float64"), ("seconds", "float64"),
                 ("bytes_up", "int64"), ("bytes_down", "int64"), ("retried", "int64"), ("dropped", "bool"),
-                ("drop_reason", "string")],
+                ("drop_reason", "string"), ("sim_start", "float64"), ("sim_finish", "float64"),
+                ("deadline_met", "bool"), ("staleness", "int64")],
 }
 
 
@@ -249,7 +256,7 @@ def table_rows(target: str, out: RoundResult) -> dict[str, list[dict]]:
     ledger row of group ``dropped``; every metric row counts the round's
     drops)."""
     drops = [LedgerRow(d.round, d.client, "up", "dropped", 0, 0) for d in out.dropped]
-    return {"metrics": _table(target, out.metrics, clients_dropped=len(out.dropped)),
+    return {"metrics": _table(target, out.metrics, clients_dropped=len(out.dropped), sim_time=out.sim_time),
             "ledger": _table(target, out.ledger + drops), "clients": _table(target, out.clients)}
 
 
