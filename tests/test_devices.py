@@ -243,3 +243,69 @@ def test_device_model_run_is_the_same_on_one_and_two_workers_and_after_a_resume(
                ("dropout", "deadline", "late") and r["local_steps"] == 0 for r in rows if not r["deadline_met"])
     assert {len([r for r in made if r["round"] == t]) for t in (1, 2, 3)} <= {0, 1, 2, 3}
     assert any(not r["deadline_met"] for r in rows)  # the scenario drops somebody
+
+
+# ------------------------------------------------------------------ report and plot on simulated time
+
+def _clock_record(path, label, seed, times, accs, clients):
+    """A finished run by hand: target ``t``, one source domain, each round's
+    simulated time and target accuracy; ``clients``: (round, domain, dropped)."""
+    import json
+
+    from rayfed_dg.engine.rundir import RunDir
+
+    path.mkdir(parents=True)
+    rd = RunDir(path)
+    for r, (when, acc) in enumerate(zip(times, accs), start=1):
+        rd.write_rows("metrics", "t", r, [
+            {"target": "t", "round": r, "split": split, "domain": d, "accuracy": a, "loss": 1.0, "samples": 10,
+             "clients_dropped": 0, "sim_time": when} for split, d, a in (("source_val", "a", 0.5 + r / 100),
+                                                                        ("target_test", "t", acc))])
+        rd.write_rows("clients", "t", r, [
+            {"target": "t", "round": r, "client": i, "domain": d, "samples": 5, "local_steps": 1, "bytes_up": 0,
+             "bytes_down": 0, "retried": 0, "dropped": dropped}
+            for i, (rr, d, dropped) in enumerate(clients) if rr == r])
+    (path / "summary.json").write_text(json.dumps({"targets": {"t": {"selected_round": 3, "target_acc": accs[2]}},
+                                                   "method": label, "label": label, "seed": seed}))
+
+
+@pytest.fixture
+def clock_runs(tmp_path):
+    _clock_record(tmp_path / "sync" / "seed0", "sync", 0, (10, 20, 30), (0.2, 0.4, 0.6),
+                  [(1, "a", False), (2, "a", False), (3, "a", True), (2, "b", False)])
+    _clock_record(tmp_path / "sync" / "seed1", "sync", 1, (12, 24, 36), (0.3, 0.5, 0.7),
+                  [(1, "a", False), (1, "a", True), (1, "b", False), (2, "b", False), (3, "b", False)])
+    _clock_record(tmp_path / "async" / "seed0", "async", 0, (5, 15, 25), (0.1, 0.5, 0.8),
+                  [(1, "b", False), (3, "b", False)])
+    return tmp_path
+
+
+def test_report_compares_at_equal_simulated_time_with_each_domains_participation(clock_runs, capsys):
+    # T = the earliest end, 25 s: sync's seeds had 0.4 (round 2 at 20 s) and 0.5 (round 2 at 24 s), async 0.8;
+    # domain a: sync aggregated 2 of 3 (seed 0) and 1 of 2 (seed 1): 1.5 / 2.5; async never selected it
+    assert main(["report", str(clock_runs / "sync"), str(clock_runs / "async")]) == 0
+    out = capsys.readouterr().out
+    assert "On the virtual clock" in out
+    table = {line.split(" | ")[0].strip("| "): [c.strip() for c in line.strip("| ").split(" | ")]
+             for line in out.split("On the virtual clock")[1].splitlines() if line.startswith("| ")}
+    assert table["method"][3:] == ["at T = 25 s", "at the end", "end (simulated s)", "a", "b"]
+    assert table["sync"] == ["sync", "t", "2", "45.00 ± 5.00", "65.00 ± 5.00", "33", "1.5/2.5", "2/2"]
+    assert table["async"] == ["async", "t", "1", "80.00", "80.00", "25", "-", "2/2"]
+
+
+def test_curves_against_simulated_time_hold_each_seeds_accuracy_until_its_next_round(clock_runs, monkeypatch):
+    import rayfed_dg.plots as plots
+    from rayfed_dg.reporting import collect_runs
+
+    figs = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figs.append(fig) or path)
+    plots.learning_curves(collect_runs([clock_runs / "sync"]), ["t"], clock_runs / "c.png", x="sim_time")
+    line = figs[0].axes[1].get_lines()[0]  # target accuracy, the mean over the two seeds
+    # from 12 s (both seeds have a point): seed 0 holds 0.2 until 20, seed 1 has 0.3 from 12 ...
+    xs, ys = line.get_xdata(), line.get_ydata()
+    assert list(xs) == [12, 20, 24, 30, 36]
+    assert np.allclose(ys, [25, 35, 45, 55, 65]) and line.get_drawstyle() == "steps-post"
+    assert figs[0].axes[1].get_xlabel() == "simulated time (s)"
+    _clock_record(clock_runs / "plain", "plain", 0, (None, None, None), (0.2, 0.4, 0.6), [])  # no clock
+    with pytest.raises(ConfigError, match="--x sim_time: these runs have no simulated time"):
+        plots.learning_curves(collect_runs([clock_runs / "plain"]), ["t"], clock_runs / "c.png", x="sim_time")
