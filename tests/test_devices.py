@@ -309,3 +309,17 @@ def test_curves_against_simulated_time_hold_each_seeds_accuracy_until_its_next_r
     _clock_record(clock_runs / "plain", "plain", 0, (None, None, None), (0.2, 0.4, 0.6), [])  # no clock
     with pytest.raises(ConfigError, match="--x sim_time: these runs have no simulated time"):
         plots.learning_curves(collect_runs([clock_runs / "plain"]), ["t"], clock_runs / "c.png", x="sim_time")
+
+
+def test_a_round_where_every_selected_device_drops_out_keeps_the_model(ray_session, tiny_ds, engine_host):
+    # seed 2, dropout 0.7, 2 of 12 clients a round at speed 1 (2 steps: 2 s): rounds aggregate 2, 0 and 1 clients
+    res = _clock_run(tiny_ds, "training.seed=2", "devices.dropout=0.7", "devices.speed=constant",
+                     "devices.availability=always", "devices.deadline_s=null", "devices.over_selection=1",
+                     "devices.domain_offline=[]", "training.clients_per_round=2", host=engine_host(tiny_ds, 2))
+    by_round = {t: [r for r in res.clients if r["round"] == t] for t in (1, 2, 3)}
+    assert [sum(r["deadline_met"] for r in rows) for rows in by_round.values()] == [2, 0, 1]
+    assert all(r["drop_reason"] == "dropout" and r["bytes_up"] == 0 and r["bytes_down"] > 0 for r in by_round[2])
+    # no deadline: each round closes when its last selected device would have finished, 2 s after it started
+    assert sorted({(m["round"], m["sim_time"]) for m in res.metrics}) == [(1, 2.0), (2, 4.0), (3, 6.0)]
+    acc = {t: [(m["domain"], m["accuracy"], m["loss"]) for m in res.metrics if m["round"] == t] for t in (1, 2, 3)}
+    assert acc[2] == acc[1] and acc[3] != acc[2]  # the idle round evaluated the unchanged global model

@@ -101,11 +101,12 @@ def read_speed_trace(path: str, num_clients: int) -> np.ndarray:
 @dataclass(frozen=True)
 class AvailabilityTrace:
     """Online intervals [start, end) of every client, sorted, in CSR form
-    (client c's are ``starts[offsets[c]:offsets[c + 1]]``), repeating
-    after ``period`` (the largest end)."""
+    (client c's are ``starts[offsets[c]:offsets[c + 1]]``, ``owner`` the
+    client of each), repeating after ``period`` (the largest end)."""
     offsets: np.ndarray
     starts: np.ndarray
     ends: np.ndarray
+    owner: np.ndarray
     period: float
 
     @staticmethod
@@ -122,14 +123,12 @@ class AvailabilityTrace:
         ids, starts, ends = ids[keep], starts[keep], ends[keep]
         order = np.lexsort((starts, ids))
         offsets = np.searchsorted(ids[order], np.arange(num_clients + 1))
-        return AvailabilityTrace(offsets, starts[order], ends[order], float(ends.max()))
+        return AvailabilityTrace(offsets, starts[order], ends[order], ids[order], float(ends.max()))
 
     def online(self, t: float) -> np.ndarray:
         t = t % self.period
-        inside = (self.starts <= t) & (t < self.ends)
-        owner = np.repeat(np.arange(len(self.offsets) - 1), np.diff(self.offsets))
         out = np.zeros(len(self.offsets) - 1, bool)
-        out[owner[inside]] = True
+        out[self.owner[(self.starts <= t) & (t < self.ends)]] = True
         return out
 
     def available(self, client: int, t: float) -> bool:
