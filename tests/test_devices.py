@@ -323,3 +323,27 @@ def test_a_round_where_every_selected_device_drops_out_keeps_the_model(ray_sessi
     assert sorted({(m["round"], m["sim_time"]) for m in res.metrics}) == [(1, 2.0), (2, 4.0), (3, 6.0)]
     acc = {t: [(m["domain"], m["accuracy"], m["loss"]) for m in res.metrics if m["round"] == t] for t in (1, 2, 3)}
     assert acc[2] == acc[1] and acc[3] != acc[2]  # the idle round evaluated the unchanged global model
+
+
+def test_the_clock_with_every_device_always_online_trains_what_a_run_without_it_trains(ray_session, tiny_ds,
+                                                                                        engine_host):
+    sets = ["training.clients_per_round=5", "training.rounds=2", "training.local_steps=2"]
+    split_sets = ["partition.strategy=single_domain", "partition.num_clients=12"]
+
+    def run(*more):
+        import ray
+
+        from rayfed_dg.data import leave_one_domain_out
+        from rayfed_dg.engine import run_federation
+
+        cfg = tiny_cfg(*split_sets, *sets, *more)
+        split = leave_one_domain_out(tiny_ds, "texture", 0.2, 0, "single_domain", 12)
+        return run_federation(cfg, split, ray.put(tiny_ds.images), ray.put(tiny_ds.labels), tiny_ds.num_classes,
+                              progress=False, host=engine_host(tiny_ds, 2))
+
+    off, on = run(), run("devices.enabled=true")
+    key = [(m["round"], m["split"], m["domain"], m["accuracy"], m["loss"]) for m in off.metrics]
+    assert key == [(m["round"], m["split"], m["domain"], m["accuracy"], m["loss"]) for m in on.metrics]
+    assert off.ledger == on.ledger and all(m["sim_time"] is None for m in off.metrics)
+    # 2 steps of 1 s each: the rounds close at 2 s and 4 s
+    assert sorted({(m["round"], m["sim_time"]) for m in on.metrics}) == [(1, 2.0), (2, 4.0)]
