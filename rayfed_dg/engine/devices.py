@@ -172,11 +172,12 @@ class MarkovChain:
 
 
 class DeviceModel:
-    """Implements ``Devices`` from the ``devices:`` section for a population
-    of ``num_clients`` clients of ``client_domains`` (a multi-domain client,
+    """Implements ``Devices`` from the ``devices:`` section for the clients
+    whose domains ``client_domains`` lists (a multi-domain client,
     ``photo+sketch``, is offline in either domain's window); ``model_bytes``:
     what one download (and again one upload) carries, timed at
-    ``bandwidth_mbps``."""
+    ``bandwidth_mbps``.  A device's speed is fixed: ``duration`` is the same
+    for every draw."""
 
     def __init__(self, cfg: DevicesConfig, seed: int, client_domains: list[str], model_bytes: int = 0):
         self.cfg, self.seed, self.n = cfg, seed, len(client_domains)
