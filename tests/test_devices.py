@@ -241,7 +241,7 @@ def test_device_model_run_is_the_same_on_one_and_two_workers_and_after_a_resume(
     assert made and all(not r["dropped"] and r["bytes_up"] > 0 for r in made)
     assert all(r["dropped"] and r["bytes_up"] == 0 and r["bytes_down"] > 0 and r["drop_reason"] in
                ("dropout", "deadline", "late") and r["local_steps"] == 0 for r in rows if not r["deadline_met"])
-    assert {len([r for r in made if r["round"] == t]) for t in (1, 2, 3)} <= {0, 1, 2, 3}
+    assert all(len([r for r in made if r["round"] == t]) <= 3 for t in (1, 2, 3))  # at most clients_per_round
     assert any(not r["deadline_met"] for r in rows)  # the scenario drops somebody
 
 
