@@ -99,6 +99,9 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="tsne / pca: the selected round's model (default) or the last round's")
     plot.add_argument("--per-domain", type=int, default=200,
                       help="tsne / pca: held-out images per domain (seeded sample; default 200)")
+    plot.add_argument("--x", choices=("round", "sim_time"), default="round",
+                      help="curves: against rounds (default) or the simulated seconds of the device model's clock "
+                           "(runs with devices.enabled)")
     _debug_flag(plot)
     return p
 
@@ -178,15 +181,20 @@ def _evaluate(args) -> int:
 def _report(args) -> int:
     import warnings
 
-    from rayfed_dg.reporting import SE_NOTE, check_report_inputs, mixed_environments, seeds_table, unfinished_runs
+    from rayfed_dg import reporting as rep
 
     dirs = [Path(p) for p in args.run_dirs]
-    check_report_inputs(dirs)
-    for line in unfinished_runs(dirs) + mixed_environments(dirs):
+    rep.check_report_inputs(dirs)
+    for line in rep.unfinished_runs(dirs) + rep.mixed_environments(dirs):
         warnings.warn(line, stacklevel=1)
-    caption = (f"Target accuracy (%) at the round each model-selection rule picks; {SE_NOTE}. "
+    caption = (f"Target accuracy (%) at the round each model-selection rule picks; {rep.SE_NOTE}. "
                "The test-domain oracle is an upper bound and never chooses anything")
-    return _print_table(caption, seeds_table(dirs, args.format), args.format)
+    _print_table(caption, rep.seeds_table(dirs, args.format), args.format)
+    clock = rep.clock_table(dirs, args.format) if args.format != "csv" else None  # CSV: one table, for a spreadsheet
+    if clock is not None:
+        print()
+        _print_table(rep.CLOCK_CAPTION, clock, args.format)
+    return 0
 
 
 def _print_table(caption: str, table: str, fmt: str) -> int:
@@ -210,7 +218,7 @@ def _plot(args) -> int:
     from rayfed_dg.plots import plot_runs
 
     for path in plot_runs([Path(p) for p in args.run_dirs], args.kind, Path(args.out) if args.out else None,
-                          args.target, args.weights, args.per_domain):
+                          args.target, args.weights, args.per_domain, args.x):
         print(path)
     return 0
 

@@ -8,7 +8,7 @@ line naming the key and the file it came from.
 
 The shape of the tree follows the objects it configures (FLSim's lesson):
 ``data``, ``partition``, ``model``, ``method``, ``training``, ``server``, ``engine``,
-``evaluation``, ``output``.  Method hyper-parameters live under ``method`` next
+``evaluation``, ``output``, ``devices``.  Method hyper-parameters live under ``method`` next
 to its ``name``, data stages under ``stages`` keyed by stage name
 (``stages: {ccst: {k: 2}}``); each is validated by the method's or stage's
 own parameter model, once, and kept typed on the config
@@ -285,6 +285,75 @@ class OutputConfig(_Strict):
     mlflow: MlflowConfig | None = None
 
 
+class DomainWindow(_Strict):
+    domain: str  # a domain of the dataset: its clients are offline during the window
+    start_s: float = Field(ge=0.0)  # simulated seconds the window opens
+    end_s: float = Field(gt=0.0)  # simulated seconds it closes (the clients are back from then)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> DomainWindow:
+        if self.end_s <= self.start_s:
+            raise ValueError(f"end_s ({self.end_s}) must be after start_s ({self.start_s})")
+        return self
+
+
+class DevicesConfig(_Strict):
+    """The device model on a virtual clock (engine/devices.py, docs/cross_device.md): speeds, availability,
+    dropout and a round deadline decide which sampled clients a round aggregates, before any training."""
+
+    enabled: bool = False  # off: every sampled client trains and is aggregated, with no simulated time
+    step_seconds: float = Field(1.0, gt=0.0)  # simulated seconds of one local step on a device of speed 1
+    # per-client compute speed: constant (1), lognormal (median 1, speed_sigma), or trace (speed_trace)
+    speed: Literal["constant", "lognormal", "trace"] = "constant"
+    speed_sigma: float = Field(0.5, gt=0.0)  # lognormal: the standard deviation of ln(speed)
+    speed_trace: str | None = None  # speed trace: a CSV file with a header `client,speed`, a row per client
+    # bandwidth of every device in megabits per second: a training also downloads and uploads the model's bytes;
+    # None: communication takes no simulated time
+    bandwidth_mbps: float | None = Field(None, gt=0.0)
+    # when a device is online: always; diurnal (online_fraction of every period_s, a seeded phase per client);
+    # markov (a two-state chain, mean_online_s / mean_offline_s, stepped every markov_step_s); trace
+    # (availability_trace)
+    availability: Literal["always", "diurnal", "markov", "trace"] = "always"
+    period_s: float = Field(86400.0, gt=0.0)  # diurnal: the period (a day)
+    online_fraction: float = Field(0.5, gt=0.0, le=1.0)  # diurnal: the share of each period a device is online
+    mean_online_s: float = Field(3600.0, gt=0.0)  # markov: mean time a device stays online
+    mean_offline_s: float = Field(3600.0, gt=0.0)  # markov: mean time a device stays offline
+    markov_step_s: float = Field(60.0, gt=0.0)  # markov: the chain's state changes only at multiples of this
+    # trace: a CSV file with a header `client,start_s,end_s`, a row per online interval, every client at least
+    # once (a client that is never online has a row with start_s = end_s); it repeats after its largest end_s
+    availability_trace: str | None = None
+    domain_offline: list[DomainWindow] = []  # windows during which every client holding that domain is offline
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)  # probability that a started training never uploads
+    # a round closes when clients_per_round clients have uploaded or deadline_s after its start, whichever is first;
+    # None: no deadline (it waits for every selected client that does not drop out)
+    deadline_s: float | None = Field(None, gt=0.0)
+    # sample ceil(over_selection x clients_per_round) of the clients online at the round's start (fewer if fewer
+    # are online); the first clients_per_round to upload are aggregated
+    over_selection: float = 1.0
+    wait_s: float = Field(60.0, gt=0.0)  # no client online at a round's start: the clock moves on by this, and again
+
+    @field_validator("over_selection")
+    @classmethod
+    def _over(cls, v: float) -> float:
+        if v < 1.0:
+            raise ValueError("must be at least 1 (1: sample exactly clients_per_round; 1.3: 30% more)")
+        return v
+
+    @field_validator("speed_trace", "availability_trace")
+    @classmethod
+    def _absolute(cls, v: str | None) -> str | None:
+        # resolved once where the config is loaded: the server actor that reads it may run elsewhere
+        return None if v is None else str(Path(v).expanduser().resolve())
+
+    @model_validator(mode="after")
+    def _traces_named(self) -> DevicesConfig:
+        if self.speed == "trace" and self.speed_trace is None:
+            raise ValueError("speed: trace needs devices.speed_trace (a CSV file client,speed)")
+        if self.availability == "trace" and self.availability_trace is None:
+            raise ValueError("availability: trace needs devices.availability_trace (a CSV file client,start_s,end_s)")
+        return self
+
+
 class ExperimentConfig(_Strict):
     data: DataConfig = DataConfig()
     partition: PartitionConfig = PartitionConfig()
@@ -295,6 +364,7 @@ class ExperimentConfig(_Strict):
     engine: EngineConfig = EngineConfig()
     evaluation: EvaluationConfig = EvaluationConfig()
     output: OutputConfig = OutputConfig()
+    devices: DevicesConfig = DevicesConfig()  # the device model on a virtual clock (off by default)
     # data stages run before round 1, in this order, keyed by stage name
     stages: dict[str, StageConfig | None] = {}
     # optional: run several methods with everything else equal, one table row each

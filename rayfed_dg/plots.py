@@ -5,7 +5,10 @@
              client-local state) and target accuracy per round, one line
              per method (the mean over its seeds, with a band of ± one
              standard error when there are several), each seed's round
-             selected by training-domain validation marked with a star
+             selected by training-domain validation marked with a star;
+             ``--x sim_time``: against the virtual clock's simulated time
+             (runs with ``devices.enabled``), as step curves, a seed's
+             accuracy holding until its next evaluation
 ``clients``  each client's local training loss per round, coloured by its
              domain, one figure per run; beyond a dozen clients, a dot per
              sampled client and round and a line per domain (the mean over
@@ -86,9 +89,33 @@ def _by_round(rows: list[dict], target: str, split: str) -> dict[int, float]:
     return split_means((r for r in rows if r["target"] == target), split)
 
 
-def learning_curves(runs: dict[str, list[RunRecord]], targets: list[str] | None, path: Path) -> Path:
+def _by_sim_time(rows: list[dict], target: str, split: str) -> dict[float, float]:
+    """``_by_round`` keyed by each round's simulated time (its aggregation on the virtual clock)."""
+    when = {r["round"]: r["sim_time"] for r in rows if r["target"] == target and r.get("sim_time") is not None}
+    return {when[rnd]: acc for rnd, acc in _by_round(rows, target, split).items() if rnd in when}
+
+
+def _common_x(per_seed: list[dict], x: str) -> tuple[list, list[dict]]:
+    """The points every seed's curve has: the rounds all evaluated; on the
+    clock, from the latest first point on, every seed's evaluation times,
+    each seed holding its last value before (a step curve: the accuracy a
+    seed had at that simulated time)."""
+    if x == "round":
+        return sorted(set.intersection(*(set(c) for c in per_seed))), per_seed
+    xs = sorted({t for c in per_seed for t in c if t >= max(min(c) for c in per_seed)})
+    return xs, [{t: c[max(s for s in c if s <= t)] for t in xs} for c in per_seed]
+
+
+def learning_curves(runs: dict[str, list[RunRecord]], targets: list[str] | None, path: Path,
+                    x: str = "round") -> Path:
+    """``x``: ``round``, or ``sim_time``: the virtual clock's seconds (runs with ``devices.enabled``)."""
     plt = _plt()
     metrics = {label: [r.metrics() or [] for r in rs] for label, rs in runs.items()}
+    if x == "sim_time" and not any(m.get("sim_time") is not None for ms in metrics.values() for rows in ms
+                                   for m in rows):
+        raise ConfigError("--x sim_time: these runs have no simulated time (devices.enabled was off); "
+                          "plot them with --x round")
+    by_x = _by_round if x == "round" else _by_sim_time
     targets = targets or _target_order([r for rs in runs.values() for r in rs],
                                        [m for ms in metrics.values() for rows in ms for m in rows])
     if not targets:
@@ -99,39 +126,44 @@ def learning_curves(runs: dict[str, list[RunRecord]], targets: list[str] | None,
     for j, t in enumerate(targets):
         for i, (label, ms) in enumerate(metrics.items()):
             color = cmap(i % 10)
-            curves = {split: [_by_round(rows, t, split) for rows in ms]
+            curves = {split: [by_x(rows, t, split) for rows in ms]
                       for split in ("source_val", "target_test", "personal_val")}
             for row, split in ((0, "source_val"), (1, "target_test"), (0, "personal_val")):
                 per_seed = [c for c in curves[split] if c]
                 if not per_seed:
                     continue
-                rounds = sorted(set.intersection(*(set(c) for c in per_seed)))
+                rounds, per_seed = _common_x(per_seed, x)
                 mean = {r: 100 * float(np.mean([c[r] for c in per_seed])) for r in rounds}
                 n = len(per_seed)
                 name = f"{label} (own client models)" if split == "personal_val" else \
                     f"{label}" + (f" ({n} seeds, band ± SE)" if n > 1 else "")
                 axes[row, j].plot(rounds, [mean[r] for r in rounds], color=color, lw=1.6,
                                   ls="--" if split == "personal_val" else "-",
+                                  drawstyle="default" if x == "round" else "steps-post",
                                   label=name if (j == 0 and (row == 1 or split == "personal_val")) else None)
                 if n > 1:  # the spread over seeds: mean ± standard error, as report's cells
                     se = np.array([100 * np.std([c[r] for c in per_seed], ddof=1) / np.sqrt(n) for r in rounds])
                     m = np.array([mean[r] for r in rounds])
                     axes[row, j].fill_between(rounds, m - se, m + se, color=color, lw=0,
+                                              step=None if x == "round" else "post",
                                               alpha=0.12 if split == "personal_val" else 0.22)
                 if split == "personal_val":
                     continue
                 for rows in ms:  # each seed's selected round (training-domain validation) on the mean curve
                     sel = TrainingDomainValidation().choose([r for r in rows if r["target"] == t])
+                    if sel is not None and x == "sim_time":
+                        sel = next((r["sim_time"] for r in rows if r["target"] == t and r["round"] == sel), None)
                     if sel in mean:
                         axes[row, j].plot([sel], [mean[sel]], marker="*", ms=12, color=color, mec="black",
                                           mew=0.6, ls="none", zorder=5)
         axes[0, j].set_title(f"target {t}", fontsize=10)
-        axes[1, j].set_xlabel("round")
+        axes[1, j].set_xlabel("round" if x == "round" else "simulated time (s)")
     axes[0, 0].set_ylabel("mean source-validation accuracy (%)")
     axes[1, 0].set_ylabel("target accuracy (%)")
     for ax in axes.flat:
         ax.grid(alpha=0.3)
-        _integer_rounds(ax)
+        if x == "round":
+            _integer_rounds(ax)
     handles, labels = [], []
     for ax in axes[:, 0]:
         h, lab = ax.get_legend_handles_labels()
@@ -260,15 +292,16 @@ def feature_map(feats: dict[str, np.ndarray], kind: str, class_names: list[str],
 
 
 def plot_runs(run_dirs: list[Path], kind: str, out: Path | None = None, target: str | None = None,
-              weights: str = "best", per_domain: int = 200) -> list[Path]:
-    """Write the ``kind`` figures of the runs under ``run_dirs``; returns the PNG paths."""
+              weights: str = "best", per_domain: int = 200, x: str = "round") -> list[Path]:
+    """Write the ``kind`` figures of the runs under ``run_dirs``; returns the
+    PNG paths; ``x``: the curves' axis (``round`` or ``sim_time``)."""
     runs = collect_runs(run_dirs, unfinished=kind in ("curves", "clients"))
     if not runs:
         raise ConfigError(f"no runs with records under {', '.join(map(str, run_dirs))}")
     out = out or Path(run_dirs[0]) / "plots"
     targets = [t.strip() for t in target.split(",")] if target else None
     if kind == "curves":
-        return [learning_curves(runs, targets, out / "curves.png")]
+        return [learning_curves(runs, targets, out / ("curves.png" if x == "round" else "curves_sim_time.png"), x)]
     paths = []
     for label, rs in runs.items():
         for run in rs:

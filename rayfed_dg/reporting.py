@@ -1,7 +1,9 @@
 """Reports from records: partition summaries and heatmaps (like FedFD-A
 Fig. 7), and the results table over seeds with DomainBed's three
-model-selection rules (``rayfed-dg report``).  Run directories are read
-through ``engine.rundir.RunDir``."""
+model-selection rules (``rayfed-dg report``), and, for runs on the device
+model's virtual clock, accuracy at equal simulated time and each domain's
+participation (``clock_table``).  Run directories are read through
+``engine.rundir.RunDir``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -497,3 +499,54 @@ def seeds_table(run_dirs: list[Path], fmt: str = "md") -> str:
 
 
 EXTRA_COLUMNS = {"source_test": "in-domain test (sources)", "personal_val": "personalized (own val)"}
+
+
+# ------------------------------------------------------------------ the virtual clock
+
+CLOCK_CAPTION = ("On the virtual clock (devices.enabled): target accuracy (%) at the equal simulated time T (the "
+                 "earliest end of these runs) and at each run's end, mean ± SE over seeds; per domain, the trainings "
+                 "aggregated / selected over the run (mean over seeds)")
+
+
+def _on_clock(rows: list[dict], t: float) -> float | None:
+    """Target accuracy at simulated time ``t``: that of the last evaluated round aggregated by ``t``."""
+    at = [(r["sim_time"], r["round"]) for r in rows if r["split"] == "target_test" and r["sim_time"] <= t]
+    if not at:
+        return None
+    last = max(at)[1]
+    return float(np.mean([r["accuracy"] for r in rows if r["split"] == "target_test" and r["round"] == last]))
+
+
+def clock_table(run_dirs: list[Path], fmt: str = "md") -> str | None:
+    """A table of the runs that ran on the virtual clock (their metrics
+    carry ``sim_time``): per method and target, the target accuracy at T,
+    the earliest simulated end of any of these runs and targets (so methods
+    compare at equal simulated time), and at each run's end, and the
+    participation each domain got: trainings aggregated / selected, summed
+    over rounds (client rows not dropped / all).  None when no run had a clock."""
+    per: dict[tuple[str, str], list[tuple[list[dict], list[dict]]]] = {}
+    for label, runs in collect_runs(run_dirs).items():
+        for run in runs:
+            rd = RunDir(run.path)
+            rows = [r for r in run.metrics() or [] if r.get("sim_time") is not None]
+            clients = rd.read_rows("clients") if rows and rd.has_table("clients") else []
+            for t in dict.fromkeys(r["target"] for r in rows):
+                per.setdefault((label, t), []).append(([r for r in rows if r["target"] == t],
+                                                       [c for c in clients if c["target"] == t]))
+    if not per:
+        return None
+    horizon = min(max(r["sim_time"] for r in rows) for seeds in per.values() for rows, _ in seeds)
+    domains = sorted({c["domain"] for seeds in per.values() for _, clients in seeds for c in clients})
+    out = []
+    for (label, target), seeds in per.items():
+        at_t = [a for rows, _ in seeds if (a := _on_clock(rows, horizon)) is not None]
+        end = [a for rows, _ in seeds if (a := _on_clock(rows, max(r["sim_time"] for r in rows))) is not None]
+        cells = []
+        for d in domains:
+            mine = [[c for c in clients if c["domain"] == d] for _, clients in seeds]
+            made = np.mean([sum(not c["dropped"] for c in m) for m in mine])
+            cells.append(f"{made:g}/{np.mean([len(m) for m in mine]):g}" if any(mine) else "-")
+        out.append([label, target, len(seeds), mean_se_cell(at_t), mean_se_cell(end),
+                    f"{np.mean([max(r['sim_time'] for r in rows) for rows, _ in seeds]):.6g}"] + cells)
+    header = ["method", "target", "seeds", f"at T = {horizon:.6g} s", "at the end", "end (simulated s)"] + domains
+    return render_table(header, out, fmt)

@@ -5,9 +5,11 @@ and split, the method, the global model, the client store (each client's
 local state), the method's server state, the server optimizer, the ledger
 group of each tensor, the clients' training sets and the arrays the data
 stages share (``add_stage_outputs``), and each client's fixed validation
-subset.  ``get_state`` / ``set_state`` are its checkpoint.  It does no I/O
-and knows nothing of Ray: the server (``server.py``) moves work to the
-workers and back, and calls these steps in a round's order.
+subset; with ``devices.enabled``, the device model and its clock
+(``clock_plan``: whom a round trains, ``devices.py``).  ``get_state`` /
+``set_state`` are its checkpoint.  It does no I/O and knows nothing of
+Ray: the server (``server.py``) moves work to the workers and back, and
+calls these steps in a round's order.
 
 The new global model of a round (``aggregate``), from the global model x_t
 it started from and the reduce's weighted average (``aggregate.py``: an
@@ -36,6 +38,7 @@ from rayfed_dg.methods import ClientUpdate, Phase, build_method
 from rayfed_dg.seeding import Stream, numpy_rng, sample_clients, seed_int
 
 from .aggregate import Reducer
+from .devices import DeviceModel, RoundPlan, model_bytes, plan_round, planned_steps
 from .plan import clients_per_round
 from .records import ClientStore, ClientTask, Fold
 from .server_opt import ServerOptimizer, stepped_keys
@@ -63,6 +66,12 @@ class Federation:
         self.training_sets: dict[int, tuple[np.ndarray, Any]] = {}
         self.stage_data: dict[str, Any] = {}  # name -> ObjectRef of arrays a data stage shared with every client
         self._client_val: dict[int, np.ndarray | None] = {}  # client -> its fixed validation indices
+        # the device model (devices.enabled) and its clock: simulated seconds at which the next round starts
+        self.devices = DeviceModel(cfg.devices, cfg.training.seed, split.client_domains,
+                                   model_bytes(self.global_state)) if cfg.devices.enabled else None
+        self.clock = 0.0
+        self.steps = np.array([planned_steps(cfg.training, int(n)) for n in split.client_sizes()]) \
+            if cfg.devices.enabled else None  # each client's local steps in a round, which its duration counts
 
     # ------------------------------------------------------------ data stages
     def add_stage_outputs(self, training_sets: dict[int, tuple[np.ndarray, Any]], shared: dict[str, Any]) -> None:
@@ -90,6 +99,16 @@ class Federation:
     def sample(self, r: int) -> list[int]:
         per_round = clients_per_round(self.cfg, self.split)
         return sample_clients(self.cfg.training.seed, r, self.split.num_clients, per_round)
+
+    def clock_plan(self, r: int) -> RoundPlan | None:
+        """Round ``r`` on the device model's clock (``devices.plan_round``):
+        whom it selects, aggregates, and when it closes; None without one."""
+        if self.devices is None or self.steps is None:
+            return None
+        d = self.cfg.devices
+        return plan_round(self.devices, self.split.num_clients, self.cfg.training.seed, r, self.clock,
+                          clients_per_round(self.cfg, self.split), self.steps, d.over_selection, d.deadline_s,
+                          d.wait_s)
 
     def reducer(self, sampled: list[int]) -> Reducer:
         sizes = self.split.client_sizes()[sampled]
@@ -140,7 +159,7 @@ class Federation:
     # ------------------------------------------------------------ checkpoint
     def get_state(self) -> dict:
         return {"round": self.round, "global_state": self.global_state, "client_store": self.store.states,
-                "server_state": self.server_state,
+                "server_state": self.server_state, "clock": self.clock,
                 **({"server_optimizer": self.server_opt.state_dict()} if self.server_opt is not None else {})}
 
     def set_state(self, state: dict) -> None:
@@ -148,5 +167,6 @@ class Federation:
         self.global_state = state["global_state"]
         self.store.states = state["client_store"]
         self.server_state = state["server_state"]
+        self.clock = float(state.get("clock", 0.0))  # checkpoints written before the clock have none
         if self.server_opt is not None:  # a config with a server optimizer resumes only its own runs (check_resume_dir)
             self.server_opt.load_state_dict(state["server_optimizer"])

@@ -8,6 +8,7 @@ from rayfed_dg.config import ExperimentConfig
 from rayfed_dg.data import DomainDataset, FederatedSplit, leave_one_domain_out, load_dataset
 from rayfed_dg.errors import ConfigError, DataError, ModelError
 
+from .devices import check_devices, model_bytes
 from .resources import ensure_workers, init_ray
 
 
@@ -132,12 +133,15 @@ def preflight(cfg: ExperimentConfig, splits: list[FederatedSplit], num_classes: 
     from rayfed_dg.stages import build_stages
 
     try:
-        build_method(cfg, splits[0].num_clients).build_model(num_classes)
+        model = build_method(cfg, splits[0].num_clients).build_model(num_classes)
     except (ValueError, KeyError) as e:
         if isinstance(e, (ConfigError, ModelError, DataError)):
             raise
         # a method that cannot build on this backbone is a config problem, not a crash
         raise ConfigError(f"method {cfg.method.name} cannot build model.arch={cfg.model.arch}: {e}") from None
+    if cfg.devices.enabled:
+        for s in splits:
+            check_devices(cfg, s, model_bytes(model.state_dict()))
     for stage in build_stages(cfg):
         stage.preflight()
     init_ray(cfg)

@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from rayfed_dg.data.protocol import FederatedSplit
     from rayfed_dg.methods import ClientUpdate
 
+    from .devices import RoundPlan
+
 
 @dataclass(frozen=True)
 class Fold:
@@ -230,22 +232,30 @@ def _table(target: str, rows: Iterable[_Row], **extra: Any) -> list[dict]:
 
 
 def client_rows(r: int, split: FederatedSplit, sampled: list[int], updates: dict[int, ClientUpdate],
-                dropped: dict[int, str], retries: dict[int, int], ledger: Ledger) -> list[ClientRow]:
-    """One ``ClientRow`` per sampled client; its bytes from the round's ledger."""
+                dropped: dict[int, str], retries: dict[int, int], ledger: Ledger,
+                plan: RoundPlan | None = None) -> list[ClientRow]:
+    """One ``ClientRow`` per sampled client; its bytes from the round's
+    ledger.  On the device model's clock (``plan``), one per selected
+    client: its simulated start and finish, whether it was aggregated
+    (``deadline_met``), and why not (the plan's ``dropout``, ``deadline``,
+    ``late``, or the task's failure)."""
     wire: dict[tuple[int, str], int] = {}
     for row in ledger.rows:
         wire[row.client, row.direction] = wire.get((row.client, row.direction), 0) + row.bytes
     sizes = split.client_sizes()
     rows = []
-    for cid in sampled:
+    for cid in sampled if plan is None else plan.selected:
         u = updates.get(cid)
+        reason = dropped.get(cid) if plan is None else plan.reasons.get(cid, dropped.get(cid))
         rows.append(ClientRow(
             round=r, client=cid, domain=split.client_domains[cid],
             samples=int(u.num_samples if u is not None else sizes[cid]),
             local_steps=u.steps if u is not None else 0,
             train_loss=u.train_loss if u is not None else None, seconds=u.seconds if u is not None else None,
             bytes_up=wire.get((cid, "up"), 0), bytes_down=wire.get((cid, "down"), 0),
-            retried=retries.get(cid, 0), dropped=u is None, drop_reason=dropped.get(cid)))
+            retried=retries.get(cid, 0), dropped=u is None, drop_reason=reason,
+            sim_start=None if plan is None else plan.start, sim_finish=None if plan is None else plan.finish[cid],
+            deadline_met=None if plan is None else u is not None))
     return rows
 
 

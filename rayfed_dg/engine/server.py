@@ -3,7 +3,12 @@ rounds of its current federation (``federation.py`` holds the state).
 
 One ``run_round`` call is one federated round:
 
-1. sample ``clients_per_round`` of the N clients with the round's seed;
+1. sample ``clients_per_round`` of the N clients with the round's seed; with
+   the device model (``devices.enabled``), the round's plan on its clock
+   (``devices.plan_round``) instead: the clients online at the round's
+   start are over-selected, and only those that upload by the round's close
+   train (the others are charged the download, and recorded); an
+   ``_idle_round`` when none does;
 2. the global weights are already in the object store (one ``ray.put`` per
    round, after the previous aggregation); workers read them zero-copy;
 3. the phases the method declares at ``Slot.BEFORE_TRAINING`` (``Phase.PREPARE``: every
@@ -45,6 +50,7 @@ from rayfed_dg.errors import EngineError
 from rayfed_dg.methods import ClientUpdate, Slot
 
 from .aggregate import Reducer
+from .devices import RoundPlan
 from .evaluation import evaluate_global
 from .federation import Federation
 from .phases import RoundWork, run_phases
@@ -119,7 +125,10 @@ class Server:
         t0 = time.perf_counter()
         fed = self.fed
         r = fed.round + 1
-        sampled = fed.sample(r)
+        plan = fed.clock_plan(r)  # the device model's round (None without one): only its aggregated clients train
+        sampled = fed.sample(r) if plan is None else plan.aggregated
+        if plan is not None and not sampled:
+            return self._idle_round(r, plan, t0)
         sizes = self.split.client_sizes()[sampled]
         reducer, ledger = fed.reducer(sampled), Ledger(r)
         work = RoundWork(r, sampled, ledger, fed, self.pool, self.global_ref)
@@ -162,20 +171,46 @@ class Server:
         for cid in sorted(updates):  # after the gather: a client trained again starts from the round's local state
             fed.store.put(cid, updates[cid].update, updates[cid].private)
         results = work.results = [updates[c] for c in sorted(updates)]
+        if plan is not None:  # the selected clients that did not make it downloaded the model, and sent nothing
+            for cid in sorted(plan.reasons):
+                ledger.add_state(cid, "down", bcast_sizes)
+            fed.clock = plan.close
         fed.aggregate(r, reducer, results)
         work.global_ref = self.global_ref = ray.put(fed.global_state)
         run_phases(Slot.AFTER_AGGREGATION, work)
         fed.end_round(r, results)
         seconds_train = time.perf_counter() - t0
-        every = fed.cfg.evaluation.every
-        metrics = self.evaluate(work) if (every and r % every == 0) or r == fed.cfg.training.rounds else []
+        metrics = self.evaluate(work) if self._evaluates(r) else []
         return RoundResult(
-            round=r, sampled=sampled, dropped=[DropRow(r, c, why) for c, why in dropped],
-            metrics=metrics, ledger=ledger.sorted_rows(),
-            clients=client_rows(r, self.split, sampled, updates, dict(dropped), retries, ledger),
+            round=r, sampled=sampled if plan is None else plan.selected,
+            dropped=[DropRow(r, c, why) for c, why in dropped], metrics=metrics, ledger=ledger.sorted_rows(),
+            clients=client_rows(r, self.split, sampled, updates, dict(dropped), retries, ledger, plan),
             train_loss=float(np.mean([u.train_loss for u in results])), tasks_retried=self.pool.retried,
             tasks_rerun=self.pool.reruns,
-            seconds_train=seconds_train, seconds_total=time.perf_counter() - t0, seconds_clients=seconds_clients)
+            seconds_train=seconds_train, seconds_total=time.perf_counter() - t0, seconds_clients=seconds_clients,
+            sim_time=None if plan is None else plan.close)
+
+    def _evaluates(self, r: int) -> bool:
+        every = self.fed.cfg.evaluation.every
+        return bool(every and r % every == 0) or r == self.fed.cfg.training.rounds
+
+    def _idle_round(self, r: int, plan: RoundPlan, t0: float) -> RoundResult:
+        """A round on the clock in which no selected client uploads in time:
+        nobody trains, the global model and the method's state stay, the
+        clock moves on to the round's close."""
+        fed, ledger = self.fed, Ledger(r)
+        bcast_sizes = Ledger.group_sizes(fed.broadcast_state(), fed.groups.__getitem__)
+        for cid in plan.selected:
+            ledger.add_state(cid, "down", bcast_sizes)
+        fed.clock, fed.round = plan.close, r
+        work = RoundWork(r, [], ledger, fed, self.pool, self.global_ref)
+        metrics = self.evaluate(work) if self._evaluates(r) else []
+        seconds = time.perf_counter() - t0
+        return RoundResult(
+            round=r, sampled=plan.selected, dropped=[], metrics=metrics, ledger=ledger.sorted_rows(),
+            clients=client_rows(r, self.split, [], {}, {}, {}, ledger, plan), train_loss=float("nan"),
+            tasks_retried=self.pool.retried, tasks_rerun=self.pool.reruns, seconds_train=seconds,
+            seconds_total=seconds, sim_time=plan.close)
 
     def gather(self, reducer: Reducer, rerun: Callable[[Any, int, int, int], Any]) -> None:
         """Merge each worker's partial sum of the round.  The clients of a

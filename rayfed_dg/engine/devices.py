@@ -1,0 +1,323 @@
+"""The device model on a virtual clock: how long a client's training takes in
+simulated seconds, whether its device is online at a simulated time, and
+whether a training drops out before uploading (``DeviceModel``, built from
+the config's ``devices:`` section); and the synchronous round's rule on that
+clock (``plan_round``): who is selected, who is aggregated, when the round
+closes.
+
+Pure: no Ray, no wall time, no torch.  Every random choice is seeded from
+``rayfed_dg.seeding`` (per client, per draw, per Markov step), so the same
+config gives the same devices and the same participants on any worker count,
+machine load or resume.  docs/cross_device.md describes every knob and the
+trace formats.
+"""
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from rayfed_dg.config import DevicesConfig, ExperimentConfig, TrainingConfig
+from rayfed_dg.data.protocol import FederatedSplit
+from rayfed_dg.errors import ConfigError, EngineError
+from rayfed_dg.seeding import Stream, numpy_rng
+
+MAX_WAITS = 100_000  # a round start that finds nobody online this many wait_s steps in a row is an error
+_SNAPSHOT = 256  # markov: the chain's states are kept every this many steps, so an earlier t replays at most this many
+
+
+class Devices(Protocol):
+    def duration(self, client: int, steps: int, draw: int) -> float:
+        """Simulated seconds of one training (``steps`` local steps, plus the
+        model's download and upload if modelled); ``draw``: which training of
+        this client (the sync round number; the async start counter)."""
+        ...
+
+    def available(self, client: int, t: float) -> bool:
+        """Whether the device is online at simulated time ``t``."""
+        ...
+
+    def drops(self, client: int, draw: int) -> bool:
+        """Whether this training drops out before uploading."""
+        ...
+
+
+def planned_steps(training: TrainingConfig, n_samples: int) -> int:
+    """The local steps a client of ``n_samples`` samples takes in one round:
+    ``training.local_steps``, or ``local_epochs`` passes of its mini-batches,
+    where a final batch of one sample is skipped (BatchNorm needs two), as
+    the worker's ``batches`` does."""
+    if training.local_steps is not None:
+        return training.local_steps
+    full, rest = divmod(n_samples, training.batch_size)
+    per_epoch = full + (1 if rest >= 2 or n_samples == 1 else 0)
+    return training.local_epochs * per_epoch
+
+
+def _read_csv(path: str, columns: tuple[str, ...], key: str) -> dict[str, np.ndarray]:
+    try:
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
+    except OSError as e:
+        raise ConfigError(f"devices.{key}: cannot read {path} ({e.strerror}); give a CSV file") from None
+    if not rows or not set(columns) <= set(rows[0]):
+        raise ConfigError(f"devices.{key}: {path} needs a header line with the columns {','.join(columns)}")
+    try:
+        return {c: np.array([float(r[c]) for r in rows]) for c in columns}
+    except (TypeError, ValueError):
+        raise ConfigError(f"devices.{key}: {path} has a value that is not a number in columns "
+                          f"{','.join(columns)}") from None
+
+
+def _clients(ids: np.ndarray, num_clients: int, path: str, key: str) -> np.ndarray:
+    """The trace's client ids, checked to cover 0 .. num_clients - 1."""
+    if not np.all(ids == np.round(ids)) or ids.min() < 0:
+        raise ConfigError(f"devices.{key}: {path} has a client that is not a whole number >= 0")
+    ids = ids.astype(np.int64)
+    missing = np.setdiff1d(np.arange(num_clients), ids)
+    if len(missing):
+        raise ConfigError(f"devices.{key}: {path} covers {num_clients - len(missing)} of the {num_clients} clients "
+                          f"(client {missing[0]} has no row); give a row to every client 0..{num_clients - 1}")
+    return ids
+
+
+def read_speed_trace(path: str, num_clients: int) -> np.ndarray:
+    """Each client's speed from a CSV ``client,speed`` (extra clients ignored)."""
+    cols = _read_csv(path, ("client", "speed"), "speed_trace")
+    ids = _clients(cols["client"], num_clients, path, "speed_trace")
+    if np.any(cols["speed"] <= 0) or not np.all(np.isfinite(cols["speed"])):
+        raise ConfigError(f"devices.speed_trace: {path} has a speed <= 0; speeds are multiples of a device doing "
+                          "one step in step_seconds")
+    speeds = np.empty(num_clients)
+    keep = ids < num_clients
+    speeds[ids[keep]] = cols["speed"][keep]
+    return speeds
+
+
+@dataclass(frozen=True)
+class AvailabilityTrace:
+    """Online intervals [start, end) of every client, sorted, in CSR form
+    (client c's are ``starts[offsets[c]:offsets[c + 1]]``, ``owner`` the
+    client of each), repeating after ``period`` (the largest end)."""
+    offsets: np.ndarray
+    starts: np.ndarray
+    ends: np.ndarray
+    owner: np.ndarray
+    period: float
+
+    @staticmethod
+    def read(path: str, num_clients: int) -> AvailabilityTrace:
+        cols = _read_csv(path, ("client", "start_s", "end_s"), "availability_trace")
+        ids = _clients(cols["client"], num_clients, path, "availability_trace")
+        starts, ends = cols["start_s"], cols["end_s"]
+        if np.any(starts < 0) or np.any(ends < starts):
+            raise ConfigError(f"devices.availability_trace: {path} has an interval with start_s < 0 or "
+                              "end_s < start_s")
+        if ends.max() <= 0:
+            raise ConfigError(f"devices.availability_trace: {path}: no client is ever online (every end_s is 0)")
+        keep = ids < num_clients
+        ids, starts, ends = ids[keep], starts[keep], ends[keep]
+        order = np.lexsort((starts, ids))
+        offsets = np.searchsorted(ids[order], np.arange(num_clients + 1))
+        return AvailabilityTrace(offsets, starts[order], ends[order], ids[order], float(ends.max()))
+
+    def online(self, t: float) -> np.ndarray:
+        t = t % self.period
+        out = np.zeros(len(self.offsets) - 1, bool)
+        out[self.owner[(self.starts <= t) & (t < self.ends)]] = True
+        return out
+
+    def available(self, client: int, t: float) -> bool:
+        t = t % self.period
+        lo, hi = self.offsets[client], self.offsets[client + 1]
+        i = lo + np.searchsorted(self.starts[lo:hi], t, side="right") - 1
+        return bool(i >= lo and t < self.ends[i])
+
+
+class MarkovChain:
+    """Each device's online state as a two-state Markov chain observed every
+    ``step`` seconds (constant in between): it starts in its stationary
+    distribution and moves with the exact transition probabilities of the
+    continuous-time chain with those mean sojourns over one step.  Step k's
+    uniforms come from (seed, stream, k), so the state at any t is the same
+    whatever was asked before; states are kept every ``_SNAPSHOT`` steps."""
+
+    def __init__(self, seed: int, num_clients: int, mean_on: float, mean_off: float, step: float):
+        self.seed, self.n, self.step = seed, num_clients, step
+        a, b = 1.0 / mean_on, 1.0 / mean_off  # rates of leaving the online and the offline state
+        decay = math.exp(-(a + b) * step)
+        self.p_on = b / (a + b)  # stationary share online
+        self.p_stay_on = self.p_on + (1 - self.p_on) * decay
+        self.p_come_on = self.p_on * (1 - decay)
+        self.snapshots = {0: numpy_rng(seed, Stream.DEVICE_MARKOV, 0).random(num_clients) < self.p_on}
+        self.last = (0, self.snapshots[0])
+
+    def state(self, t: float) -> np.ndarray:
+        k = int(t // self.step)
+        base = max(s for s in self.snapshots if s <= k)
+        on = self.snapshots[base]
+        if base < self.last[0] <= k:
+            base, on = self.last
+        for j in range(base + 1, k + 1):
+            u = numpy_rng(self.seed, Stream.DEVICE_MARKOV, j).random(self.n)
+            on = np.where(on, u < self.p_stay_on, u < self.p_come_on)
+            if j % _SNAPSHOT == 0:
+                self.snapshots[j] = on
+        self.last = (k, on)
+        return on
+
+
+class DeviceModel:
+    """Implements ``Devices`` from the ``devices:`` section for the clients
+    whose domains ``client_domains`` lists (a multi-domain client,
+    ``photo+sketch``, is offline in either domain's window); ``model_bytes``:
+    what one download (and again one upload) carries, timed at
+    ``bandwidth_mbps``.  A device's speed is fixed: ``duration`` is the same
+    for every draw."""
+
+    def __init__(self, cfg: DevicesConfig, seed: int, client_domains: list[str], model_bytes: int = 0):
+        self.cfg, self.seed, self.n = cfg, seed, len(client_domains)
+        if cfg.speed == "lognormal":
+            self.speeds = np.exp(cfg.speed_sigma * numpy_rng(seed, Stream.DEVICE_SPEED).standard_normal(self.n))
+        elif cfg.speed == "trace":
+            assert cfg.speed_trace is not None  # the config's validator
+            self.speeds = read_speed_trace(cfg.speed_trace, self.n)
+        else:
+            self.speeds = np.ones(self.n)
+        self.comm_s = 0.0 if cfg.bandwidth_mbps is None else 2 * model_bytes * 8 / (cfg.bandwidth_mbps * 1e6)
+        if cfg.availability == "diurnal":
+            self.phase = numpy_rng(seed, Stream.DEVICE_PHASE).uniform(0.0, cfg.period_s, self.n)
+        elif cfg.availability == "markov":
+            self.chain = MarkovChain(seed, self.n, cfg.mean_online_s, cfg.mean_offline_s, cfg.markov_step_s)
+        elif cfg.availability == "trace":
+            assert cfg.availability_trace is not None
+            self.trace = AvailabilityTrace.read(cfg.availability_trace, self.n)
+        doms = [set(d.split("+")) for d in client_domains]
+        self.windows = [(w.start_s, w.end_s, np.array([w.domain in d for d in doms], bool))
+                        for w in cfg.domain_offline]
+
+    def duration(self, client: int, steps: int, draw: int) -> float:
+        return steps * self.cfg.step_seconds / float(self.speeds[client]) + self.comm_s
+
+    def online(self, t: float) -> np.ndarray:
+        """Every client's ``available`` at ``t`` (one boolean per client)."""
+        c = self.cfg
+        if c.availability == "diurnal":
+            on = (t - self.phase) % c.period_s < c.online_fraction * c.period_s
+        elif c.availability == "markov":
+            on = self.chain.state(t).copy()
+        elif c.availability == "trace":
+            on = self.trace.online(t)
+        else:
+            on = np.ones(self.n, bool)
+        for start, end, mask in self.windows:
+            if start <= t < end:
+                on &= ~mask
+        return on
+
+    def available(self, client: int, t: float) -> bool:
+        if any(start <= t < end and mask[client] for start, end, mask in self.windows):
+            return False
+        c = self.cfg
+        if c.availability == "diurnal":
+            return bool((t - self.phase[client]) % c.period_s < c.online_fraction * c.period_s)
+        if c.availability == "markov":
+            return bool(self.chain.state(t)[client])
+        if c.availability == "trace":
+            return self.trace.available(client, t)
+        return True
+
+    def drops(self, client: int, draw: int) -> bool:
+        p = self.cfg.dropout
+        return p > 0 and bool(numpy_rng(self.seed, Stream.DEVICE_DROPOUT, client, draw).random() < p)
+
+
+def model_bytes(state: Mapping[str, Any]) -> int:
+    """Bytes of a model's tensors (NumPy arrays or torch tensors): one download, and again one upload."""
+    return sum(int(v.nbytes) for v in state.values())
+
+
+def check_devices(cfg: ExperimentConfig, split: FederatedSplit, nbytes: int) -> None:
+    """The device model's bad input, before anything is written: a window
+    naming a domain the dataset does not have, a trace that does not cover
+    the clients (raised while reading it), a deadline no device can meet
+    (the fastest client's training on the clock exceeds it)."""
+    d = cfg.devices
+    domains = [*split.val, split.target, *split.heldout_val]
+    for i, w in enumerate(d.domain_offline):
+        if w.domain not in domains:
+            raise ConfigError(f"devices.domain_offline.{i}.domain: unknown domain {w.domain!r}; use one of "
+                              f"{', '.join(domains)}")
+    dev = DeviceModel(d, cfg.training.seed, split.client_domains, nbytes)
+    if d.deadline_s is not None:
+        sizes = split.client_sizes()
+        fastest = min(dev.duration(c, planned_steps(cfg.training, int(n)), 0) for c, n in enumerate(sizes))
+        if fastest > d.deadline_s:
+            raise ConfigError(f"devices.deadline_s: {d.deadline_s:g} s is shorter than the fastest client's "
+                              f"training ({fastest:g} s simulated); raise it above {fastest:g} or lower "
+                              "devices.step_seconds")
+
+
+@dataclass
+class RoundPlan:
+    """One synchronous round on the clock: selected at ``start``, each
+    selected client's ``finish`` (would-be, for those that drop out), the
+    clients aggregated (in client order), why each other selected client
+    was not (``dropout``, ``deadline``, ``late``: K others uploaded first),
+    and ``close``, when the round aggregates and the next one starts."""
+    start: float
+    selected: list[int]
+    finish: dict[int, float]
+    aggregated: list[int]
+    reasons: dict[int, str]
+    close: float
+
+
+def plan_round(dev: Devices, num_clients: int, seed: int, r: int, t: float, k: int, steps: np.ndarray,
+               over_selection: float = 1.0, deadline_s: float | None = None, wait_s: float = 60.0) -> RoundPlan:
+    """Round ``r``, ready at simulated time ``t``, that aggregates up to
+    ``k`` clients, ``steps[c]`` local steps each:
+
+    1. the clients online at t; none: t moves on by ``wait_s`` until one is;
+    2. sample ceil(over_selection x k) of them (all if fewer are online),
+       seeded by (seed, round): with every client online and no
+       over-selection, the clients the round samples without the clock;
+    3. each selected client finishes at t + its duration unless it drops out;
+    4. the round closes when k have uploaded or at t + deadline_s, whichever
+       is first (FedScale's rule); the first k uploads by then (ties in
+       client order) are aggregated.  Without a deadline and fewer than k
+       uploads, it closes at the last selected client's finish (a dropout
+       is noticed when its training would have ended).
+    """
+    start = t
+    for _ in range(MAX_WAITS):
+        on = dev.online(t) if isinstance(dev, DeviceModel) else \
+            np.array([dev.available(c, t) for c in range(num_clients)], bool)
+        online = np.flatnonzero(on)
+        if len(online):
+            break
+        t += wait_s
+    else:
+        raise EngineError(f"round {r}: no client was online from {start:g} s to {t:g} s simulated; check "
+                          "devices.availability and devices.domain_offline")
+    m = math.ceil(round(over_selection * k, 9))
+    if m >= len(online):
+        selected = [int(c) for c in online]
+    else:
+        selected = sorted(int(c) for c in numpy_rng(seed, Stream.SAMPLE, r).choice(online, size=m, replace=False))
+    finish = {c: t + dev.duration(c, int(steps[c]), r) for c in selected}
+    dropped = {c for c in selected if dev.drops(c, r)}
+    cutoff = math.inf if deadline_s is None else t + deadline_s
+    arrivals = sorted((finish[c], c) for c in selected if c not in dropped and finish[c] <= cutoff)[:k]
+    made = {c for _, c in arrivals}
+    if len(made) == k:
+        close = arrivals[-1][0]
+    else:
+        close = cutoff if deadline_s is not None else max(finish.values())
+    reasons = {c: "dropout" if c in dropped else "deadline" if finish[c] > cutoff else "late"
+               for c in selected if c not in made}
+    return RoundPlan(t, selected, finish, sorted(made), reasons, close)
