@@ -29,6 +29,7 @@ class Stream(IntEnum):
     STAGE = 12  # data stages before round 1 (CCST's styles and choices); was 11 before 0.2
     PREPARE = 13  # a client's per-round preparation phase (before training)
     AMPLITUDE = 14  # the images whose amplitude spectra a client shares (ELCFS's bank, stages/amplitude.py)
+    ASYNC_SAMPLE = 20  # who takes a free training slot in an asynchronous server mode (engine/asynchronous.py)
 
 
 def _words(parts) -> list[int]:

@@ -35,6 +35,7 @@ from rayfed_dg.errors import EngineError
 from rayfed_dg.methods import ClientUpdate, Phase, build_method
 from rayfed_dg.seeding import Stream, numpy_rng, sample_clients, seed_int
 
+from . import asynchronous as aio
 from .aggregate import Reducer
 from .plan import clients_per_round
 from .records import ClientStore, ClientTask, Fold
@@ -63,6 +64,10 @@ class Federation:
         self.training_sets: dict[int, tuple[np.ndarray, Any]] = {}
         self.stage_data: dict[str, Any] = {}  # name -> ObjectRef of arrays a data stage shared with every client
         self._client_val: dict[int, np.ndarray | None] = {}  # client -> its fixed validation indices
+        # asynchronous modes: the virtual clock, and the global model of every version still in flight (and the
+        # current one), since each client trains from the version it downloaded
+        self.clock = self._clock() if cfg.server.mode != "sync" else None
+        self.versions: dict[int, dict[str, np.ndarray]] = {0: self.global_state}
 
     # ------------------------------------------------------------ data stages
     def add_stage_outputs(self, training_sets: dict[int, tuple[np.ndarray, Any]], shared: dict[str, Any]) -> None:
@@ -137,11 +142,49 @@ class Federation:
         """Each client's local state, for the clients whose own model is evaluated (none unless ``personalizes``)."""
         return {c: self.store.get(c) for c in sorted(self.store.states)} if self.personalizes() else {}
 
+    # ------------------------------------------------------------ asynchronous modes
+    def _clock(self) -> aio.AsyncClock:
+        n, sizes = self.split.num_clients, self.split.client_sizes()
+        return aio.AsyncClock(n, aio.concurrency(self.cfg, n), aio.buffer_size(self.cfg, n), self.cfg.training.seed,
+                              aio.IdealDevices(), lambda c: aio.planned_steps(self.cfg.training, int(sizes[c])),
+                              self.cfg.server.retry_s)
+
+    def apply_async(self, arrivals: list[aio.Training], updates: dict[int, ClientUpdate]) -> None:
+        """The new global model from one server update's arrivals (in the
+        clock's order) that returned an upload (``asynchronous.py``'s equations)."""
+        s = self.cfg.server
+        got = [t for t in arrivals if t.client in updates]
+        ids = [t.client for t in got]
+        weights = self.method.aggregation_weights(ids, self.split.client_sizes()[ids], self.server_state)
+        x = self.global_state
+        if s.mode == "fedasync":  # Xie et al.'s t - tau counts from 1: the newest model's client has t - tau = 1
+            (t,) = got
+            alpha = s.alpha * aio.staleness_weight(s.staleness, t.staleness + 1, s.staleness_a, s.staleness_b)
+            self.global_state = aio.fedasync_step(x, updates[t.client].update, alpha)
+            return
+        delta = aio.fedbuff_delta(x, [(updates[t.client].update, self.versions[t.version], float(w),
+                                       aio.staleness_weight(s.staleness, t.staleness, s.staleness_a, s.staleness_b))
+                                      for t, w in zip(got, weights)])
+        if self.server_opt is None:
+            self.global_state = aio.fedbuff_step(x, delta, s.eta)
+        else:  # the optimizer steps along the buffer's mean update (FedBuff's ServerUpdate)
+            self.global_state = self.server_opt.step(x, aio.fedbuff_step(x, delta, 1.0))
+
+    def keep_versions(self) -> None:
+        """After an update: the new version is kept, and those no training in flight started from are let go."""
+        assert self.clock is not None
+        self.versions[self.round] = self.global_state
+        live = self.clock.in_flight_versions() | {self.round}
+        self.versions = {v: st for v, st in self.versions.items() if v in live}
+
     # ------------------------------------------------------------ checkpoint
     def get_state(self) -> dict:
         return {"round": self.round, "global_state": self.global_state, "client_store": self.store.states,
                 "server_state": self.server_state,
-                **({"server_optimizer": self.server_opt.state_dict()} if self.server_opt is not None else {})}
+                **({"server_optimizer": self.server_opt.state_dict()} if self.server_opt is not None else {}),
+                **({"async": {"clock": self.clock.state_dict(),  # the current version is global_state
+                              "versions": {v: st for v, st in self.versions.items() if v != self.round}}}
+                   if self.clock is not None else {})}
 
     def set_state(self, state: dict) -> None:
         self.round = int(state["round"])
@@ -150,3 +193,6 @@ class Federation:
         self.server_state = state["server_state"]
         if self.server_opt is not None:  # a config with a server optimizer resumes only its own runs (check_resume_dir)
             self.server_opt.load_state_dict(state["server_optimizer"])
+        if self.clock is not None:  # likewise an asynchronous mode
+            self.clock.load_state_dict(state["async"]["clock"])
+            self.versions = {**state["async"]["versions"], self.round: self.global_state}

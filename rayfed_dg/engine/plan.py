@@ -8,6 +8,7 @@ from rayfed_dg.config import ExperimentConfig
 from rayfed_dg.data import DomainDataset, FederatedSplit, leave_one_domain_out, load_dataset
 from rayfed_dg.errors import ConfigError, DataError, ModelError
 
+from .asynchronous import check_async
 from .resources import ensure_workers, init_ray
 
 
@@ -140,6 +141,8 @@ def preflight(cfg: ExperimentConfig, splits: list[FederatedSplit], num_classes: 
         raise ConfigError(f"method {cfg.method.name} cannot build model.arch={cfg.model.arch}: {e}") from None
     for stage in build_stages(cfg):
         stage.preflight()
+    for s in splits:
+        check_async(cfg, s.num_clients)
     init_ray(cfg)
     for s in splits:
         ensure_workers(cfg.engine, clients_per_round(cfg, s))
