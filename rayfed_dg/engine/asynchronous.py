@@ -118,6 +118,11 @@ def staleness_weight(kind: str, x: float, a: float = 0.5, b: float = 4.0) -> flo
     raise ValueError(f"unknown staleness function {kind!r}")
 
 
+def fedasync_alpha(alpha: float, kind: str, staleness: int, a: float = 0.5, b: float = 4.0) -> float:
+    """alpha_t = alpha s(t - tau), with t - tau = ``staleness`` + 1 (Xie et al.'s counter starts at 1)."""
+    return alpha * staleness_weight(kind, staleness + 1, a, b)
+
+
 def _cast(new: np.ndarray, like: np.ndarray) -> np.ndarray:
     like = np.asarray(like)
     if np.issubdtype(like.dtype, np.integer):
@@ -296,9 +301,9 @@ def refusal(method) -> str | None:
     from rayfed_dg.methods import Method, Slot
 
     cls = type(method)
-    for hook, what in (("assemble_global", "sets global tensors of its own (assemble_global)"),
-                       ("server_payloads", "sends clients payloads made on the server (server_payloads)"),
-                       ("after_round", "keeps server state across rounds (after_round)")):
+    for hook, what in (("after_round", "keeps server state across rounds (after_round)"),
+                       ("assemble_global", "sets global tensors of its own (assemble_global)"),
+                       ("server_payloads", "sends clients payloads made on the server (server_payloads)")):
         if getattr(cls, hook) is not getattr(Method, hook):
             return what
     if not method.folds_on_workers:

@@ -157,9 +157,9 @@ class Federation:
         ids = [t.client for t in got]
         weights = self.method.aggregation_weights(ids, self.split.client_sizes()[ids], self.server_state)
         x = self.global_state
-        if s.mode == "fedasync":  # Xie et al.'s t - tau counts from 1: the newest model's client has t - tau = 1
+        if s.mode == "fedasync":
             (t,) = got
-            alpha = s.alpha * aio.staleness_weight(s.staleness, t.staleness + 1, s.staleness_a, s.staleness_b)
+            alpha = aio.fedasync_alpha(s.alpha, s.staleness, t.staleness, s.staleness_a, s.staleness_b)
             self.global_state = aio.fedasync_step(x, updates[t.client].update, alpha)
             return
         delta = aio.fedbuff_delta(x, [(updates[t.client].update, self.versions[t.version], float(w),
