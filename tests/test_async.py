@@ -137,6 +137,16 @@ def test_event_simulation_dropout_and_checkpoint():
     assert arrivals(v) == arrivals(u) and v.time == u.time and again.state_dict() == c.state_dict()
 
 
+def test_a_client_trains_once_per_update():
+    """Two slots, K = 2; only client 0 is online at t=0 (the other slot tries
+    again at 10, finds nobody, then at 20).  Client 0 arrives at t=1 and is the
+    only one online: it is not started again before the update (its upload
+    waits in the buffer); its slot tries again at t=11, when client 1 is online."""
+    devices = TableDevices({0: 1, 1: 1}, {0: {0}, 1: {0}, 11: {1}})
+    u = AsyncClock(3, 2, 2, seed=0, devices=devices, steps=lambda c: 1, retry_s=10.0).next_update()
+    assert arrivals(u) == [(0, 0, 0.0, 1.0, 0), (1, 0, 11.0, 12.0, 0)] and u.time == 12.0
+
+
 def test_every_update_takes_k_distinct_clients_and_the_stream_seeds_the_picks():
     """A larger population, always online, one second a step: every update has
     K distinct clients, concurrency clients stay in flight, staleness is the
