@@ -93,7 +93,7 @@ class TableDevices:
 
 
 def clock(drops=()):
-    devices = TableDevices({0: 2, 1: 5, 2: 3, 3: 4}, {0: {0, 1}, 2: {2}, 5: {3}, 9: {0}, 15: {1}}, drops)
+    devices = TableDevices({0: 2, 1: 5, 2: 3, 3: 4}, {0: {0, 1}, 2: {2}, 5: {3}, 9: {0}, 19: {1}}, drops)
     return AsyncClock(4, 2, 2, seed=0, devices=devices, steps=lambda c: 1, retry_s=10.0)
 
 
@@ -107,8 +107,9 @@ def test_event_simulation_by_hand():
     only one online) starts from v0.  t=5: 1 arrives (ties by client id before
     2): update 1 = {0, 1}; 3 starts from v1.  t=5: 2 arrives, staleness 1; no
     one online for its slot (3 in flight, 2 seen): retry at 15.  t=9: 3 arrives:
-    update 2 = {2 (stale 1), 3 (fresh)}; 0 starts from v2.  t=11: 0 arrives, no
-    one online: retry at 21.  t=15: 1 starts from v2.  t=20: update 3 = {0, 1}."""
+    update 2 = {2 (stale 1), 3 (fresh)}; 0 starts from v2; the idle slot tries
+    at once (the update), finds nobody: retry at 19.  t=11: 0 arrives, nobody
+    online: retry at 21.  t=19: 1 starts from v2.  t=24: update 3 = {0, 1}."""
     c = clock()
     u = c.next_update()
     assert (u.version, u.time, u.dropped) == (1, 5.0, [])
@@ -117,8 +118,8 @@ def test_event_simulation_by_hand():
     assert (u.version, u.time) == (2, 9.0)
     assert arrivals(u) == [(2, 0, 2.0, 5.0, 1), (3, 1, 5.0, 9.0, 0)]
     u = c.next_update()
-    assert (u.version, u.time) == (3, 20.0)
-    assert arrivals(u) == [(0, 2, 9.0, 11.0, 0), (1, 2, 15.0, 20.0, 0)]
+    assert (u.version, u.time) == (3, 24.0)
+    assert arrivals(u) == [(0, 2, 9.0, 11.0, 0), (1, 2, 19.0, 24.0, 0)]
 
 
 def test_event_simulation_dropout_and_checkpoint():
@@ -145,6 +146,18 @@ def test_a_client_trains_once_per_update():
     devices = TableDevices({0: 1, 1: 1}, {0: {0}, 1: {0}, 11: {1}})
     u = AsyncClock(3, 2, 2, seed=0, devices=devices, steps=lambda c: 1, retry_s=10.0).next_update()
     assert arrivals(u) == [(0, 0, 0.0, 1.0, 0), (1, 0, 11.0, 12.0, 0)] and u.time == 12.0
+
+
+def test_idle_slots_try_again_at_the_update():
+    """K = concurrency = clients = 3, always online, 1, 2 and 3 s: each
+    arrival's slot finds nobody (the others in flight or seen), and all three
+    restart at the update, from the new version, not retry_s later."""
+    from rayfed_dg.engine.asynchronous import IdealDevices
+
+    c = AsyncClock(3, 3, 3, 0, IdealDevices(), lambda cl: cl + 1, retry_s=100.0)
+    assert c.next_update().time == 3.0
+    u = c.next_update()
+    assert u.time == 6.0 and arrivals(u) == [(0, 1, 3.0, 4.0, 0), (1, 1, 3.0, 5.0, 0), (2, 1, 3.0, 6.0, 0)]
 
 
 def test_every_update_takes_k_distinct_clients_and_the_stream_seeds_the_picks():

@@ -44,7 +44,8 @@ by a seeded sampler among those online at that time (``Devices.available``)
 that are neither in flight nor already seen since the last update (so a
 client trains at most once per update: its local state and its training's
 seed are one update's).  A slot that finds nobody tries again
-``retry_s`` simulated seconds later.  A training that drops out
+``retry_s`` simulated seconds later, or at the next update, whichever
+comes first (the clients seen before it may start again then).  A training that drops out
 (``Devices.drops``) frees its slot at its finish and is reported, not
 aggregated.  The clock's state is plain data for the checkpoint.
 """
@@ -274,6 +275,13 @@ class AsyncClock:
             out = Update(self.version, t, self.buffer, self.dropped)
             self.buffer, self.dropped, self.seen = [], [], []
             self._fill(t)  # the replacement downloads the new version
+            # the clients seen since the last update may start again: idle slots try now, not at their retry time
+            idle = sorted((e for e in self.events if e[1] == 1), key=lambda e: e[2])
+            if idle:
+                self.events = [e for e in self.events if e[1] == 0]
+                heapq.heapify(self.events)
+                for _ in idle:
+                    self._fill(t)
             return out
 
     # ------------------------------------------------------------ checkpoint
