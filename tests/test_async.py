@@ -8,11 +8,19 @@ from conftest import REPO, tiny_cfg, tiny_federation
 
 from rayfed_dg.cli import main
 from rayfed_dg.config import load_config
-from rayfed_dg.engine.asynchronous import (AsyncClock, fedasync_alpha, fedasync_step, fedbuff_delta, fedbuff_step,
-                                           planned_steps, refusal, staleness_weight)
+from rayfed_dg.engine.asynchronous import (
+    AsyncClock,
+    IdealDevices,
+    fedasync_alpha,
+    fedasync_step,
+    fedbuff_delta,
+    fedbuff_step,
+    planned_steps,
+    refusal,
+    staleness_weight,
+)
 from rayfed_dg.methods import build_method
 from rayfed_dg.seeding import Stream
-
 
 # ------------------------------------------------------------------ staleness weights
 
@@ -152,8 +160,6 @@ def test_idle_slots_try_again_at_the_update():
     """K = concurrency = clients = 3, always online, 1, 2 and 3 s: each
     arrival's slot finds nobody (the others in flight or seen), and all three
     restart at the update, from the new version, not retry_s later."""
-    from rayfed_dg.engine.asynchronous import IdealDevices
-
     c = AsyncClock(3, 3, 3, 0, IdealDevices(), lambda cl: cl + 1, retry_s=100.0)
     assert c.next_update().time == 3.0
     u = c.next_update()
@@ -165,8 +171,6 @@ def test_every_update_takes_k_distinct_clients_and_the_stream_seeds_the_picks():
     K distinct clients, concurrency clients stay in flight, staleness is the
     versions passed since the start; the picks come from Stream.ASYNC_SAMPLE (a
     different seed, other clients)."""
-    from rayfed_dg.engine.asynchronous import IdealDevices
-
     def run(seed):
         c = AsyncClock(50, 8, 3, seed, IdealDevices(), lambda cl: 1 + cl % 7)
         out = []

@@ -4,10 +4,13 @@ A ``Federation`` holds what one federation is between rounds: its config
 and split, the method, the global model, the client store (each client's
 local state), the method's server state, the server optimizer, the ledger
 group of each tensor, the clients' training sets and the arrays the data
-stages share (``add_stage_outputs``), and each client's fixed validation
-subset.  ``get_state`` / ``set_state`` are its checkpoint.  It does no I/O
-and knows nothing of Ray: the server (``server.py``) moves work to the
-workers and back, and calls these steps in a round's order.
+stages share (``add_stage_outputs``), each client's fixed validation
+subset, and in an asynchronous server mode the virtual clock and the global
+model of each version still in flight (``apply_async``: the update's
+equations, ``asynchronous.py``).  ``get_state`` / ``set_state`` are its
+checkpoint.  It does no I/O and knows nothing of Ray: the server
+(``server.py``) moves work to the workers and back, and calls these steps
+in a round's order.
 
 The new global model of a round (``aggregate``), from the global model x_t
 it started from and the reduce's weighted average (``aggregate.py``: an
@@ -67,7 +70,7 @@ class Federation:
         # asynchronous modes: the virtual clock, and the global model of every version still in flight (and the
         # current one), since each client trains from the version it downloaded
         self.clock = self._clock() if cfg.server.mode != "sync" else None
-        self.versions: dict[int, dict[str, np.ndarray]] = {0: self.global_state}
+        self.versions: dict[int, dict[str, np.ndarray]] = {0: self.global_state} if self.clock is not None else {}
 
     # ------------------------------------------------------------ data stages
     def add_stage_outputs(self, training_sets: dict[int, tuple[np.ndarray, Any]], shared: dict[str, Any]) -> None:

@@ -25,6 +25,10 @@ One ``run_round`` call is one federated round:
    evaluation (``Phase.PERSONAL_EVAL``) and the evaluation of the global
    model on every source domain's validation split and on the target.
 
+In an asynchronous server mode (``server.mode``) ``run_round`` is
+``run_async_round``: one server update, its clients named by the virtual
+clock (``asynchronous.py``).
+
 The optional phases are those the method declares (``Method.phases``),
 each run at its slot (``phases.py``; ``methods/base.py`` has the table).
 Data stages run before round 1 (``stagehost.run_stages``).
@@ -95,7 +99,8 @@ class Server:
         self.pool.retries, self.pool.restart_timeout_s = e.max_task_retries, e.worker_restart_timeout_s
         self.pool.retried = self.pool.reruns = 0
         self.global_ref = ray.put(self.fed.global_state)
-        self.versions = {0: self.global_ref}  # asynchronous modes: each version still in flight, in the object store
+        # asynchronous modes: the global model of each version still in flight, in the object store
+        self.versions = {v: self.global_ref for v in self.fed.versions}
 
     @property
     def split(self) -> FederatedSplit:
