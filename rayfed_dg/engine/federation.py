@@ -148,6 +148,7 @@ class Federation:
     # ------------------------------------------------------------ asynchronous modes
     def _clock(self) -> aio.AsyncClock:
         n, sizes = self.split.num_clients, self.split.client_sizes()
+        aio.check_async(self.cfg, n)  # the run's preflight did; a federation opened by hand is checked too
         return aio.AsyncClock(n, aio.concurrency(self.cfg, n), aio.buffer_size(self.cfg, n), self.cfg.training.seed,
                               aio.IdealDevices(), lambda c: aio.planned_steps(self.cfg.training, int(sizes[c])),
                               self.cfg.server.retry_s)
