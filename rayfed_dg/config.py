@@ -289,6 +289,11 @@ class ServerConfig(_Strict):
                                  "set 1 or use server.mode fedbuff")
         elif self.alpha != type(self).model_fields["alpha"].default:
             raise ValueError("server.alpha is fedasync's mixing weight; fedbuff steps by server.lr (eta_g): drop it")
+        unused = {"constant": ("staleness_a", "staleness_b"), "polynomial": ("staleness_b",), "hinge": ()}
+        odd = [k for k in unused[self.staleness] if getattr(self, k) != type(self).model_fields[k].default]
+        if odd:
+            raise ValueError(f"server.{odd[0]} has no effect with server.staleness {self.staleness}; drop it, or set "
+                             f"server.staleness {'hinge' if odd[0] == 'staleness_b' else 'polynomial or hinge'}")
         if self.buffer_size is not None and self.concurrency is not None and self.buffer_size > self.concurrency:
             raise ValueError(f"server.buffer_size={self.buffer_size} exceeds server.concurrency={self.concurrency} "
                              "(clients training at once): lower it or raise server.concurrency")

@@ -227,6 +227,7 @@ TINY = ["--set", "compare=null", "--set", "data.resolution=16", "--set", "model.
     (["server.mode=fedasync", "server.buffer_size=2"], "fedasync mixes in each arrival on its own"),
     (["server.mode=fedbuff", "server.alpha=0.9"], "server.alpha is fedasync's mixing weight"),
     (["server.buffer_size=2"], "server.buffer_size applies to the asynchronous modes only"),
+    (["server.mode=fedbuff", "server.staleness_b=2"], "server.staleness_b has no effect with server.staleness polynomial"),
 ])
 def test_refusals_are_one_line_exit_2_and_write_nothing(ray_session, tmp_path, capsys, monkeypatch, sets, expect):
     monkeypatch.setenv("RAYFED_DG_CACHE", str(tmp_path / "cache"))

@@ -217,6 +217,7 @@ class Server:
                                                            self.versions[start[cid].version]),
             on_update, cost={c: int(fed.split.client_sizes()[c]) for c in ids},
             largest_first=fed.cfg.engine.schedule == "largest_first")
+        retries = dict(self.pool.last_retries)  # before the evaluation's maps
         if not updates:
             raise EngineError(f"update {r}: every arriving client failed ({failed[0][1]})")
         seconds_clients = time.perf_counter() - t_clients
@@ -235,7 +236,7 @@ class Server:
         metrics = self.evaluate(work) if (every and r % every == 0) or r == fed.cfg.training.rounds else []
         drops = {t.client: "dropped out before uploading (device model)" for t in upd.dropped} | dict(failed)
         every_one = sorted(ids + [t.client for t in upd.dropped])
-        rows = client_rows(r, self.split, every_one, updates, drops, dict(self.pool.last_retries), ledger)
+        rows = client_rows(r, self.split, every_one, updates, drops, retries, ledger)
         clock = {t.client: t for t in upd.dropped} | start
         for row in rows:
             t = clock[row.client]
