@@ -278,3 +278,17 @@ def test_fedbuff_same_tables_on_one_and_two_workers_and_after_a_resume(ray_sessi
     assert cut.rounds_done == 1
     resumed = tiny_federation(tiny_ds, "texture", *ASYNC, run_dir=tmp_path / "cut")
     assert _key(resumed) == _key(two)
+
+
+@pytest.mark.slow
+def test_fedasync_with_local_state_and_faults_same_on_one_and_two_workers(ray_session, tiny_ds, engine_host):
+    """FedAsync on FedBN (BatchNorm stays on the clients) with seeded faults:
+    four updates of one arrival each give the same tables on one and two
+    workers, the retries recorded as charged."""
+    sets = ("server.mode=fedasync", "method.name=fedbn", "engine.fault_probability=0.3", "training.batch_size=64",
+            "training.rounds=4")
+    one = tiny_federation(tiny_ds, "texture", *sets, "engine.num_workers=1", host=engine_host(tiny_ds, 1))
+    two = tiny_federation(tiny_ds, "texture", *sets, "engine.num_workers=2", host=engine_host(tiny_ds, 2))
+    assert _key(one) == _key(two)
+    assert [len([r for r in one.clients if r["round"] == t and not r["dropped"]]) for t in (1, 2, 3, 4)] == [1] * 4
+    assert sum(r["retried"] for r in one.clients) > 0
