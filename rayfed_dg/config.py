@@ -255,10 +255,53 @@ class ServerConfig(_Strict):
     momentum: float = Field(0.9, ge=0.0, lt=1.0)
     beta2: float = Field(0.99, ge=0.0, lt=1.0)  # FedAdam / FedYogi (Reddi et al.: 0.99)
     tau: float = Field(1e-3, gt=0.0)  # adaptivity (epsilon) of FedAdam / FedYogi / FedAdagrad (Reddi et al.: 1e-3)
+    # sync: rounds of sampled clients (the default); fedbuff / fedasync: asynchronous server updates on a virtual
+    # clock, training.rounds counting server updates (engine/asynchronous.py, docs/asynchronous.md)
+    mode: Literal["sync", "fedbuff", "fedasync"] = "sync"
+    buffer_size: int | None = Field(None, ge=1)  # K, arrivals per update; None: 1 (fedasync), min(10, concurrency)
+    concurrency: int | None = Field(None, ge=1)  # clients training at once; None: training.clients_per_round (or all)
+    # s(.), the weight of a stale upload: constant 1, polynomial (x + 1)^-a, hinge 1 up to b then 1 / (a (x - b) + 1)
+    staleness: Literal["constant", "polynomial", "hinge"] = "polynomial"
+    staleness_a: float = Field(0.5, gt=0.0)  # a: polynomial's exponent (FedBuff: 0.5), hinge's slope
+    staleness_b: float = Field(4.0, ge=0.0)  # b: the staleness up to which hinge weighs 1
+    alpha: float = Field(0.6, gt=0.0, le=1.0)  # fedasync: the mixing weight alpha of an arrival (times s)
+    retry_s: float = Field(60.0, gt=0.0)  # simulated seconds before a free slot that found no online client tries again
 
     @property
     def eta(self) -> float:
         return self.lr if self.lr is not None else SERVER_LR.get(self.optimizer, 1.0)
+
+    @model_validator(mode="after")
+    def _async(self) -> ServerConfig:
+        if self.mode == "sync":
+            odd = [k for k in ASYNC_KEYS if getattr(self, k) != type(self).model_fields[k].default]
+            if odd:
+                raise ValueError(f"server.{odd[0]} applies to the asynchronous modes only; set server.mode fedbuff "
+                                 "or fedasync, or drop it")
+            return self
+        if self.mode == "fedasync":
+            if self.optimizer != "none" or self.lr is not None:
+                raise ValueError(f"server.mode fedasync mixes each arrival in with server.alpha, which is its server "
+                                 f"step; drop server.{'optimizer' if self.optimizer != 'none' else 'lr'} or use "
+                                 "server.mode fedbuff")
+            if self.buffer_size not in (None, 1):
+                raise ValueError(f"server.buffer_size={self.buffer_size}: fedasync mixes in each arrival on its own; "
+                                 "set 1 or use server.mode fedbuff")
+        elif self.alpha != type(self).model_fields["alpha"].default:
+            raise ValueError("server.alpha is fedasync's mixing weight; fedbuff steps by server.lr (eta_g): drop it")
+        unused = {"constant": ("staleness_a", "staleness_b"), "polynomial": ("staleness_b",), "hinge": ()}
+        odd = [k for k in unused[self.staleness] if getattr(self, k) != type(self).model_fields[k].default]
+        if odd:
+            raise ValueError(f"server.{odd[0]} has no effect with server.staleness {self.staleness}; drop it, or set "
+                             f"server.staleness {'hinge' if odd[0] == 'staleness_b' else 'polynomial or hinge'}")
+        if self.buffer_size is not None and self.concurrency is not None and self.buffer_size > self.concurrency:
+            raise ValueError(f"server.buffer_size={self.buffer_size} exceeds server.concurrency={self.concurrency} "
+                             "(clients training at once): lower it or raise server.concurrency")
+        return self
+
+
+# the server's keys that only the asynchronous modes read (a sync config.yaml leaves them out, as before they existed)
+ASYNC_KEYS = ("mode", "buffer_size", "concurrency", "staleness", "staleness_a", "staleness_b", "alpha", "retry_s")
 
 
 class WandbConfig(_Strict):
@@ -401,6 +444,9 @@ class ExperimentConfig(_Strict):
         for name, sc in self.stages.items():
             if sc is not None:
                 tree["stages"][name].update(_resolved_params(sc))
+        if self.server.mode == "sync":  # likewise the asynchronous modes' keys: a sync run's config.yaml is as before
+            for k in ASYNC_KEYS:
+                del tree["server"][k]
         if self.training.local_steps is not None:  # local_epochs has no effect then: the dump names only what applies
             del tree["training"]["local_epochs"]
         for section, key in (("output", "wandb"), ("output", "mlflow"), (None, "plugins")):  # unset: not written

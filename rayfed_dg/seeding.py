@@ -33,6 +33,7 @@ class Stream(IntEnum):
     DEVICE_PHASE = 16  # each device's diurnal phase
     DEVICE_MARKOV = 17  # the online/offline chain: its start, then each step's move
     DEVICE_DROPOUT = 18  # whether a device's training drops out before uploading (per client and draw)
+    ASYNC_SAMPLE = 20  # who takes a free training slot in an asynchronous server mode (engine/asynchronous.py)
 
 
 def _words(parts) -> list[int]:

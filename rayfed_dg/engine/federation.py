@@ -6,10 +6,12 @@ local state), the method's server state, the server optimizer, the ledger
 group of each tensor, the clients' training sets and the arrays the data
 stages share (``add_stage_outputs``), and each client's fixed validation
 subset; with ``devices.enabled``, the device model and its clock
-(``clock_plan``: whom a round trains, ``devices.py``).  ``get_state`` /
-``set_state`` are its checkpoint.  It does no I/O and knows nothing of
-Ray: the server (``server.py``) moves work to the workers and back, and
-calls these steps in a round's order.
+(``clock_plan``: whom a round trains, ``devices.py``); in an asynchronous
+server mode, the event simulation and the global model of each version
+still in flight (``apply_async``: the update's equations,
+``asynchronous.py``).  ``get_state`` / ``set_state`` are its checkpoint.
+It does no I/O and knows nothing of Ray: the server (``server.py``) moves
+work to the workers and back, and calls these steps in a round's order.
 
 The new global model of a round (``aggregate``), from the global model x_t
 it started from and the reduce's weighted average (``aggregate.py``: an
@@ -37,6 +39,7 @@ from rayfed_dg.errors import EngineError
 from rayfed_dg.methods import ClientUpdate, Phase, build_method
 from rayfed_dg.seeding import Stream, numpy_rng, sample_clients, seed_int
 
+from . import asynchronous as aio
 from .aggregate import Reducer
 from .devices import DeviceModel, RoundPlan, model_bytes, plan_round, planned_steps
 from .plan import clients_per_round
@@ -72,6 +75,10 @@ class Federation:
         self.clock = 0.0
         self.steps = np.array([planned_steps(cfg.training, int(n)) for n in split.client_sizes()]) \
             if cfg.devices.enabled else None  # each client's local steps in a round, which its duration counts
+        # asynchronous modes: the virtual clock, and the global model of every version still in flight (and the
+        # current one), since each client trains from the version it downloaded
+        self.async_clock = self._async_clock() if cfg.server.mode != "sync" else None
+        self.versions: dict[int, dict[str, np.ndarray]] = {0: self.global_state} if self.async_clock is not None else {}
 
     # ------------------------------------------------------------ data stages
     def add_stage_outputs(self, training_sets: dict[int, tuple[np.ndarray, Any]], shared: dict[str, Any]) -> None:
@@ -156,11 +163,53 @@ class Federation:
         """Each client's local state, for the clients whose own model is evaluated (none unless ``personalizes``)."""
         return {c: self.store.get(c) for c in sorted(self.store.states)} if self.personalizes() else {}
 
+    # ------------------------------------------------------------ asynchronous modes
+    def _async_clock(self) -> aio.AsyncClock:
+        n, sizes = self.split.num_clients, self.split.client_sizes()
+        aio.check_async(self.cfg, n)  # the run's preflight did; a federation opened by hand is checked too
+        # without devices.enabled: the section's defaults, every device online, one simulated second a local step
+        devices = self.devices if self.devices is not None else DeviceModel(
+            self.cfg.devices, self.cfg.training.seed, self.split.client_domains)
+        return aio.AsyncClock(n, aio.concurrency(self.cfg, n), aio.buffer_size(self.cfg, n), self.cfg.training.seed,
+                              devices, lambda c: planned_steps(self.cfg.training, int(sizes[c])),
+                              self.cfg.server.retry_s)
+
+    def apply_async(self, arrivals: list[aio.Training], updates: dict[int, ClientUpdate]) -> None:
+        """The new global model from one server update's arrivals (in the
+        clock's order) that returned an upload (``asynchronous.py``'s equations)."""
+        s = self.cfg.server
+        got = [t for t in arrivals if t.client in updates]
+        ids = [t.client for t in got]
+        weights = self.method.aggregation_weights(ids, self.split.client_sizes()[ids], self.server_state)
+        x = self.global_state
+        if s.mode == "fedasync":
+            (t,) = got
+            alpha = aio.fedasync_alpha(s.alpha, s.staleness, t.staleness, s.staleness_a, s.staleness_b)
+            self.global_state = aio.fedasync_step(x, updates[t.client].update, alpha)
+            return
+        delta = aio.fedbuff_delta(x, [(updates[t.client].update, self.versions[t.version], float(w),
+                                       aio.staleness_weight(s.staleness, t.staleness, s.staleness_a, s.staleness_b))
+                                      for t, w in zip(got, weights)])
+        if self.server_opt is None:
+            self.global_state = aio.fedbuff_step(x, delta, s.eta)
+        else:  # the optimizer steps along the buffer's mean update (FedBuff's ServerUpdate)
+            self.global_state = self.server_opt.step(x, aio.fedbuff_step(x, delta, 1.0))
+
+    def keep_versions(self) -> None:
+        """After an update: the new version is kept, and those no training in flight started from are let go."""
+        assert self.async_clock is not None
+        self.versions[self.round] = self.global_state
+        live = self.async_clock.in_flight_versions() | {self.round}
+        self.versions = {v: st for v, st in self.versions.items() if v in live}
+
     # ------------------------------------------------------------ checkpoint
     def get_state(self) -> dict:
         return {"round": self.round, "global_state": self.global_state, "client_store": self.store.states,
                 "server_state": self.server_state, "clock": self.clock,
-                **({"server_optimizer": self.server_opt.state_dict()} if self.server_opt is not None else {})}
+                **({"server_optimizer": self.server_opt.state_dict()} if self.server_opt is not None else {}),
+                **({"async": {"clock": self.async_clock.state_dict(),  # the current version is global_state
+                              "versions": {v: st for v, st in self.versions.items() if v != self.round}}}
+                   if self.async_clock is not None else {})}
 
     def set_state(self, state: dict) -> None:
         self.round = int(state["round"])
@@ -170,3 +219,6 @@ class Federation:
         self.clock = float(state.get("clock", 0.0))  # checkpoints written before the clock have none
         if self.server_opt is not None:  # a config with a server optimizer resumes only its own runs (check_resume_dir)
             self.server_opt.load_state_dict(state["server_optimizer"])
+        if self.async_clock is not None:  # likewise an asynchronous mode
+            self.async_clock.load_state_dict(state["async"]["clock"])
+            self.versions = {**state["async"]["versions"], self.round: self.global_state}

@@ -8,6 +8,7 @@ from rayfed_dg.config import ExperimentConfig
 from rayfed_dg.data import DomainDataset, FederatedSplit, leave_one_domain_out, load_dataset
 from rayfed_dg.errors import ConfigError, DataError, ModelError
 
+from .asynchronous import check_async
 from .devices import check_devices, model_bytes
 from .resources import ensure_workers, init_ray
 
@@ -144,6 +145,8 @@ def preflight(cfg: ExperimentConfig, splits: list[FederatedSplit], num_classes: 
             check_devices(cfg, s, model_bytes(model.state_dict()))
     for stage in build_stages(cfg):
         stage.preflight()
+    for s in splits:
+        check_async(cfg, s.num_clients)
     init_ray(cfg)
     for s in splits:
         ensure_workers(cfg.engine, clients_per_round(cfg, s))

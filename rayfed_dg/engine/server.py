@@ -30,6 +30,10 @@ One ``run_round`` call is one federated round:
    evaluation (``Phase.PERSONAL_EVAL``) and the evaluation of the global
    model on every source domain's validation split and on the target.
 
+In an asynchronous server mode (``server.mode``) ``run_round`` is
+``run_async_round``: one server update, its clients named by the virtual
+clock (``asynchronous.py``).
+
 The optional phases are those the method declares (``Method.phases``),
 each run at its slot (``phases.py``; ``methods/base.py`` has the table).
 Data stages run before round 1 (``stagehost.run_stages``).
@@ -101,6 +105,8 @@ class Server:
         self.pool.retries, self.pool.restart_timeout_s = e.max_task_retries, e.worker_restart_timeout_s
         self.pool.retried = self.pool.reruns = 0
         self.global_ref = ray.put(self.fed.global_state)
+        # asynchronous modes: the global model of each version still in flight, in the object store
+        self.versions = {v: self.global_ref for v in self.fed.versions}
 
     @property
     def split(self) -> FederatedSplit:
@@ -119,9 +125,13 @@ class Server:
     def set_state(self, state: dict) -> None:
         self.fed.set_state(state)
         self.global_ref = ray.put(self.fed.global_state)
+        self.versions = {v: self.global_ref if v == self.fed.round else ray.put(st)
+                         for v, st in self.fed.versions.items()}
 
     # --------------------------------------------------------------- round
     def run_round(self) -> RoundResult:
+        if self.fed.async_clock is not None:
+            return self.run_async_round()
         t0 = time.perf_counter()
         fed = self.fed
         r = fed.round + 1
@@ -211,6 +221,68 @@ class Server:
             clients=client_rows(r, self.split, [], {}, {}, {}, ledger, plan), train_loss=float("nan"),
             tasks_retried=self.pool.retried, tasks_rerun=self.pool.reruns, seconds_train=seconds,
             seconds_total=seconds, sim_time=plan.close)
+
+    def run_async_round(self) -> RoundResult:
+        """One server update of an asynchronous mode (``asynchronous.py``):
+        the clock names the K arrivals; each trains now, on the pool, from the
+        version it downloaded (the training depends only on that version, its
+        local state, which nothing changes while it is in flight, and its
+        seeds), its upload travels whole, and the update combines them in the
+        clock's order."""
+        t0 = time.perf_counter()
+        fed = self.fed
+        assert fed.async_clock is not None
+        r = fed.round + 1
+        upd = fed.async_clock.next_update()
+        start = {t.client: t for t in upd.arrivals}
+        ids = sorted(start)
+        ledger, updates = Ledger(r), {}
+        bcast_sizes = Ledger.group_sizes(fed.broadcast_state(), fed.groups.__getitem__)
+
+        def on_update(cid: int, u: ClientUpdate | None) -> None:
+            if u is None:
+                return
+            updates[cid] = u
+            ledger.add_state(cid, "up", u.sizes, fed.groups.__getitem__)
+            ledger.add_state(cid, "down", bcast_sizes)
+
+        t_clients = time.perf_counter()
+        failed = self.pool.map(  # one task per client: each reads its own version
+            ids, lambda w, cid, attempt: w.train_in.remote(fed.id, fed.task(r, cid, {}, attempt),
+                                                           self.versions[start[cid].version]),
+            on_update, cost={c: int(fed.split.client_sizes()[c]) for c in ids},
+            largest_first=fed.cfg.engine.schedule == "largest_first")
+        retries = dict(self.pool.last_retries)  # before the evaluation's maps
+        if not updates:
+            raise EngineError(f"update {r}: every arriving client failed ({failed[0][1]})")
+        seconds_clients = time.perf_counter() - t_clients
+        for cid in ids:
+            if cid in updates:
+                fed.store.put(cid, updates[cid].update, updates[cid].private)
+        fed.apply_async(upd.arrivals, updates)
+        results = [updates[c] for c in ids if c in updates]
+        fed.end_round(r, results)
+        fed.keep_versions()
+        self.global_ref = ray.put(fed.global_state)
+        self.versions = {v: self.versions.get(v, self.global_ref) for v in fed.versions}
+        seconds_train = time.perf_counter() - t0
+        work = RoundWork(r, ids, ledger, fed, self.pool, self.global_ref, results=results)
+        every = fed.cfg.evaluation.every
+        metrics = self.evaluate(work) if (every and r % every == 0) or r == fed.cfg.training.rounds else []
+        drops = {t.client: "dropped out before uploading (device model)" for t in upd.dropped} | dict(failed)
+        every_one = sorted(ids + [t.client for t in upd.dropped])
+        rows = client_rows(r, self.split, every_one, updates, drops, retries, ledger)
+        clock = {t.client: t for t in upd.dropped} | start
+        for row in rows:
+            t = clock[row.client]
+            row.sim_start, row.sim_finish = t.start, t.finish
+            row.staleness = t.staleness if row.client in updates else None
+        return RoundResult(
+            round=r, sampled=every_one, dropped=[DropRow(r, c, why) for c, why in sorted(drops.items())],
+            metrics=metrics, ledger=ledger.sorted_rows(), clients=rows,
+            train_loss=float(np.mean([u.train_loss for u in results])), tasks_retried=self.pool.retried,
+            tasks_rerun=self.pool.reruns, seconds_train=seconds_train, seconds_total=time.perf_counter() - t0,
+            seconds_clients=seconds_clients, sim_time=upd.time)
 
     def gather(self, reducer: Reducer, rerun: Callable[[Any, int, int, int], Any]) -> None:
         """Merge each worker's partial sum of the round.  The clients of a

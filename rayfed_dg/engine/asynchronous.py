@@ -1,0 +1,327 @@
+"""Buffered asynchronous aggregation on a virtual clock: FedBuff and FedAsync,
+pure (no Ray, no wall time): the staleness functions, the two server updates
+on numpy state dicts, and the event simulation that decides who trains from
+which model version and when each upload arrives.  ``server.py``'s
+``run_async_round`` runs one server update with them; ``docs/asynchronous.md``
+is the user's page.
+
+Staleness tau_i of an upload: the server updates applied between the
+download of the model the client trained from and the update that takes
+its upload (0: it trained on the newest model).
+
+* FedBuff (Nguyen, Malik, Zhan, Yousefpour, Rabbat, Malek, Huba, "Federated
+  Learning with Buffered Asynchronous Aggregation", AISTATS 2022,
+  Algorithm 1): the server adds each arriving Delta_i = y_i - x_{v_i} (the
+  client's upload minus the version it downloaded) to a buffer and, every K
+  arrivals, steps
+      x <- x + eta_g (1/K) sum_{i=1..K} s(tau_i) Delta_i,
+  s(tau) = 1 / sqrt(1 + tau) in the paper (``polynomial`` with a = 1/2).
+  Here the 1/K mean is the method's reduce weights' mean, sum_i w_i s(tau_i)
+  Delta_i / sum_i w_i (w_i = 1 is the paper's; FedAvg's sample counts
+  otherwise), and with a server optimizer (``server.optimizer``) the
+  optimizer steps along that mean instead of eta_g (Algorithm 1's
+  ServerUpdate).
+* FedAsync (Xie, Koyejo, Gupta, "Asynchronous Federated Optimization",
+  2019, Algorithm 1): every arrival mixes in at once,
+      x_t = (1 - alpha_t) x_{t-1} + alpha_t x_new,  alpha_t = alpha s(t - tau),
+  with the paper's counter: a client that downloaded the newest model
+  x_{t-1} has t - tau = 1, so t - tau = tau_i + 1.  Its local objective's
+  proximal term (rho/2) ||x - x_tau||^2 is FedProx's (``method: fedprox``).
+
+Staleness functions (Xie et al., Sec. 5.2), of the staleness x (tau_i for
+FedBuff, t - tau for FedAsync): constant s(x) = 1; polynomial
+s_a(x) = (x + 1)^-a; hinge s_{a,b}(x) = 1 if x <= b, else 1 / (a (x - b) + 1).
+
+Both updates compute in float64 over the buffer in the order given (the
+simulation's: by finish time, then client), so the bits depend on neither
+the worker count nor the order Ray returns results in.
+
+The simulation (``AsyncClock``): ``concurrency`` clients start at t = 0
+with version 0; arrivals pop in (finish time, client) order; each frees its
+slot, and a replacement starts at that time with the current version (after
+the update, if the arrival completes the buffer): a client drawn uniformly
+by a seeded sampler among those online at that time (``Devices.available``)
+that are neither in flight nor waiting in the buffer (so a client uploads
+at most once per update: its local state and its training's seed are one
+update's).  A slot that finds nobody tries again ``retry_s`` simulated
+seconds later, or at the next update, whichever comes first (the buffered
+clients may start again then).  A training that drops out
+(``Devices.drops``) frees its slot at its finish and is reported, not
+aggregated; its device may start again at once (it uploaded nothing).  The clock's state is plain data for the checkpoint.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rayfed_dg.errors import ConfigError, EngineError
+from rayfed_dg.seeding import Stream, numpy_rng
+
+from .devices import Devices
+
+MODES = ("fedbuff", "fedasync")
+FEDBUFF_K = 10  # Nguyen et al.'s buffer size (their experiments: K = 10 of 100-1000 concurrent clients)
+IDLE_RETRIES = 100_000  # consecutive fruitless tries of an idle population before the simulation gives up
+
+
+# ------------------------------------------------------------------ server updates
+
+def staleness_weight(kind: str, x: float, a: float = 0.5, b: float = 4.0) -> float:
+    """s(x) (module docstring): ``constant``, ``polynomial`` (x + 1)^-a, ``hinge``."""
+    if kind == "constant":
+        return 1.0
+    if kind == "polynomial":
+        return float((x + 1.0) ** -a)
+    if kind == "hinge":
+        return 1.0 if x <= b else 1.0 / (a * (x - b) + 1.0)
+    raise ValueError(f"unknown staleness function {kind!r}")
+
+
+def fedasync_alpha(alpha: float, kind: str, staleness: int, a: float = 0.5, b: float = 4.0) -> float:
+    """alpha_t = alpha s(t - tau), with t - tau = ``staleness`` + 1 (Xie et al.'s counter starts at 1)."""
+    return alpha * staleness_weight(kind, staleness + 1, a, b)
+
+
+def _cast(new: np.ndarray, like: np.ndarray) -> np.ndarray:
+    like = np.asarray(like)
+    if np.issubdtype(like.dtype, np.integer):
+        new = np.rint(new)
+    return np.asarray(new).astype(like.dtype)
+
+
+def fedbuff_delta(x: Mapping[str, np.ndarray], buffer: Sequence[tuple[Mapping[str, np.ndarray],
+                                                                      Mapping[str, np.ndarray], float, float]]
+                  ) -> dict[str, np.ndarray]:
+    """The buffer's mean update sum_i w_i s_i (y_i - x_{v_i}) / sum_i w_i, in
+    float64, for each key of ``x`` that every upload holds; ``buffer``: (y_i
+    the upload, x_{v_i} the version it trained from, w_i its reduce weight,
+    s_i its staleness weight), summed in the order given."""
+    wsum = math.fsum(w for _, _, w, _ in buffer)
+    if not buffer or wsum <= 0:
+        raise ValueError("a FedBuff update needs uploads with a positive weight sum")
+    out = {}
+    for k in x:
+        if all(k in y for y, _, _, _ in buffer):
+            acc = np.zeros(np.shape(x[k]), np.float64)
+            for y, start, w, s in buffer:
+                acc += (w * s) * (np.asarray(y[k], np.float64) - np.asarray(start[k], np.float64))
+            out[k] = acc / wsum
+    return out
+
+
+def fedbuff_step(x: Mapping[str, np.ndarray], delta: Mapping[str, np.ndarray], eta: float) -> dict[str, np.ndarray]:
+    """x + eta ``delta`` (``fedbuff_delta``; eta = 1 gives the point a server
+    optimizer steps towards), cast to x's dtypes; keys without a delta keep x's value."""
+    return {k: _cast(np.asarray(v, np.float64) + eta * delta[k], v) if k in delta else v for k, v in x.items()}
+
+
+def fedasync_step(x: Mapping[str, np.ndarray], upload: Mapping[str, np.ndarray], alpha_t: float
+                  ) -> dict[str, np.ndarray]:
+    """FedAsync's mixing: (1 - alpha_t) x + alpha_t x_new for each uploaded
+    key (the others keep x's value), in float64, cast to x's dtypes."""
+    return {k: _cast((1.0 - alpha_t) * np.asarray(v, np.float64) + alpha_t * np.asarray(upload[k], np.float64), v)
+            if k in upload else v for k, v in x.items()}
+
+
+# ------------------------------------------------------------------ the clock
+
+@dataclass
+class Training:
+    """One training on the virtual clock: ``version`` the global model it
+    started from, ``draw`` its number among all starts (the device model's
+    draw), ``drops`` whether it drops out before uploading."""
+    client: int
+    version: int
+    start: float
+    finish: float
+    draw: int
+    drops: bool
+    staleness: int = 0  # set when an update takes its upload
+
+
+@dataclass
+class Update:
+    """One server update's arrivals (K, in (finish, client) order), the
+    trainings that dropped out since the previous update, and the time."""
+    version: int  # the version this update produces
+    time: float
+    arrivals: list[Training]
+    dropped: list[Training] = field(default_factory=list)
+
+
+class AsyncClock:
+    """The event simulation of the module docstring.  ``steps(client)``:
+    the local steps of one training of that client (``planned_steps``)."""
+
+    def __init__(self, num_clients: int, concurrency: int, buffer_size: int, seed: int, devices: Devices,
+                 steps: Callable[[int], int], retry_s: float = 60.0):
+        if not 1 <= buffer_size <= concurrency <= num_clients:
+            raise ValueError(f"need 1 <= buffer_size ({buffer_size}) <= concurrency ({concurrency}) "
+                             f"<= clients ({num_clients})")
+        self.n, self.concurrency, self.k, self.seed = num_clients, concurrency, buffer_size, seed
+        self.devices, self.steps, self.retry_s = devices, steps, retry_s
+        self.time, self.version, self.starts, self.picks = 0.0, 0, 0, 0
+        self.flight: dict[int, Training] = {}  # client -> its training in flight
+        self.events: list[tuple[float, int, int]] = []  # heap: (time, 0 arrival / 1 idle slot, client / slot seq)
+        self.seen: list[int] = []  # clients whose upload waits in the buffer (one upload per client and update)
+        self.buffer: list[Training] = []
+        self.dropped: list[Training] = []
+        self.idle = 0  # idle-slot events made so far (their tie-break)
+        for _ in range(concurrency):
+            self._fill(0.0)
+
+    def in_flight_versions(self) -> set[int]:
+        return {t.version for t in self.flight.values()}
+
+    def _pick(self, t: float) -> int | None:
+        """A client online at ``t``, neither in flight nor seen since the last
+        update, drawn uniformly with the seeded sampler; None: nobody."""
+        rng = numpy_rng(self.seed, Stream.ASYNC_SAMPLE, self.picks)
+        self.picks += 1
+        seen = set(self.seen)
+
+        def ok(c: int) -> bool:
+            return c not in self.flight and c not in seen and self.devices.available(c, t)
+
+        for c in rng.integers(0, self.n, size=4 * min(self.n, 64)).tolist():  # cheap when most are eligible
+            if ok(c):
+                return c
+        return next((c for c in rng.permutation(self.n).tolist() if ok(c)), None)
+
+    def _fill(self, t: float) -> None:
+        """Start a training in a free slot at ``t``, or try again ``retry_s`` later."""
+        c = self._pick(t)
+        if c is None:
+            self.idle += 1
+            heapq.heappush(self.events, (t + self.retry_s, 1, self.idle))
+            return
+        steps = self.steps(c)
+        d = self.starts
+        self.starts += 1
+        tr = Training(c, self.version, t, t + float(self.devices.duration(c, steps, d)), d,
+                      bool(self.devices.drops(c, d)))
+        self.flight[c] = tr
+        heapq.heappush(self.events, (tr.finish, 0, c))
+
+    def next_update(self) -> Update:
+        """Run the clock to the arrival that fills the buffer: that update's
+        arrivals, with their staleness, and the dropouts on the way."""
+        fruitless = 0
+        while True:
+            t, kind, who = heapq.heappop(self.events)
+            self.time = t
+            if kind == 1:
+                before = self.starts
+                self._fill(t)
+                fruitless = 0 if self.starts > before else fruitless + 1
+                if fruitless > IDLE_RETRIES:
+                    raise EngineError(f"no client could start a training for {fruitless} tries (every {self.retry_s} "
+                                      "simulated seconds): the device model keeps them offline; check its availability")
+                continue
+            tr = self.flight.pop(who)
+            if tr.drops:  # never trained, no upload: free to start again (else a high dropout could stall every slot)
+                self.dropped.append(tr)
+                self._fill(t)
+                continue
+            self.seen.append(who)
+            tr.staleness = self.version - tr.version
+            self.buffer.append(tr)
+            if len(self.buffer) < self.k:
+                self._fill(t)
+                continue
+            self.version += 1
+            out = Update(self.version, t, self.buffer, self.dropped)
+            self.buffer, self.dropped, self.seen = [], [], []
+            self._fill(t)  # the replacement downloads the new version
+            # the clients seen since the last update may start again: idle slots try now, not at their retry time
+            idle = sorted((e for e in self.events if e[1] == 1), key=lambda e: e[2])
+            if idle:
+                self.events = [e for e in self.events if e[1] == 0]
+                heapq.heapify(self.events)
+                for _ in idle:
+                    self._fill(t)
+            return out
+
+    # ------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict:
+        """Plain data (between updates the buffer is empty)."""
+        return {"time": self.time, "version": self.version, "starts": self.starts, "picks": self.picks,
+                "idle": self.idle, "events": [list(e) for e in self.events],
+                "flight": [vars(t).copy() for t in self.flight.values()]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.time, self.version = float(state["time"]), int(state["version"])
+        self.starts, self.picks, self.idle = int(state["starts"]), int(state["picks"]), int(state["idle"])
+        self.events = [(float(t), int(k), int(w)) for t, k, w in state["events"]]
+        heapq.heapify(self.events)
+        self.flight = {int(d["client"]): Training(**d) for d in state["flight"]}
+        self.buffer, self.dropped, self.seen = [], [], []
+
+
+# ------------------------------------------------------------------ what a run may do
+
+def refusal(method) -> str | None:
+    """Why ``method`` (an instance) cannot run asynchronously, or None: its
+    aggregation must be a weighted average of the uploads, decided from its
+    hooks (the engine never names a method)."""
+    from rayfed_dg.methods import Method, Slot
+
+    cls = type(method)
+    for hook, what in (("after_round", "keeps server state across rounds (after_round)"),
+                       ("assemble_global", "sets global tensors of its own (assemble_global)"),
+                       ("server_payloads", "sends clients payloads made on the server (server_payloads)")):
+        if getattr(cls, hook) is not getattr(Method, hook):
+            return what
+    if not method.folds_on_workers:
+        return "reads each client's upload on the server (folds_on_workers False)"
+    odd = [p.label for p in method.phases if p.slot is not Slot.AT_EVALUATION]
+    if odd:
+        return f"declares the round phase {odd[0]}, which needs the whole cohort at one model"
+    return None
+
+
+def check_async(cfg, num_clients: int) -> None:
+    """Refuse, in one line, an asynchronous run that cannot work: a method
+    whose aggregation is not a weighted average, or a population smaller
+    than ``server.concurrency``."""
+    s = cfg.server
+    if s.mode not in MODES:
+        return
+    from rayfed_dg.methods import build_method
+
+    why = refusal(build_method(cfg, num_clients))
+    if why is not None:
+        raise ConfigError(f"server.mode={s.mode}: method {cfg.method.name} {why}; asynchronous modes take methods "
+                          "whose aggregation is a weighted average of the uploads (docs/asynchronous.md lists them): "
+                          "change method.name or use server.mode sync")
+    d = cfg.devices
+    if d.deadline_s is not None or d.over_selection != 1.0:
+        key = "deadline_s" if d.deadline_s is not None else "over_selection"
+        raise ConfigError(f"devices.{key} shapes a synchronous round; server.mode={s.mode} has no rounds to close "
+                          "(each upload arrives on its own): drop it or use server.mode sync")
+    c = concurrency(cfg, num_clients)
+    if c > num_clients:
+        raise ConfigError(f"server.concurrency={c} exceeds the {num_clients} clients of partition "
+                          f"{cfg.partition.strategy}; lower it or add clients")
+    k = buffer_size(cfg, num_clients)
+    if k > c:
+        raise ConfigError(f"server.buffer_size={k} exceeds the {c} clients training at once (server.concurrency, "
+                          "else training.clients_per_round); lower it or raise server.concurrency")
+
+
+def concurrency(cfg, num_clients: int) -> int:
+    """``server.concurrency``; None: ``training.clients_per_round`` (all clients when unset)."""
+    c = cfg.server.concurrency
+    return c if c is not None else (cfg.training.clients_per_round or num_clients)
+
+
+def buffer_size(cfg, num_clients: int) -> int:
+    """``server.buffer_size``; None: 1 for FedAsync, min(10, concurrency) for FedBuff."""
+    k = cfg.server.buffer_size
+    if k is not None:
+        return k
+    return 1 if cfg.server.mode == "fedasync" else min(FEDBUFF_K, concurrency(cfg, num_clients))
