@@ -228,6 +228,11 @@ def test_the_clock_takes_durations_availability_and_dropout_from_the_device_mode
     upd = c.next_update()
     assert all(drops.drops(t.client, t.draw) for t in upd.dropped)
     assert not any(drops.drops(t.client, t.draw) for t in upd.arrivals)
+    # every device in flight at once and most trainings dropping out: a dropped device starts again rather than
+    # waiting for an update that only it could fill
+    drops = DeviceModel(DevicesConfig(enabled=True, dropout=0.5), 4, ["a"] * 6)
+    c = AsyncClock(6, 6, 2, 4, drops, lambda cl: 1)
+    assert [len(c.next_update().arrivals) for _ in range(3)] == [2, 2, 2]
 
 
 QS = str(REPO / "configs" / "quickstart.yaml")
