@@ -154,13 +154,14 @@ class Federation:
         return self.store.view() if self.personalizes() else {}
 
     # ------------------------------------------------------------ checkpoint
-    def get_state(self, pieces: Path | None = None) -> dict:
+    def get_state(self, pieces: Path | None = None, clients: bool = True) -> dict:
         """The federation's state.  ``pieces``: a checkpoint's folder: the
         client states changed since the previous checkpoint are written
         there, and the state holds the store's manifest (``client_pieces``);
-        None: every client's state, in memory (``client_store``: tests and tools)."""
+        None: every client's state, in memory (``client_store``: tests and
+        tools), or none (``clients`` False: the global model is what is wanted)."""
         store = {"client_pieces": self.store.checkpoint(pieces, self.round)} if pieces is not None else \
-            {"client_store": self.store.snapshot()}
+            {"client_store": self.store.snapshot()} if clients else {}
         return {"round": self.round, "global_state": self.global_state, **store, "server_state": self.server_state,
                 **({"server_optimizer": self.server_opt.state_dict()} if self.server_opt is not None else {})}
 

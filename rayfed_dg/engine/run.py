@@ -94,7 +94,7 @@ class TargetResult:
 
 class RoundCallback(Protocol):
     def on_round(self, out: RoundResult, res: TargetResult, new_best: bool, server_state: Callable[..., dict]) -> None:
-        """``server_state(pieces=None)``: the server's state (``Federation.get_state``)."""
+        """``server_state(pieces=None, clients=True)``: the server's state (``Federation.get_state``)."""
 
     def close(self) -> None:
         ...
@@ -137,7 +137,7 @@ class RunDirWriter:
         ckpt = bool(o.checkpoint_every) and (r % o.checkpoint_every == 0 or last)
         if not (best or last or ckpt):
             return
-        state = server_state(self.run_dir.checkpoints(self.target) if ckpt else None)
+        state = server_state(self.run_dir.checkpoints(self.target)) if ckpt else server_state(None, False)
         if best:
             self.run_dir.save_weights("best", self.target, state["global_state"])
         if last:
@@ -245,7 +245,8 @@ class FederationRun:
         if self.run_dir is not None:  # before the callbacks: no checkpoint covers a round whose rows are not on disk
             self.run_dir.write_round(self.split.target, out.round, rows)
         for cb in self.callbacks:
-            cb.on_round(out, self.res, new_best, lambda pieces=None: ray.get(self.server.get_state.remote(pieces)))
+            cb.on_round(out, self.res, new_best, lambda pieces=None, clients=True: ray.get(
+                self.server.get_state.remote(pieces, clients)))
         self.finished = out.round >= self.cfg.training.rounds or (
             self.stop_after is not None and out.round >= self.stop_after)
 

@@ -108,8 +108,8 @@ class Server:
     def setup(self) -> dict:
         return run_stages(self.pool, self.fed)
 
-    def get_state(self, pieces: Path | None = None) -> dict:
-        return self.fed.get_state(pieces)
+    def get_state(self, pieces: Path | None = None, clients: bool = True) -> dict:
+        return self.fed.get_state(pieces, clients)
 
     def spill_to(self, directory: str) -> None:
         """Spill client states to ``directory`` (the run directory's; before the first round)."""
