@@ -12,13 +12,15 @@ than the states the run touches, so it spills.
 
 Per run it prints the server actor's RSS (the whole process: torch, the
 model, the split, the store) after round 1 and its peak after each round,
-the store's own bytes in memory and in its spill file, and each
-checkpoint's bytes (its ``.pt``: global model, server and optimizer state,
-the manifest; plus its piece: the states changed since the previous
-checkpoint) per client trained since then.  Then: the memory ratio 10^5 /
-10^3 (target <= 1.2), and what the store before issue 40 (a dict in the
-server, all of it in every checkpoint) would have held: clients touched x
-state size, and the population x state size once every client is touched.
+the store's own bytes in memory and in its spill file after the last
+round, and each checkpoint's bytes: its ``.pt`` (global model, server and
+optimizer state, the manifest) and its piece (the states changed since the
+previous checkpoint), per round and per client trained since the previous
+checkpoint.  A last run at 10^5 trains twice the clients a round, so the
+pieces' proportionality shows.  Then: the memory ratio 10^5 / 10^3 (target
+<= 1.2), and what the store before issue 40 (a dict in the server, all of
+it in every checkpoint) would have held: clients touched x state size, and
+the population x state size once every client is touched.
 
     python bench/state_store.py [--rounds 5] [--per-round 20] [--methods fedbn scaffold]
 """
@@ -86,6 +88,17 @@ def run(method: str, n_clients: int, rounds: int, per_round: int) -> dict:
     return {"rows": rows, "split": len(pickle.dumps(split))}
 
 
+def line(label: str, o: dict) -> str:
+    rs, mib = o["rows"], 2**20
+    piece = [r["piece"] for r in rs]
+    per = [r["piece"] / r["trained"] / 1024 for r in rs]
+    peak = max(r["rss"] for r in rs)
+    return (f"{label:>9} {o['split'] / 1024:6.0f} K {rs[0]['rss'] / mib:8.0f} MiB {peak / mib:5.0f} MiB "
+            f"{rs[-1]['mem'] / mib:6.2f} MiB {rs[-1]['spill'] / mib:5.2f} MiB {rs[-1]['pt'] / mib:5.2f} MiB "
+            f"{np.mean(piece) / mib:6.2f} MiB {np.mean(per):8.1f} KiB ({min(per):.1f}-{max(per):.1f})"
+            f"  for {', '.join(str(r['trained']) for r in rs)} clients")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
@@ -95,27 +108,24 @@ def main() -> None:
     import ray
 
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    mib = 2**20
+    mib, big = 2**20, SCALES[-1]
     try:
         for method in args.methods:
             out = {n: run(method, n, args.rounds, args.per_round) for n in SCALES}
+            double = run(method, big, args.rounds, 2 * args.per_round)
             print(f"\n{method}: {args.per_round} clients a round, {args.rounds} rounds, checkpoint every round, "
-                  f"memory budget {BUDGET_MB} MiB")
-            print(f"{'clients':>8} {'split':>9} {'server RSS r1':>14} {'peak':>9} {'store mem':>10} {'spill':>9} "
-                  f"{'ckpt/round':>11} {'.pt':>9} {'per trained client':>19}")
+                  f"memory budget {BUDGET_MB} MiB; the last row trains {2 * args.per_round} a round")
+            print(f"{'clients':>9} {'split':>8} {'server RSS r1':>12} {'peak':>9} {'store mem':>10} {'spill':>9} "
+                  f"{'.pt':>9} {'piece/round':>11} {'piece per trained client':>25}")
             for n, o in out.items():
-                rs = o["rows"]
-                last = rs[-1]
-                per = [(r["pt"] + r["piece"]) / r["trained"] for r in rs[1:]]  # round 1's .pt is the same as later
-                print(f"{n:8d} {o['split'] / 1024:7.0f} K {rs[0]['rss'] / mib:10.0f} MiB "
-                      f"{max(r['rss'] for r in rs) / mib:5.0f} MiB {last['mem'] / mib:6.2f} MiB "
-                      f"{last['spill'] / mib:5.2f} MiB {np.mean([r['pt'] + r['piece'] for r in rs]) / mib:7.2f} MiB "
-                      f"{last['pt'] / mib:5.2f} MiB {np.mean(per) / 1024:13.1f} KiB  "
-                      "(pieces " + ", ".join(f"{r['piece'] / 1024:.0f}" for r in rs) + " KiB for "
-                      + ", ".join(str(r["trained"]) for r in rs) + " clients)")
+                print(line(f"{n}", o))
+            print(line(f"{big}x2", double))
             peak = {n: max(r["rss"] for r in o["rows"]) for n, o in out.items()}
-            size, touched = out[SCALES[-1]]["rows"][-1]["state"], out[SCALES[-1]]["rows"][-1]["touched"]
-            print(f"server peak RSS 10^5 / 10^3: {peak[SCALES[-1]] / peak[SCALES[0]]:.3f} (target <= 1.2)")
+            pieces = [np.mean([r["piece"] for r in o["rows"]]) for o in (double, out[big])]
+            size, touched = out[big]["rows"][-1]["state"], out[big]["rows"][-1]["touched"]
+            print(f"server peak RSS 10^5 / 10^3: {peak[big] / peak[SCALES[0]]:.3f} (target <= 1.2); piece per round "
+                  f"at {2 * args.per_round} / {args.per_round} clients a round: "
+                  f"{pieces[0] / pieces[1]:.3f}")
             print(f"the store before issue 40 (all of it in memory and in every checkpoint), {size / 1024:.1f} KiB "
                   f"a client: {touched * size / mib:.1f} MiB after these {touched} clients, "
                   + ", ".join(f"{n * size / mib:,.0f} MiB" for n in SCALES) + " with every client of "
