@@ -14,7 +14,7 @@ BN layers, SCAFFOLD's control variate) lives in one of three places:
   unchanged since the checkpoint that wrote it.
 
 Besides the states in memory, the server keeps only an index, a few numbers
-per client in arrays of the population's size (about 40 bytes a client, 4
+per client in arrays of the population's size (49 bytes a client, 5
 MB for 10^5), so its memory does not grow with the clients it has seen.
 
 **Format.**  A state is one *record*: a length-prefixed JSON header (names,
