@@ -221,6 +221,10 @@ class EngineConfig(_Strict):
     # federations (seed x row x target) run side by side: auto, as many as the cluster's workers fit (longest expected
     # first, engine/schedule.py); N, at most N at once; 1, one after another.  The numbers do not depend on it
     concurrent_federations: Literal["auto"] | int = "auto"
+    # client states (FedBN's BN layers, SCAFFOLD's control variates...) the server keeps in memory, in MiB; the least
+    # recently used beyond it are spilled to client_state/<target>/ in the run directory (a temporary folder without
+    # one) and read back when their client is sampled.  The numbers do not depend on it
+    client_state_memory_mb: float = Field(1024.0, ge=0.0)
 
     @field_validator("concurrent_federations", mode="before")
     @classmethod

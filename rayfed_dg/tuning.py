@@ -158,7 +158,7 @@ def trainable(trial_config: dict, *, config_path: str, fixed: list[str], data: d
             return
         snap = RunDir(tempfile.mkdtemp(prefix="rayfed-dg-ckpt-"))
         snap.checkpoints(target).mkdir(parents=True)
-        for f in (saved, saved.with_suffix(".json")):
+        for f in work.checkpoint_files(target, out.round):  # with the client-state pieces it names
             shutil.copy2(f, snap.checkpoints(target) / f.name)
         tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(str(snap.path)))
         shutil.rmtree(snap.path, ignore_errors=True)

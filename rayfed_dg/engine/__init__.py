@@ -3,6 +3,7 @@ and the run service."""
 from rayfed_dg.errors import EngineError, ResourceError
 
 from .aggregate import Reducer
+from .clientstore import ClientStore
 from .experiment import run_experiment
 from .host import launch_server
 from .plan import (
@@ -15,7 +16,7 @@ from .plan import (
                    resolve_variants,
                    split_for,
 )
-from .records import ClientStore, ClientTask, Ledger, RoundResult
+from .records import ClientTask, Ledger, RoundResult
 from .resources import init_ray, plan_workers
 from .run import TargetResult, check_resume_dir, format_table, run_federation
 from .rundir import RunDir

@@ -47,7 +47,8 @@ update's).  A slot that finds nobody tries again ``retry_s`` simulated
 seconds later, or at the next update, whichever comes first (the buffered
 clients may start again then).  A training that drops out
 (``Devices.drops``) frees its slot at its finish and is reported, not
-aggregated; its device may start again at once (it uploaded nothing).  The clock's state is plain data for the checkpoint.
+aggregated; its device may start again at once (it uploaded nothing).
+The clock's state is plain data for the checkpoint.
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -27,7 +27,7 @@ EVAL_CHUNK = 2048
 
 
 def evaluate_global(pool: WorkerPool, federation: int, global_ref: Any, split: FederatedSplit,
-                    own_state: dict[int, dict[str, np.ndarray]], batch_size: int, r: int) -> list[MetricRow]:
+                    own_state: Mapping[int, dict[str, np.ndarray]], batch_size: int, r: int) -> list[MetricRow]:
     """Metric rows of round ``r``; ``own_state``: client -> its local state,
     for the clients whose own model is evaluated (empty: none)."""
     sets: list[tuple[Split, str, int | None, np.ndarray]] = \

@@ -4,14 +4,17 @@ A ``Federation`` holds what one federation is between rounds: its config
 and split, the method, the global model, the client store (each client's
 local state), the method's server state, the server optimizer, the ledger
 group of each tensor, the clients' training sets and the arrays the data
-stages share (``add_stage_outputs``), and each client's fixed validation
-subset; with ``devices.enabled``, the device model and its clock
-(``clock_plan``: whom a round trains, ``devices.py``); in an asynchronous
-server mode, the event simulation and the global model of each version
-still in flight (``apply_async``: the update's equations,
+stages share (``add_stage_outputs``), and the validation samples of each
+set of domains (a client's fixed validation subset is drawn from them,
+seeded, when asked for); with ``devices.enabled``, the device model and its
+clock (``clock_plan``: whom a round trains, ``devices.py``); in an
+asynchronous server mode, the event simulation and the global model of each
+version still in flight (``apply_async``: the update's equations,
 ``asynchronous.py``).  ``get_state`` / ``set_state`` are its checkpoint.
-It does no I/O and knows nothing of Ray: the server (``server.py``) moves
-work to the workers and back, and calls these steps in a round's order.
+It does no I/O but the client store's (``clientstore.py``: spilled states,
+checkpoint pieces) and knows nothing of Ray: the server (``server.py``)
+moves work to the workers and back, and calls these steps in a round's
+order.
 
 The new global model of a round (``aggregate``), from the global model x_t
 it started from and the reduce's weighted average (``aggregate.py``: an
@@ -28,6 +31,8 @@ method reads them, ``Method.folds_on_workers``):
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -41,9 +46,10 @@ from rayfed_dg.seeding import Stream, numpy_rng, sample_clients, seed_int
 
 from . import asynchronous as aio
 from .aggregate import Reducer
+from .clientstore import ClientStore
 from .devices import DeviceModel, RoundPlan, model_bytes, plan_round, planned_steps
 from .plan import clients_per_round
-from .records import ClientStore, ClientTask, Fold
+from .records import ClientTask, Fold
 from .server_opt import ServerOptimizer, stepped_keys
 from .worker import to_numpy_state
 
@@ -59,16 +65,18 @@ class Federation:
         self.local_keys = self.method.local_keys(model)
         self.assembled = self.method.assembles(model)
         self.groups = {k: self.method.tensor_group(k, k in self.local_keys) for k in sd}
-        self.store = ClientStore({k: self.global_state[k] for k in sorted(self.local_keys)})
+        self.store = ClientStore({k: self.global_state[k] for k in sorted(self.local_keys)}, split.num_clients,
+                                 int(cfg.engine.client_state_memory_mb * 2**20))
         self.server_state: dict = {}
         # None for server.optimizer none: the average is the new global model, as it always was
         self.server_opt = ServerOptimizer.from_config(cfg.server, self.global_state,
                                                       stepped_keys(model, self.local_keys | self.assembled))
         self.round = 0
-        # client -> its training set after the data stages: (dataset indices, ObjectRef of added samples)
+        # client -> its training set after the data stages: (dataset indices, ObjectRef of added samples); filled
+        # once, before round 1, by the data stages (CCST), empty without them: rounds never grow it
         self.training_sets: dict[int, tuple[np.ndarray, Any]] = {}
         self.stage_data: dict[str, Any] = {}  # name -> ObjectRef of arrays a data stage shared with every client
-        self._client_val: dict[int, np.ndarray | None] = {}  # client -> its fixed validation indices
+        self._val_pools: dict[str, np.ndarray | None] = {}  # a client's domains -> their validation samples
         # the device model (devices.enabled) and its clock: simulated seconds at which the next round starts
         self.devices = DeviceModel(cfg.devices, cfg.training.seed, split.client_domains,
                                    model_bytes(self.global_state)) if cfg.devices.enabled else None
@@ -91,16 +99,23 @@ class Federation:
 
     def client_val(self, cid: int) -> np.ndarray | None:
         """A fixed, seeded subset of the validation split of the client's main
-        source domain, for methods that select their local model on the client."""
-        if cid not in self._client_val:
-            n = self.method.client_val_size()
-            # a multi-domain client ("photo+art_painting", the centralized client) validates on all its domains
-            doms = [d for d in self.split.client_domains[cid].split("+") if d in self.split.val]
-            val = np.sort(np.concatenate([self.split.val[d] for d in doms])) if n > 0 and doms else None
-            if val is not None and len(val) > n:
-                val = np.sort(numpy_rng(self.cfg.training.seed, Stream.CLIENT_VAL, cid).choice(val, n, replace=False))
-            self._client_val[cid] = val
-        return self._client_val[cid]
+        source domain, for methods that select their local model on the client.
+        Drawn again at each call (a few microseconds) rather than cached per
+        client, so the server's memory does not grow with the clients it has seen."""
+        n = self.method.client_val_size()
+        val = self._val_pool(self.split.client_domains[cid]) if n > 0 else None
+        if val is not None and len(val) > n:
+            val = np.sort(numpy_rng(self.cfg.training.seed, Stream.CLIENT_VAL, cid).choice(val, n, replace=False))
+        return val
+
+    def _val_pool(self, domains: str) -> np.ndarray | None:
+        """The validation samples of a client's domains (a multi-domain client,
+        "photo+art_painting" or the centralized client, validates on all of
+        them), one array per distinct domain string."""
+        if domains not in self._val_pools:
+            doms = [d for d in domains.split("+") if d in self.split.val]
+            self._val_pools[domains] = np.sort(np.concatenate([self.split.val[d] for d in doms])) if doms else None
+        return self._val_pools[domains]
 
     # --------------------------------------------------------------- a round
     def sample(self, r: int) -> list[int]:
@@ -159,9 +174,11 @@ class Federation:
         own model is worth evaluating beside the global one."""
         return bool(self.local_keys) and Phase.PERSONAL_EVAL in self.method.phases and self.cfg.evaluation.personal
 
-    def own_states(self) -> dict[int, dict[str, np.ndarray]]:
-        """Each client's local state, for the clients whose own model is evaluated (none unless ``personalizes``)."""
-        return {c: self.store.get(c) for c in sorted(self.store.states)} if self.personalizes() else {}
+    def own_states(self) -> Mapping[int, dict[str, np.ndarray]]:
+        """Each client's local state, for the clients whose own model is
+        evaluated (none unless ``personalizes``), read from the store as the
+        evaluation asks for each."""
+        return self.store.view() if self.personalizes() else {}
 
     # ------------------------------------------------------------ asynchronous modes
     def _async_clock(self) -> aio.AsyncClock:
@@ -203,18 +220,30 @@ class Federation:
         self.versions = {v: st for v, st in self.versions.items() if v in live}
 
     # ------------------------------------------------------------ checkpoint
-    def get_state(self) -> dict:
-        return {"round": self.round, "global_state": self.global_state, "client_store": self.store.states,
-                "server_state": self.server_state, "clock": self.clock,
+    def get_state(self, pieces: Path | None = None, clients: bool = True) -> dict:
+        """The federation's state.  ``pieces``: a checkpoint's folder: the
+        client states changed since the previous checkpoint are written
+        there, and the state holds the store's manifest (``client_pieces``);
+        None: every client's state, in memory (``client_store``: tests and
+        tools), or none (``clients`` False: the global model is what is wanted)."""
+        store = {"client_pieces": self.store.checkpoint(pieces, self.round)} if pieces is not None else \
+            {"client_store": self.store.snapshot()} if clients else {}
+        return {"round": self.round, "global_state": self.global_state, **store, "server_state": self.server_state,
+                "clock": self.clock,
                 **({"server_optimizer": self.server_opt.state_dict()} if self.server_opt is not None else {}),
                 **({"async": {"clock": self.async_clock.state_dict(),  # the current version is global_state
                               "versions": {v: st for v, st in self.versions.items() if v != self.round}}}
                    if self.async_clock is not None else {})}
 
     def set_state(self, state: dict) -> None:
+        """``state`` from ``get_state``; its ``client_pieces`` carries the
+        folder of its pieces (``directory``), added by whoever loaded it."""
         self.round = int(state["round"])
         self.global_state = state["global_state"]
-        self.store.states = state["client_store"]
+        if "client_pieces" in state:
+            self.store.load(state["client_pieces"], Path(state["client_pieces"]["directory"]))
+        else:  # a checkpoint written before pieces: every state inside it
+            self.store.load_states(state["client_store"])
         self.server_state = state["server_state"]
         self.clock = float(state.get("clock", 0.0))  # checkpoints written before the clock have none
         if self.server_opt is not None:  # a config with a server optimizer resumes only its own runs (check_resume_dir)

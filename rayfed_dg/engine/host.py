@@ -27,7 +27,7 @@ import uuid
 from typing import Any
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from rayfed_dg.config import EngineConfig, ExperimentConfig
 from rayfed_dg.data.protocol import FederatedSplit
@@ -62,8 +62,12 @@ class EngineHost:
         opts.update(worker_options or {})
         self._new_worker = lambda: ray.remote(Worker).options(**opts).remote(name)
         self.workers = workers = [self._new_worker() for _ in range(n_workers)]
-        # a Tune trial's placement group places the server too
+        # a Tune trial's placement group places the server too, in the trial's own bundle (0): beside the trial's
+        # run directory, which the server's client store writes checkpoint pieces to and reads them from
         server_opts = {k: v for k, v in (worker_options or {}).items() if k == "scheduling_strategy"}
+        if isinstance(server_opts.get("scheduling_strategy"), PlacementGroupSchedulingStrategy):
+            server_opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                server_opts["scheduling_strategy"].placement_group, placement_group_bundle_index=0)
         self.server: Any = ray.remote(Server).options(num_cpus=0, **{"scheduling_strategy": here, **server_opts}) \
             .remote(workers, self.data_source)
         self.federations = 0

@@ -4,7 +4,7 @@ and add to.  The round (``server.py``) calls ``run_phases`` at each slot;
 a phase runs only for a method that declares it."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +28,7 @@ class RoundWork:
     global_ref: Any  # the object-store reference of the global model the phase sees
     prepared: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)  # ``Phase.PREPARE``'s results
     results: list[ClientUpdate] = field(default_factory=list)  # the round's updates, in client order
-    own: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)  # ``Phase.PERSONAL_EVAL``: local states
+    own: Mapping[int, dict[str, np.ndarray]] = field(default_factory=dict)  # ``Phase.PERSONAL_EVAL``: local states
 
 
 def run_phases(slot: Slot, work: RoundWork) -> None:

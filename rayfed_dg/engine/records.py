@@ -1,4 +1,4 @@
-"""Typed records of a round and the two stores the server keeps.
+"""Typed records of a round, and the ledger the server keeps.
 
 ``ClientTask``   what a worker needs to run one client in one round;
 ``Fold``         where it folds the client's upload (``aggregate.py``)
@@ -10,13 +10,13 @@
 ``RoundResult``  what ``Server.run_round`` returns to the driver
 ``Ledger``       what crossed the wire: ``LedgerRow``s (round, client,
                  direction, group, tensors, bytes), one per tensor group
-``ClientStore``  each client's persistent local state between rounds
 ``TABLES``       the tables' columns; ``split_means`` / ``split_mean`` the
                  mean accuracy of a split per round, read from table rows
 
 (``ClientUpdate``, what a training task returns, is defined with the method
 hooks in ``methods/base.py``, since ``after_round`` receives it.  The run
-directory that holds the tables is ``rundir.RunDir``.)
+directory that holds the tables is ``rundir.RunDir``; each client's
+persistent local state between rounds is ``clientstore.ClientStore``'s.)
 """
 from __future__ import annotations
 
@@ -183,25 +183,6 @@ class Ledger:
 
     def sorted_rows(self) -> list[LedgerRow]:
         return sorted(self.rows, key=lambda x: (x.client, x.direction, x.group))
-
-
-class ClientStore:
-    """Per-client persistent state (``local_keys`` and ``private_keys``),
-    kept by the server across rounds; a client seen for the first time starts
-    from ``initial`` (the initial model's local tensors)."""
-
-    def __init__(self, initial: dict[str, np.ndarray]):
-        self.initial = initial
-        self.states: dict[int, dict[str, np.ndarray]] = {}
-
-    def get(self, client: int) -> dict[str, np.ndarray]:
-        return self.states.get(client, self.initial)
-
-    def put(self, client: int, update: dict[str, np.ndarray], private: dict[str, np.ndarray]) -> None:
-        local = {k: update[k] for k in self.initial if k in update}
-        local.update(private)
-        # copies: ``update`` may be read-only views of the object store
-        self.states[client] = {k: np.array(v) for k, v in local.items()}
 
 
 # ------------------------------------------------------------------ run-directory tables

@@ -16,6 +16,7 @@ names (no duplicate rows).
 """
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -92,8 +93,8 @@ class TargetResult:
 # ------------------------------------------------------------------ callbacks
 
 class RoundCallback(Protocol):
-    def on_round(self, out: RoundResult, res: TargetResult, new_best: bool, server_state: Callable[[], dict]) -> None:
-        ...
+    def on_round(self, out: RoundResult, res: TargetResult, new_best: bool, server_state: Callable[..., dict]) -> None:
+        """``server_state(pieces=None, clients=True)``: the server's state (``Federation.get_state``)."""
 
     def close(self) -> None:
         ...
@@ -136,13 +137,14 @@ class RunDirWriter:
         ckpt = bool(o.checkpoint_every) and (r % o.checkpoint_every == 0 or last)
         if not (best or last or ckpt):
             return
-        state = server_state()
+        state = server_state(self.run_dir.checkpoints(self.target)) if ckpt else server_state(None, False)
         if best:
             self.run_dir.save_weights("best", self.target, state["global_state"])
         if last:
             self.run_dir.save_weights("final", self.target, state["global_state"])
         if ckpt:
-            self.run_dir.save_checkpoint(self.target, r, {"server": state, "result": asdict(res)})
+            self.run_dir.save_checkpoint(self.target, r, {"server": state, "result": asdict(res)},
+                                         state["client_pieces"]["pieces"])
 
     def close(self):
         pass
@@ -165,9 +167,11 @@ class OnRound:
 
 def _resume(run_dir: RunDir | None, target: str) -> tuple[TargetResult, dict | None]:
     state = run_dir.latest_checkpoint(target) if run_dir is not None else None
-    if state is None:
+    if state is None or run_dir is None:
         return TargetResult(target), None
     res = TargetResult(**state["result"])
+    if "client_pieces" in state["server"]:  # where the server reads the states the manifest names
+        state["server"]["client_pieces"]["directory"] = str(run_dir.checkpoints(target))
     # a checkpoint written before rounds recorded their clients' phase: unknown, one entry per round all the same
     res.seconds_clients_per_round += [float("nan")] * (len(res.seconds_per_round) - len(res.seconds_clients_per_round))
     return res, state
@@ -228,6 +232,8 @@ class FederationRun:
             if self.run_dir is not None:
                 self.run_dir.write_round(target, 0, rows)
         self.res.setup_info = setup["info"]
+        if self.run_dir is not None:  # queued before the first round
+            server.spill_to.remote(str(self.run_dir.client_state(target)))
         self.callbacks = _callbacks(self.cfg, target, self.res, self.run_dir, self.bar, self.on_round,
                                     self.tensorboard)
 
@@ -239,13 +245,16 @@ class FederationRun:
         if self.run_dir is not None:  # before the callbacks: no checkpoint covers a round whose rows are not on disk
             self.run_dir.write_round(self.split.target, out.round, rows)
         for cb in self.callbacks:
-            cb.on_round(out, self.res, new_best, lambda: ray.get(self.server.get_state.remote()))
+            cb.on_round(out, self.res, new_best, lambda pieces=None, clients=True: ray.get(
+                self.server.get_state.remote(pieces, clients)))
         self.finished = out.round >= self.cfg.training.rounds or (
             self.stop_after is not None and out.round >= self.stop_after)
 
     def close(self) -> None:
         for cb in self.callbacks:
             cb.close()
+        if self.run_dir is not None:  # the spilled states: scratch, the checkpoints hold what a resume needs
+            shutil.rmtree(self.run_dir.client_state(self.split.target), ignore_errors=True)
 
 
 def run_federation(cfg: ExperimentConfig, split: FederatedSplit, images_ref, labels_ref, num_classes: int,

@@ -18,7 +18,10 @@ it ran with; a row (one method, one seed) holds its run:
                        (``records.TABLES``), one Parquet part file per
                        (target, round), each written atomically
 ``best_<target>.pt``, ``final_<target>.pt``  global weights
-``checkpoints/<target>/round_*.pt``  resumable state
+``checkpoints/<target>/round_*.pt``  resumable state, and ``round_*.clients``
+                       the client-state pieces they name (``clientstore.py``)
+``client_state/<target>/``  client states spilled from the server's memory
+                       while the federation runs (scratch, removed at its end)
 ``tensorboard/<target>/``  TensorBoard scalars (``output.tensorboard``)
 ``skipped_images.txt`` images ``data.on_corrupt: skip`` left out (root)
 
@@ -44,13 +47,13 @@ from rayfed_dg.config import ExperimentConfig, row_labels, save_config
 from rayfed_dg.errors import ConfigError
 from rayfed_dg.utils import atomic_write_with, write_text
 
-from .checkpoint import checkpoint_path, load_latest, save_checkpoint, saved_rounds
+from .checkpoint import checkpoint_files, checkpoint_path, load_latest, save_checkpoint, saved_rounds
 from .records import table_schema
 
 RUN_RECORD = "run.json"
 CONFIG = "config.yaml"
 SUMMARY = "summary.json"
-NOT_RUNS = ("checkpoints", "tensorboard", "plots")  # folders of a run that hold no run
+NOT_RUNS = ("checkpoints", "client_state", "tensorboard", "plots")  # folders of a run that hold no run
 
 
 def _part_key(p: Path) -> tuple[str, int]:
@@ -121,15 +124,24 @@ class RunDir:
     def checkpoint(self, target: str, round: int) -> Path:
         return checkpoint_path(self.checkpoints(target), round)
 
-    def save_checkpoint(self, target: str, round: int, state: dict) -> None:
+    def save_checkpoint(self, target: str, round: int, state: dict, pieces: dict[str, dict] | None = None) -> None:
         """``state`` as ``target``'s checkpoint of ``round`` (verifiable; the
-        two newest are kept: ``checkpoint.py``)."""
-        save_checkpoint(self.checkpoints(target), round, state)
+        two newest are kept: ``checkpoint.py``); ``pieces``: the client-state
+        pieces it names, already written beside it by the server's store."""
+        save_checkpoint(self.checkpoints(target), round, state, pieces)
 
     def latest_checkpoint(self, target: str) -> dict | None:
         """``target``'s newest checkpoint that verifies, or None."""
         d = self.checkpoints(target)
         return load_latest(d) if d.is_dir() else None
+
+    def checkpoint_files(self, target: str, round: int) -> list[Path]:
+        """The files of ``target``'s checkpoint of ``round``: what a copy of it needs."""
+        return checkpoint_files(self.checkpoints(target), round)
+
+    def client_state(self, target: str) -> Path:
+        """Where ``target``'s federation spills client states while it runs."""
+        return self.path / "client_state" / target
 
     def saved_rounds(self, target: str) -> list[int]:
         return saved_rounds(self.checkpoints(target))

@@ -43,6 +43,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -119,8 +120,12 @@ class Server:
     def setup(self) -> dict:
         return run_stages(self.pool, self.fed)
 
-    def get_state(self) -> dict:
-        return self.fed.get_state()
+    def get_state(self, pieces: Path | None = None, clients: bool = True) -> dict:
+        return self.fed.get_state(pieces, clients)
+
+    def spill_to(self, directory: str) -> None:
+        """Spill client states to ``directory`` (the run directory's; before the first round)."""
+        self.fed.store.use_directory(Path(directory))
 
     def set_state(self, state: dict) -> None:
         self.fed.set_state(state)
