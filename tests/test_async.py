@@ -318,3 +318,22 @@ def test_fedasync_with_local_state_and_faults_same_on_one_and_two_workers(ray_se
     assert _key(one) == _key(two)
     assert [len([r for r in one.clients if r["round"] == t and not r["dropped"]]) for t in (1, 2, 3, 4)] == [1] * 4
     assert sum(r["retried"] for r in one.clients) > 0
+
+
+def test_fedbuff_dropouts_are_rows_of_their_own_charged_the_download(ray_session, tiny_ds, engine_host):
+    """With the device model's dropout, every update still aggregates K
+    uploads; each dropped training is a row of its own (no upload, reason
+    ``dropout``, its simulated times) and is charged the model it
+    downloaded, as a synchronous round's late clients are."""
+    sets = ("server.mode=fedbuff", "server.buffer_size=2", "devices.enabled=true", "devices.dropout=0.5",
+            "training.local_steps=1", "training.rounds=4", "evaluation.every=0")
+    res = tiny_federation(tiny_ds, "texture", *sets, host=engine_host(tiny_ds, 1))
+    rows = res.clients
+    assert [sum(not r["dropped"] for r in rows if r["round"] == t) for t in (1, 2, 3, 4)] == [2] * 4
+    drops = [r for r in rows if r["dropped"]]
+    assert drops and all(r["drop_reason"] == "dropout" and r["bytes_up"] == 0 and r["staleness"] is None
+                         and r["sim_finish"] > r["sim_start"] for r in drops)
+    down = {r["bytes_down"] for r in rows if not r["dropped"]}
+    assert len(down) == 1 and {r["bytes_down"] for r in drops} == down
+    charged = {(x["round"], x["client"]) for x in res.ledger if x["direction"] == "down"}
+    assert {(r["round"], r["client"]) for r in drops} <= charged

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rayfed_dg.config import ExperimentConfig
+from rayfed_dg.config import DevicesConfig, ExperimentConfig
 from rayfed_dg.data.protocol import FederatedSplit
 from rayfed_dg.errors import EngineError
 from rayfed_dg.methods import ClientUpdate, Phase, build_method
@@ -186,7 +186,7 @@ class Federation:
         aio.check_async(self.cfg, n)  # the run's preflight did; a federation opened by hand is checked too
         # without devices.enabled: the section's defaults, every device online, one simulated second a local step
         devices = self.devices if self.devices is not None else DeviceModel(
-            self.cfg.devices, self.cfg.training.seed, self.split.client_domains)
+            DevicesConfig(), self.cfg.training.seed, self.split.client_domains)
         return aio.AsyncClock(n, aio.concurrency(self.cfg, n), aio.buffer_size(self.cfg, n), self.cfg.training.seed,
                               devices, lambda c: planned_steps(self.cfg.training, int(sizes[c])),
                               self.cfg.server.retry_s)

@@ -60,7 +60,7 @@ from .evaluation import evaluate_global
 from .federation import Federation
 from .phases import RoundWork, run_phases
 from .pool import WorkerPool
-from .records import ClientTask, DropRow, Fold, Ledger, MetricRow, RoundResult, client_rows
+from .records import ClientRow, ClientTask, DropRow, Fold, Ledger, MetricRow, RoundResult, client_rows
 from .stagehost import run_stages
 
 
@@ -274,16 +274,25 @@ class Server:
         work = RoundWork(r, ids, ledger, fed, self.pool, self.global_ref, results=results)
         every = fed.cfg.evaluation.every
         metrics = self.evaluate(work) if (every and r % every == 0) or r == fed.cfg.training.rounds else []
-        drops = {t.client: "dropped out before uploading (device model)" for t in upd.dropped} | dict(failed)
-        every_one = sorted(ids + [t.client for t in upd.dropped])
-        rows = client_rows(r, self.split, every_one, updates, drops, retries, ledger)
-        clock = {t.client: t for t in upd.dropped} | start
+        rows = client_rows(r, self.split, ids, updates, dict(failed), retries, ledger)
         for row in rows:
-            t = clock[row.client]
+            t = start[row.client]
             row.sim_start, row.sim_finish = t.start, t.finish
             row.staleness = t.staleness if row.client in updates else None
+        # a training that dropped out: a row of its own (its device may also have trained again and arrived in this
+        # update), charged the download it made; like the sync clock's, not a failed task (no DropRow)
+        down = sum(b for _, b, _ in bcast_sizes)
+        sizes = self.split.client_sizes()
+        for t in upd.dropped:
+            ledger.add_state(t.client, "down", bcast_sizes)
+            rows.append(ClientRow(
+                round=r, client=t.client, domain=self.split.client_domains[t.client], samples=int(sizes[t.client]),
+                local_steps=0, train_loss=None, seconds=None, bytes_up=0, bytes_down=down, retried=0, dropped=True,
+                drop_reason="dropout", sim_start=t.start, sim_finish=t.finish))
+        rows.sort(key=lambda row: (row.sim_finish, row.client))
         return RoundResult(
-            round=r, sampled=every_one, dropped=[DropRow(r, c, why) for c, why in sorted(drops.items())],
+            round=r, sampled=sorted(set(ids) | {t.client for t in upd.dropped}),
+            dropped=[DropRow(r, c, why) for c, why in failed],
             metrics=metrics, ledger=ledger.sorted_rows(), clients=rows,
             train_loss=float(np.mean([u.train_loss for u in results])), tasks_retried=self.pool.retried,
             tasks_rerun=self.pool.reruns, seconds_train=seconds_train, seconds_total=time.perf_counter() - t0,
