@@ -42,10 +42,12 @@ def evaluate_global(pool: WorkerPool, federation: int, global_ref: Any, split: F
     out = pool.map_all(jobs, lambda w, job, attempt: w.evaluate_in.remote(
         federation, global_ref, index[job[:3]][job[3]:job[3] + EVAL_CHUNK], batch_size,
         None if job[2] is None else own_state[job[2]]), f"round {r}: evaluation")
+    parts: dict[tuple, list] = {}  # one pass: a population of personal models makes sets x jobs quadratic
+    for j in jobs:
+        parts.setdefault(j[:3], []).append(out[j])
     rows = []
     for name, dom, cid, _ in sets:
-        parts = [out[j] for j in jobs if j[:3] == (name, dom, cid)]
-        correct, loss, cnt = (sum(p[i] for p in parts) for i in range(3))
+        correct, loss, cnt = (sum(p[i] for p in parts[name, dom, cid]) for i in range(3))
         rows.append(MetricRow(r, Split(name), dom, cid, correct / max(cnt, 1), loss / max(cnt, 1), cnt))
     return rows
 
