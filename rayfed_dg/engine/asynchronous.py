@@ -223,6 +223,7 @@ class AsyncClock:
                     raise EngineError(f"no client could start a training for {fruitless} tries (every {self.retry_s} "
                                       "simulated seconds): the device model keeps them offline; check its availability")
                 continue
+            fruitless = 0  # an arrival is progress, however many idle slots found nobody meanwhile
             tr = self.flight.pop(who)
             if tr.drops:  # never trained, no upload: free to start again (else a high dropout could stall every slot)
                 self.dropped.append(tr)
