@@ -504,17 +504,19 @@ EXTRA_COLUMNS = {"source_test": "in-domain test (sources)", "personal_val": "per
 # ------------------------------------------------------------------ the virtual clock
 
 CLOCK_CAPTION = ("On the virtual clock (devices.enabled): target accuracy (%) at the equal simulated time T (the "
-                 "earliest end of these runs) and at each run's end, mean ± SE over seeds; per domain, the trainings "
-                 "aggregated / selected over the run (mean over seeds)")
+                 "earliest end of these runs) and at each run's end, and the mean source-validation accuracy at T (what "
+                 "model selection reads), mean ± SE over seeds; per domain, the trainings aggregated / selected over "
+                 "the run (mean over seeds)")
 
 
-def _on_clock(rows: list[dict], t: float) -> float | None:
-    """Target accuracy at simulated time ``t``: that of the last evaluated round aggregated by ``t``."""
-    at = [(r["sim_time"], r["round"]) for r in rows if r["split"] == "target_test" and r["sim_time"] <= t]
+def _on_clock(rows: list[dict], t: float, split: str = "target_test") -> float | None:
+    """Accuracy on ``split`` (the mean over its domains) at simulated time ``t``: that of the last evaluated round
+    aggregated by ``t``."""
+    at = [(r["sim_time"], r["round"]) for r in rows if r["split"] == split and r["sim_time"] <= t]
     if not at:
         return None
     last = max(at)[1]
-    return float(np.mean([r["accuracy"] for r in rows if r["split"] == "target_test" and r["round"] == last]))
+    return float(np.mean([r["accuracy"] for r in rows if r["split"] == split and r["round"] == last]))
 
 
 def clock_table(run_dirs: list[Path], fmt: str = "md") -> str | None:
@@ -541,12 +543,14 @@ def clock_table(run_dirs: list[Path], fmt: str = "md") -> str | None:
     for (label, target), seeds in per.items():
         at_t = [a for rows, _ in seeds if (a := _on_clock(rows, horizon)) is not None]
         end = [a for rows, _ in seeds if (a := _on_clock(rows, max(r["sim_time"] for r in rows))) is not None]
+        val_t = [a for rows, _ in seeds if (a := _on_clock(rows, horizon, "source_val")) is not None]
         cells = []
         for d in domains:
             mine = [[c for c in clients if c["domain"] == d] for _, clients in seeds]
             made = np.mean([sum(not c["dropped"] for c in m) for m in mine])
             cells.append(f"{made:g}/{np.mean([len(m) for m in mine]):g}" if any(mine) else "-")
-        out.append([label, target, len(seeds), mean_se_cell(at_t), mean_se_cell(end),
+        out.append([label, target, len(seeds), mean_se_cell(at_t), mean_se_cell(end), mean_se_cell(val_t),
                     f"{np.mean([max(r['sim_time'] for r in rows) for rows, _ in seeds]):.6g}"] + cells)
-    header = ["method", "target", "seeds", f"at T = {horizon:.6g} s", "at the end", "end (simulated s)"] + domains
+    header = ["method", "target", "seeds", f"at T = {horizon:.6g} s", "at the end", "source val at T",
+              "end (simulated s)"] + domains
     return render_table(header, out, fmt)

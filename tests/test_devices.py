@@ -288,9 +288,10 @@ def test_report_compares_at_equal_simulated_time_with_each_domains_participation
     assert "On the virtual clock" in out
     table = {line.split(" | ")[0].strip("| "): [c.strip() for c in line.strip("| ").split(" | ")]
              for line in out.split("On the virtual clock")[1].splitlines() if line.startswith("| ")}
-    assert table["method"][3:] == ["at T = 25 s", "at the end", "end (simulated s)", "a", "b"]
-    assert table["sync"] == ["sync", "t", "2", "45.00 ± 5.00", "65.00 ± 5.00", "33", "1.5/2.5", "2/2"]
-    assert table["async"] == ["async", "t", "1", "80.00", "80.00", "25", "-", "2/2"]
+    # source validation (0.5 + round / 100) at T: round 2 for both sync seeds, round 3 (at 25 s) for async
+    assert table["method"][3:] == ["at T = 25 s", "at the end", "source val at T", "end (simulated s)", "a", "b"]
+    assert table["sync"] == ["sync", "t", "2", "45.00 ± 5.00", "65.00 ± 5.00", "52.00 ± 0.00", "33", "1.5/2.5", "2/2"]
+    assert table["async"] == ["async", "t", "1", "80.00", "80.00", "53.00", "25", "-", "2/2"]
 
 
 def test_curves_against_simulated_time_hold_each_seeds_accuracy_until_its_next_round(clock_runs, monkeypatch):
