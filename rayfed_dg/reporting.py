@@ -504,9 +504,9 @@ EXTRA_COLUMNS = {"source_test": "in-domain test (sources)", "personal_val": "per
 # ------------------------------------------------------------------ the virtual clock
 
 CLOCK_CAPTION = ("On the virtual clock (devices.enabled): target accuracy (%) at the equal simulated time T (the "
-                 "earliest end of these runs) and at each run's end, and the mean source-validation accuracy at T (what "
-                 "model selection reads), mean ± SE over seeds; per domain, the trainings aggregated / selected over "
-                 "the run (mean over seeds)")
+                 "earliest end of these runs) and at each run's end, and the mean source-validation accuracy at T "
+                 "(what model selection reads), mean ± SE over seeds; per domain, the trainings aggregated / selected "
+                 "over the run (mean over seeds)")
 
 
 def _on_clock(rows: list[dict], t: float, split: str = "target_test") -> float | None:
