@@ -53,9 +53,9 @@ The checkpoint names only those pieces, with each one's SHA-256 and size
 (``pieces``; ``checkpoint.py`` verifies them before a resume uses the
 checkpoint, and keeps the pieces a kept checkpoint names); ``load`` rebuilds
 the map from their indexes.  A checkpoint thus writes 16 bytes of index per
-record it writes, and no full manifest: the rewrite rule that bounds the
-pieces bounds their indexes to twice a full one, which is all a resume
-reads.  A piece is kept while a kept checkpoint names it.  Checkpoints
+record it writes (and a name and digest per piece still current), never a
+full manifest: the rewrite rule that bounds the pieces bounds their indexes
+to twice a full one, which is all a resume reads.  Checkpoints
 written before pieces had an index (the map's arrays inside the ``.pt``:
 ``clients``, ``piece``, ``offset``, ``length``) load; the next checkpoint
 then rewrites every state into its piece.
