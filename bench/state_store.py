@@ -14,15 +14,27 @@ Per run it prints the server actor's RSS (the whole process: torch, the
 model, the split, the store) after round 1 and its peak after each round,
 the store's own bytes in memory and in its spill file after the last
 round, and each checkpoint's bytes: its ``.pt`` (global model, server and
-optimizer state, the manifest) and its piece (the states changed since the
-previous checkpoint), per round and per client trained since the previous
-checkpoint.  A last run at 10^5 trains twice the clients a round, so the
-pieces' proportionality shows.  Then: the memory ratio 10^5 / 10^3 (target
-<= 1.2), and what the store before issue 40 (a dict in the server, all of
-it in every checkpoint) would have held: clients touched x state size, and
-the population x state size once every client is touched.
+optimizer state, the names and digests of the pieces it is made of), its
+piece (the states changed since the previous checkpoint) per round and per
+client trained since the previous checkpoint, and the piece's index, the
+checkpoint's manifest (which client is where: the clients it wrote).  A
+last run at 10^5 trains twice the clients a round, so the pieces'
+proportionality shows.  Then: the memory ratio 10^5 / 10^3 (target <= 1.2),
+and what the store before issue 40 (a dict in the server, all of it in
+every checkpoint) would have held: clients touched x state size, and the
+population x state size once every client is touched.
+
+A last case (``--many``, FedBN only) touches many clients: 10^5 clients,
+``--many-per-round`` (500) a round for ``--many-rounds`` (24) rounds, a
+narrow conv net (width 8) trained one step a client without evaluation, so
+about 10^4 distinct clients are touched.  Per checkpoint it prints the
+clients written, the piece's and its index's bytes, the ``.pt``'s, the
+pieces the checkpoint names, and the manifest a checkpoint wrote before
+(32 bytes for every client ever touched): the index stays 16 bytes a
+written client while the clients touched grow.
 
     python bench/state_store.py [--rounds 5] [--per-round 20] [--methods fedbn scaffold]
+                                [--many-rounds 24] [--many-per-round 500] [--skip-scales]
 """
 from __future__ import annotations
 
@@ -38,15 +50,24 @@ import psutil
 
 SCALES = (1_000, 10_000, 100_000)
 BUDGET_MB = 4
+OLD_MANIFEST = 32  # bytes a client in the manifest every checkpoint wrote before pieces had an index
 
 
-def run(method: str, n_clients: int, rounds: int, per_round: int) -> dict:
+def index_bytes(piece: Path) -> int:
+    """The bytes of a piece's index: its last 8 bytes say how long it is (``clientstore.py``)."""
+    with open(piece, "rb") as f:
+        f.seek(-8, 2)
+        return int.from_bytes(f.read(8), "little") + 8
+
+
+def run(method: str, n_clients: int, rounds: int, per_round: int, tiny: bool = False) -> dict:
     import ray
+    import torch
 
     from rayfed_dg.config import load_config
     from rayfed_dg.data.protocol import FederatedSplit
     from rayfed_dg.engine import run_federation
-    from rayfed_dg.engine.clientstore import piece_name
+    from rayfed_dg.engine.clientstore import piece_name, read_index
     from rayfed_dg.engine.host import EngineHost
 
     rng = np.random.default_rng(0)
@@ -59,7 +80,8 @@ def run(method: str, n_clients: int, rounds: int, per_round: int) -> dict:
                              f"training.rounds={rounds}", "training.batch_size=32", "evaluation.every=0",
                              "evaluation.personal=false", "engine.num_workers=2", "engine.num_cpus_per_worker=1",
                              "output.checkpoint_every=1", "output.save_best_checkpoint=false",
-                             f"engine.client_state_memory_mb={BUDGET_MB}"])
+                             f"engine.client_state_memory_mb={BUDGET_MB}",
+                             *(["model.width=8", "training.local_steps=1", "training.batch_size=8"] if tiny else [])])
     run_dir = Path(tempfile.mkdtemp(prefix="rayfed-dg-bench-store-"))
     ckpt = run_dir / "checkpoints" / "t"
     host = EngineHost(cfg.engine, [ray.put(images), ray.put(labels)], 2)
@@ -75,10 +97,14 @@ def run(method: str, n_clients: int, rounds: int, per_round: int) -> dict:
             min(trained)))
         touched.update(trained)
         piece = ckpt / piece_name(out.round)
+        pt = ckpt / f"round_{out.round:05d}.pt"
         rows.append({"round": out.round, "rss": server.memory_info().rss, "mem": store[0], "spill": store[1],
-                     "pt": (ckpt / f"round_{out.round:05d}.pt").stat().st_size,
-                     "piece": piece.stat().st_size if piece.exists() else 0, "trained": len(trained),
-                     "touched": len(touched), "state": sum(v.nbytes for v in store[2].values())})
+                     "pt": pt.stat().st_size, "piece": piece.stat().st_size if piece.exists() else 0,
+                     "index": index_bytes(piece) if piece.exists() else 0,
+                     "written": len(read_index(piece)[0]) if piece.exists() else 0,
+                     "named": len(torch.load(pt, weights_only=True)["server"]["client_pieces"]["pieces"]),
+                     "trained": len(trained), "touched": len(touched),
+                     "state": sum(v.nbytes for v in store[2].values())})
 
     try:
         run_federation(cfg, split, None, None, 10, run_dir, progress=False, on_round=on_round, host=host)
@@ -95,8 +121,32 @@ def line(label: str, o: dict) -> str:
     peak = max(r["rss"] for r in rs)
     return (f"{label:>9} {o['split'] / 1024:6.0f} K {rs[0]['rss'] / mib:8.0f} MiB {peak / mib:5.0f} MiB "
             f"{rs[-1]['mem'] / mib:6.2f} MiB {rs[-1]['spill'] / mib:5.2f} MiB {rs[-1]['pt'] / mib:5.2f} MiB "
-            f"{np.mean(piece) / mib:6.2f} MiB {np.mean(per):8.1f} KiB ({min(per):.1f}-{max(per):.1f})"
+            f"{np.mean(piece) / mib:6.2f} MiB {np.mean(per):8.1f} KiB ({min(per):.1f}-{max(per):.1f}) "
+            f"{np.mean([r['index'] for r in rs]) / 1024:6.2f} KiB"
             f"  for {', '.join(str(r['trained']) for r in rs)} clients")
+
+
+def many(rounds: int, per_round: int) -> None:
+    """FedBN at 10^5 clients touching many of them: each checkpoint's bytes against the clients touched so far."""
+    n = SCALES[-1]
+    o = run("fedbn", n, rounds, per_round, tiny=True)
+    print(f"\nfedbn, many clients touched: {n:,} clients, {per_round} a round, {rounds} rounds, a checkpoint every "
+          f"round, conv net width 8, one local step, no evaluation")
+    print(f"{'round':>5} {'trained':>7} {'touched':>7} {'written':>7} {'piece':>10} {'index':>10} "
+          f"{'index/written':>13} {'.pt':>9} {'pieces':>6} {'manifest before':>15}")
+    for r in o["rows"]:
+        print(f"{r['round']:5d} {r['trained']:7d} {r['touched']:7d} {r['written']:7d} {r['piece'] / 1024:6.1f} KiB "
+              f"{r['index'] / 1024:6.2f} KiB {r['index'] / max(r['written'], 1):11.2f} B {r['pt'] / 1024:5.1f} KiB "
+              f"{r['named']:6d} {OLD_MANIFEST * r['touched'] / 1024:11.1f} KiB")
+    rs = o["rows"]
+    half = len(rs) // 2
+    early, late = (np.mean([r["index"] for r in part]) for part in (rs[:half], rs[half:]))
+    print(f"index per checkpoint, second half of the rounds / first half: {late / early:.3f} while the clients "
+          f"touched grew {np.mean([r['touched'] for r in rs[half:]]) / np.mean([r['touched'] for r in rs[:half]]):.2f}x"
+          f" (the manifest before grew as they did)")
+    trained = sum(r["trained"] for r in rs[1:])
+    print(f".pt: {(rs[-1]['pt'] - rs[0]['pt']) / trained:.0f} bytes more per client trained (the run's records so far, "
+          f"client and ledger rows: run.py's TargetResult), {rs[-1]['pt'] / 1024:.0f} KiB at the last round")
 
 
 def main() -> None:
@@ -104,19 +154,22 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--per-round", type=int, default=20)
     ap.add_argument("--methods", nargs="+", default=["fedbn", "scaffold"])
+    ap.add_argument("--many-rounds", type=int, default=24)
+    ap.add_argument("--many-per-round", type=int, default=500)
+    ap.add_argument("--skip-scales", action="store_true", help="only the many-clients case")
     args = ap.parse_args()
     import ray
 
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     mib, big = 2**20, SCALES[-1]
     try:
-        for method in args.methods:
+        for method in [] if args.skip_scales else args.methods:
             out = {n: run(method, n, args.rounds, args.per_round) for n in SCALES}
             double = run(method, big, args.rounds, 2 * args.per_round)
             print(f"\n{method}: {args.per_round} clients a round, {args.rounds} rounds, checkpoint every round, "
                   f"memory budget {BUDGET_MB} MiB; the last row trains {2 * args.per_round} a round")
             print(f"{'clients':>9} {'split':>8} {'server RSS r1':>12} {'peak':>9} {'store mem':>10} {'spill':>9} "
-                  f"{'.pt':>9} {'piece/round':>11} {'piece per trained client':>25}")
+                  f"{'.pt':>9} {'piece/round':>11} {'piece per trained client':>25} {'index':>10}")
             for n, o in out.items():
                 print(line(f"{n}", o))
             print(line(f"{big}x2", double))
@@ -130,6 +183,8 @@ def main() -> None:
                   f"a client: {touched * size / mib:.1f} MiB after these {touched} clients, "
                   + ", ".join(f"{n * size / mib:,.0f} MiB" for n in SCALES) + " with every client of "
                   + ", ".join(f"{n:,}" for n in SCALES) + " touched")
+        if args.many_rounds:
+            many(args.many_rounds, args.many_per_round)
     finally:
         ray.shutdown()
 

@@ -1,5 +1,6 @@
 """The tiered client-state store (engine/clientstore.py): its memory budget,
 spilling, incremental checkpoints and their pieces, and resume end to end."""
+import hashlib
 import json
 import warnings
 
@@ -9,7 +10,7 @@ import torch
 from conftest import tiny_cfg
 
 from rayfed_dg.engine.checkpoint import CheckpointWarning, checkpoint_files, load_latest, save_checkpoint
-from rayfed_dg.engine.clientstore import ClientStore, decode, encode, piece_name
+from rayfed_dg.engine.clientstore import ClientStore, decode, encode, piece_name, read_index
 
 INIT = {"w": np.zeros(4, np.float32)}  # 16 bytes: every state below is one such tensor
 
@@ -56,10 +57,10 @@ def test_least_recently_used_is_evicted_under_the_byte_budget(tmp_path):
     store.put(1, state(11), {})
     assert store.in_memory() == [0, 1] and store.memory_bytes == 32
     rec = len(encode(state(0)))
-    assert store.spill_bytes == 4 * rec  # clients 0, 2, 1 (its old value) and 3 were each spilled once
+    assert store.spill_bytes == 3 * rec  # 0, 2, 1 (its old value) spilled; 3 took the slot 1's new value freed
+    assert (tmp_path / "spill.bin").stat().st_size == 3 * rec
     assert [store.get(c)["w"][0] for c in range(4)] == [0, 11, 2, 3]
     assert store.get(4) is INIT  # never seen: the initial state
-    assert (tmp_path / "spill.bin").stat().st_size == 4 * rec
 
 
 def test_budget_zero_keeps_nothing_in_memory_and_reads_back_the_same_bits(tmp_path):
@@ -81,26 +82,91 @@ def test_budget_zero_keeps_nothing_in_memory_and_reads_back_the_same_bits(tmp_pa
     assert store.spill_bytes == size
 
 
+def index_bytes(n: int) -> int:
+    """A piece's index of ``n`` records, by hand: the record's length prefix, its JSON header, two int64
+    arrays of ``n``, and the 8 bytes of its own length."""
+    return 8 + len(json.dumps([["clients", "<i8", [n]], ["length", "<i8", [n]]])) + 16 * n + 8
+
+
 def test_checkpoint_writes_exactly_the_clients_changed_since_the_previous_one(tmp_path):
     store = filled(10, 40, tmp_path / "spill")
     rec = len(encode(state(0)))
     m1 = store.checkpoint(tmp_path, 1)
-    assert m1["clients"].tolist() == list(range(10)) and set(m1["piece"].tolist()) == {1}
-    assert (tmp_path / piece_name(1)).stat().st_size == 10 * rec == m1["pieces"][piece_name(1)]["bytes"]
+    loc = store.locations()
+    assert loc["clients"].tolist() == list(range(10)) and set(loc["piece"].tolist()) == {1}
+    assert loc["offset"].tolist() == [c * rec for c in range(10)] and set(loc["length"].tolist()) == {rec}
+    assert (tmp_path / piece_name(1)).stat().st_size == 10 * rec + index_bytes(10) == m1["pieces"][piece_name(1)][
+        "bytes"]
     for c in (7, 2, 5):
         store.put(c, state(100 + c), {})
     assert store.spill_bytes == 8 * rec  # 7, spilled again, takes a slot the piece freed
     m2 = store.checkpoint(tmp_path, 2)
-    changed = m2["clients"][m2["piece"] == 2].tolist()
-    assert changed == [2, 5, 7] and (tmp_path / piece_name(2)).stat().st_size == 3 * rec
+    loc = store.locations()
+    assert loc["clients"][loc["piece"] == 2].tolist() == [2, 5, 7]
+    assert (tmp_path / piece_name(2)).stat().st_size == 3 * rec + index_bytes(3)
+    assert read_index(tmp_path / piece_name(2))[0].tolist() == [2, 5, 7]  # the delta: the changed clients only
     assert sorted(m2["pieces"]) == [piece_name(1), piece_name(2)]  # the 7 unchanged ones stay in piece 1
     m3 = store.checkpoint(tmp_path, 3)  # nothing changed: no piece, the same manifest
-    assert not (tmp_path / piece_name(3)).exists() and m3["piece"].tolist() == m2["piece"].tolist()
+    assert not (tmp_path / piece_name(3)).exists() and m3 == m2
     # the states a fresh store reads back from the pieces alone
     fresh = ClientStore(INIT, 10, 40)
     fresh.load(m3, tmp_path)
+    assert all(np.array_equal(a, b) for a, b in zip(fresh.locations().values(), store.locations().values()))
     assert [fresh.get(c)["w"][0] for c in range(10)] == [100 + c if c in (2, 5, 7) else c for c in range(10)]
     assert fresh.in_memory() == [8, 9]
+
+
+def test_each_piece_indexes_its_changed_and_relocated_clients_and_the_manifest_names_the_live_pieces(tmp_path):
+    """100 clients, checkpoints 1-5 each change 10 new ones (10k..10k+9):
+    piece k's index is exactly those 10 (the same 16 bytes each however many
+    clients were touched before) and the manifest names pieces 1-5.
+    Checkpoint 6 changes 10-15: piece 1 keeps 4 of 10 current (under half),
+    so 16-19 move with them into piece 6, whose index is 10-19 (the 6
+    changed, then the 4 relocated, in id order), and piece 1 leaves the
+    manifest.  A store loaded from the pieces alone has the same map and
+    states."""
+    store = ClientStore(INIT, 100, 0, tmp_path / "spill")
+    rec = len(encode(state(0)))
+    for k in range(1, 6):
+        for c in range(10 * k, 10 * k + 10):
+            store.put(c, state(c), {})
+        m = store.checkpoint(tmp_path, k)
+        clients, offset, length = read_index(tmp_path / piece_name(k))
+        assert clients.tolist() == list(range(10 * k, 10 * k + 10))
+        assert offset.tolist() == [i * rec for i in range(10)] and length.tolist() == [rec] * 10
+        assert m["pieces"][piece_name(k)]["bytes"] == 10 * rec + index_bytes(10)
+        assert sorted(m["pieces"]) == [piece_name(r) for r in range(1, k + 1)]
+    for c in range(10, 16):
+        store.put(c, state(1000 + c), {})
+    m = store.checkpoint(tmp_path, 6)
+    assert read_index(tmp_path / piece_name(6))[0].tolist() == list(range(10, 20))
+    assert sorted(m["pieces"]) == [piece_name(r) for r in range(2, 7)]
+    fresh = ClientStore(INIT, 100, 0)
+    fresh.load(m, tmp_path)
+    assert all(np.array_equal(a, b) for a, b in zip(fresh.locations().values(), store.locations().values()))
+    assert fresh.clients() == list(range(10, 60))
+    assert [fresh.get(c)["w"][0] for c in range(10, 60)] == [1000 + c if c < 16 else c for c in range(10, 60)]
+
+
+def test_the_map_is_the_live_pieces_indexes_in_round_order(tmp_path):
+    """A client in two named pieces is where the later one says: 0-3 in
+    piece 1; 0 and 1 change (piece 2: half of piece 1 is current, it stays);
+    then 0 again (piece 3 holds only 0; piece 2 has 1 current of 2, half,
+    and stays).  Loading the manifest reads the three indexes in order:
+    0 from piece 3 (not 1 or 2), 1 from piece 2, 2 and 3 from piece 1."""
+    store = filled(4, 1000)
+    store.checkpoint(tmp_path, 1)
+    for c in (0, 1):
+        store.put(c, state(10 + c), {})
+    store.checkpoint(tmp_path, 2)
+    store.put(0, state(20), {})
+    m = store.checkpoint(tmp_path, 3)
+    assert sorted(m["pieces"]) == [piece_name(1), piece_name(2), piece_name(3)]
+    assert [read_index(tmp_path / piece_name(r))[0].tolist() for r in (1, 2, 3)] == [[0, 1, 2, 3], [0, 1], [0]]
+    fresh = ClientStore(INIT, 4, 1000)
+    fresh.load(m, tmp_path)
+    assert fresh.locations()["piece"].tolist() == [3, 2, 1, 1]
+    assert [fresh.get(c)["w"][0] for c in range(4)] == [20, 11, 2, 3]
 
 
 def test_a_piece_less_than_half_current_is_rewritten_into_the_next(tmp_path):
@@ -111,14 +177,41 @@ def test_a_piece_less_than_half_current_is_rewritten_into_the_next(tmp_path):
     store.checkpoint(tmp_path, 1)
     for c in (0, 1):
         store.put(c, state(10 + c), {})
-    m2 = store.checkpoint(tmp_path, 2)
-    assert m2["piece"].tolist() == [2, 2, 1, 1]
+    store.checkpoint(tmp_path, 2)
+    assert store.locations()["piece"].tolist() == [2, 2, 1, 1]
     store.put(2, state(12), {})
     m3 = store.checkpoint(tmp_path, 3)
-    assert m3["piece"].tolist() == [2, 2, 3, 3] and sorted(m3["pieces"]) == [piece_name(2), piece_name(3)]
+    assert store.locations()["piece"].tolist() == [2, 2, 3, 3]
+    assert sorted(m3["pieces"]) == [piece_name(2), piece_name(3)]
+    assert read_index(tmp_path / piece_name(3))[0].tolist() == [2, 3]  # 3 relocated with the changed 2
     fresh = ClientStore(INIT, 4, 0)
     fresh.load(m3, tmp_path)
     assert [fresh.get(c)["w"][0] for c in range(4)] == [10, 11, 12, 3]
+
+
+def test_without_checkpoints_a_replaced_state_frees_its_spill_slot(tmp_path):
+    """No checkpoint ever: budget 40 bytes (two states of 16).  Put 0-3 ->
+    0 and 1 spilled (2 slots).  Put 0 anew: its slot is free, and 2, evicted,
+    takes it; put 1 anew: 3 takes 1's.  The file stays at the 2 states held
+    only on disk; 100 more rounds of new values for 4 of 10 clients keep it
+    at most at the 8 that can be on disk at once."""
+    store = ClientStore(INIT, 10, 40, tmp_path)
+    rec = len(encode(state(0)))
+    for c in range(4):
+        store.put(c, state(c), {})
+    assert store.spill_bytes == 2 * rec
+    store.put(0, state(10), {})
+    store.put(1, state(11), {})
+    assert store.in_memory() == [0, 1] and store.spill_bytes == 2 * rec
+    assert [store.get(c)["w"][0] for c in range(4)] == [10, 11, 2, 3]
+    values = {c: float(c) for c in range(10)} | {0: 10.0, 1: 11.0}
+    rng = np.random.default_rng(0)
+    for r in range(100):
+        for c in rng.choice(10, 4, replace=False).tolist():
+            values[c] = 100.0 * r + c
+            store.put(c, state(values[c]), {})
+    assert store.spill_bytes <= 8 * rec
+    assert [store.get(c)["w"][0] for c in range(10)] == [values[c] for c in range(10)]
 
 
 def _save(directory, store, r):
@@ -183,10 +276,33 @@ def test_a_checkpoint_with_every_state_inside_still_loads(tmp_path):
     for c in (0, 2):
         assert all(np.array_equal(fed.store.get(c)[k], old[c][k]) for k in local)
     state = fed.get_state(tmp_path / "new")
-    assert state["client_pieces"]["clients"].tolist() == [0, 2] and "client_store" not in state
+    assert read_index(tmp_path / "new" / piece_name(1))[0].tolist() == [0, 2] and "client_store" not in state
     again = Federation(cfg, split, ds.num_classes, 2)
     again.set_state(dict(state, client_pieces=dict(state["client_pieces"], directory=str(tmp_path / "new"))))
     assert all(np.array_equal(again.store.get(c)[k], old[c][k]) for c in (0, 2) for k in local)
+
+
+def test_a_checkpoint_whose_pieces_have_no_index_still_loads_and_the_next_rewrites_every_state(tmp_path):
+    """A checkpoint written before pieces had an index (the map's arrays in
+    the .pt, a piece of bare records): a store loads it, and its next
+    checkpoint writes every state, changed or not, into one piece with an
+    index, which the new manifest alone names."""
+    rec = len(encode(state(0)))
+    (tmp_path / piece_name(1)).write_bytes(b"".join(encode(state(c)) for c in (1, 3, 4)))
+    piece = tmp_path / piece_name(1)
+    pieces = {piece.name: {"sha256": hashlib.sha256(piece.read_bytes()).hexdigest(), "bytes": 3 * rec}}
+    old = {"clients": np.array([1, 3, 4]), "piece": np.array([1, 1, 1]), "offset": np.array([0, rec, 2 * rec]),
+           "length": np.array([rec] * 3), "pieces": pieces}
+    save_checkpoint(tmp_path, 1, {"round": 1, "client_pieces": old}, pieces)
+    store = ClientStore(INIT, 5, 1000)
+    store.load(load_latest(tmp_path)["client_pieces"], tmp_path)
+    assert store.clients() == [1, 3, 4] and [store.get(c)["w"][0] for c in (1, 3, 4)] == [1, 3, 4]
+    store.put(3, state(33), {})
+    m = store.checkpoint(tmp_path, 2)
+    assert read_index(tmp_path / piece_name(2))[0].tolist() == [1, 3, 4] and list(m["pieces"]) == [piece_name(2)]
+    fresh = ClientStore(INIT, 5, 1000)
+    fresh.load(m, tmp_path)
+    assert [fresh.get(c)["w"][0] for c in (1, 3, 4)] == [1, 33, 4]
 
 
 # ------------------------------------------------------------------ end to end
@@ -229,9 +345,11 @@ def test_stopped_and_resumed_through_disk_equals_the_uninterrupted_run(ray_sessi
     manifest = torch.load(ckpt / "round_00002.pt", weights_only=True)["server"]["client_pieces"]
     trained = {r: sorted(row["client"] for row in _rows(cut, "clients") if row["round"] == r) for r in (1, 2)}
     rest = set(trained[1]) - set(trained[2])  # piece 1's clients not trained again: rewritten if under half
-    assert manifest["clients"][manifest["piece"] == 2].tolist() == sorted(
-        set(trained[2]) | (rest if 2 * len(rest) < len(trained[1]) else set()))
-    assert set(manifest["clients"].tolist()) == set(trained[1]) | set(trained[2])
+    moved = 2 * len(rest) < len(trained[1])
+    assert read_index(ckpt / piece_name(2))[0].tolist() == sorted(set(trained[2]) | (rest if moved else set()))
+    assert sorted(manifest["pieces"]) == [piece_name(r) for r in ((2,) if moved else (1, 2))]
+    assert {c for name in manifest["pieces"] for c in read_index(ckpt / name)[0].tolist()} == \
+        set(trained[1]) | set(trained[2])
     assert not (cut / "client_state" / "texture").exists()  # the spill file went with the federation
     assert _fed(tiny_ds, host, cut, *disk).rounds_done == 4
     for table in ("metrics", "clients", "ledger"):
@@ -253,13 +371,9 @@ def test_a_run_resumed_from_a_checkpoint_with_every_state_inside_equals_the_unin
     _fed(tiny_ds, host, cut, "method.name=fedbn", stop_after=2)
     ckpt = cut / "checkpoints" / "texture"
     state = load_latest(ckpt)
-    m = state["server"].pop("client_pieces")
-    states = {}
-    for c, p, off, n in zip(m["clients"], m["piece"], m["offset"], m["length"]):
-        with open(ckpt / piece_name(int(p)), "rb") as f:
-            f.seek(int(off))
-            states[int(c)] = decode(f.read(int(n)))
-    state["server"]["client_store"] = states
+    store = ClientStore({}, 6, 0)
+    store.load(state["server"].pop("client_pieces"), ckpt)
+    state["server"]["client_store"] = store.snapshot()
     for f in ckpt.iterdir():
         f.unlink()
     save_checkpoint(ckpt, 2, state)

@@ -4,11 +4,12 @@ A checkpoint is written as ``round_00012.pt`` (torch.save of tensors and
 plain Python values only, loadable with ``torch.load(weights_only=True)``)
 plus ``round_00012.json`` holding its SHA-256, and the SHA-256 and size of
 each client-state piece it names (``round_*.clients``, written before it by
-the client store: ``clientstore.py``; the manifest inside the ``.pt`` says
-which client is where).  Everything is written to a temporary name and
-renamed, the digest last, so a checkpoint without a matching digest, or
-whose pieces are missing or do not match theirs, is incomplete or corrupt
-and the previous one is used, with a warning naming the file.  The two most
+the client store: ``clientstore.py``; each piece ends with its index, which
+client is where in it, and the pieces the ``.pt`` names are the whole map).
+Everything is written to a temporary name and renamed, the digest last, so
+a checkpoint without a matching digest, or whose pieces (their indexes
+included) are missing or do not match theirs, is incomplete or corrupt and
+the previous one is used, with a warning naming the file.  The two most
 recent checkpoints are kept, and the pieces either of them names; a piece
 both name (a client unchanged since) fails both.
 """

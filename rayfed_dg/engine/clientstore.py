@@ -14,7 +14,7 @@ BN layers, SCAFFOLD's control variate) lives in one of three places:
   unchanged since the checkpoint that wrote it.
 
 Besides the states in memory, the server keeps only an index, a few numbers
-per client in arrays of the population's size (49 bytes a client, 5
+per client in arrays of the population's size (42 bytes a client, 4.2
 MB for 10^5), so its memory does not grow with the clients it has seen.
 
 **Format.**  A state is one *record*: a length-prefixed JSON header (names,
@@ -24,23 +24,41 @@ the same.  Records go into few, large files rather than one file per client
 (one .npz per client and version would be 10^5 inodes, a directory scan per
 listing and one fsync per client per checkpoint):
 
-* the spill file is one slab of slots, one per spilled client, rewritten in
-  place; a slot is freed once a checkpoint holds its client and reused for
-  a record of the same size (a method's records are all one size), so the
-  file stays as large as the states spilled between two checkpoints.  It is
-  scratch: never synced, never read after the run (a resume reads pieces),
-  and truncated when a store starts using it;
-* a checkpoint writes one *piece*: the records of the clients changed since
-  the previous checkpoint, appended once, synced and renamed into place
-  (``utils.atomic_write_with``), never modified after.  The checkpoint's
-  manifest (client -> piece, offset, length) and each piece's SHA-256
-  (``checkpoint.py`` verifies them before a resume uses the checkpoint)
-  go into the checkpoint.  An unchanged client's record stays where an
-  earlier piece wrote it, so a piece is kept while a kept checkpoint names
-  it; a piece less than half of which is still current is rewritten into
-  the next piece (its current clients join the changed ones), which bounds
-  the pieces on disk to twice the live states for one extra write per
-  state at most.
+* the spill file is one slab of slots, rewritten in place: a state changed
+  and evicted takes a free slot of its size (a method's records are all one
+  size) or a new one at the end; a slot is freed when its state is replaced
+  (``put``) or once a checkpoint holds it, so the file stays as large as the
+  most states held there at once (between two checkpoints, or over the
+  whole run when none is taken).  It is scratch: never synced, never read
+  after the run (a resume reads pieces), and truncated when a store starts
+  using it;
+* a checkpoint writes one *piece*, ``round_*.clients``: the records of the
+  clients changed since the previous checkpoint, then the piece's *index*,
+  one record (``clients`` and each record's ``length``, int64, in the
+  piece's order; offsets are their running sum) followed by its length (8
+  bytes), appended once, synced and renamed into place
+  (``utils.atomic_write_with``), never modified after.  An unchanged
+  client's record stays where an earlier piece wrote it, and a piece less
+  than half of whose record bytes are still current is rewritten into the
+  next piece (its current clients join the changed ones), which bounds the
+  pieces on disk to twice the live states for one extra write per state at
+  most.
+
+**Manifest.**  Every client whose location a checkpoint changes (changed,
+or moved out of a rewritten piece) is in that checkpoint's piece, so a
+piece's index is the checkpoint's delta manifest, and the whole map (client
+-> piece, offset, length) is the indexes of the pieces still current,
+applied in round order (a later piece's entry supersedes an earlier one's).
+The checkpoint names only those pieces, with each one's SHA-256 and size
+(``pieces``; ``checkpoint.py`` verifies them before a resume uses the
+checkpoint, and keeps the pieces a kept checkpoint names); ``load`` rebuilds
+the map from their indexes.  A checkpoint thus writes 16 bytes of index per
+record it writes (and a name and digest per piece still current), never a
+full manifest: the rewrite rule that bounds the pieces bounds their indexes
+to twice a full one, which is all a resume reads.  Checkpoints
+written before pieces had an index (the map's arrays inside the ``.pt``:
+``clients``, ``piece``, ``offset``, ``length``) load; the next checkpoint
+then rewrites every state into its piece.
 
 Workers receive a client's state inside its task (``ClientTask.local_state``),
 as before: the bytes a worker would read from a shared file are the bytes
@@ -72,6 +90,10 @@ def piece_name(round: int) -> str:
     return f"round_{round:05d}.clients"
 
 
+def _piece_round(name: str) -> int:
+    return int(name.split("_")[1].split(".")[0])
+
+
 def encode(state: Mapping[str, np.ndarray]) -> bytes:
     """One state as a record (the module docstring's format)."""
     arrays = {k: np.asarray(v, order="C") for k, v in state.items()}  # keeps 0-d (ascontiguousarray: 1-d)
@@ -92,6 +114,22 @@ def decode(record: bytes | bytearray | memoryview) -> dict[str, np.ndarray]:
         out[key] = np.frombuffer(buf, dt, count, pos).reshape(tuple(shape))
         pos += count * dt.itemsize
     return out
+
+
+def read_index(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A piece's index (its delta manifest): its clients, and their records'
+    offsets and lengths, in the piece's order."""
+    with open(path, "rb") as f:
+        end = f.seek(0, 2)
+        f.seek(max(end - _LEN.size, 0))
+        tail = f.read(_LEN.size)
+        n = _LEN.unpack(tail)[0] if len(tail) == _LEN.size else end
+        if n > end - _LEN.size:
+            raise OSError(f"{path}: its index is missing (the file was cut short or written without one)")
+        f.seek(end - _LEN.size - n)
+        index = decode(f.read(n))
+    length = index["length"]
+    return index["clients"], np.cumsum(length) - length, length
 
 
 def _read(path: Path, offset: int, length: int) -> bytearray:
@@ -119,19 +157,20 @@ class ClientStore:
         self.initial, self.budget = initial, budget
         self._mem: OrderedDict[int, dict[str, np.ndarray]] = OrderedDict()  # least recently used first
         self._mem_bytes = 0
-        self._dirty: set[int] = set()  # changed since the last checkpoint
+        self._dirty = np.zeros(num_clients, bool)  # changed since the last checkpoint
         self._has = np.zeros(num_clients, bool)  # has a state of its own
-        # the last checkpoint's manifest: piece (its round, -1: none), offset, length
+        # the last checkpoint's map: piece (its round, -1: none), offset, length
         self._piece = np.full(num_clients, -1, np.int64)
         self._offset = np.zeros(num_clients, np.int64)
         self._length = np.zeros(num_clients, np.int64)
-        self._pieces: dict[int, dict] = {}  # round -> {"sha256", "bytes"} of the pieces the manifest names
+        # round -> {"sha256", "bytes", "records": the bytes before its index} of the pieces the map names
+        self._pieces: dict[int, dict] = {}
         self._piece_dir: Path | None = None
-        # spill slots: offset and capacity (-1: none), and the length of the client's current state there (-1: stale)
+        self._rewrite_all = False  # the map came from pieces without an index: the next piece takes every state
+        # spill slots: offset and length of the client's current state there (-1: none)
         self._slot = np.full(num_clients, -1, np.int64)
-        self._cap = np.zeros(num_clients, np.int64)
         self._slen = np.full(num_clients, -1, np.int64)
-        self._free: dict[int, list[int]] = {}  # capacity -> offsets of free slots
+        self._free: dict[int, list[int]] = {}  # length -> offsets of free slots
         self._end = 0  # the spill file's length
         self._dir = directory
         self._spill_made = False
@@ -159,8 +198,8 @@ class ClientStore:
         if not state:  # a method without local state (FedAvg): ``initial`` is just as empty
             return
         self._has[client] = True
-        self._dirty.add(client)
-        self._slen[client] = -1  # its spilled copy, if any, is stale
+        self._dirty[client] = True
+        self._free_slot(client)  # its spilled copy, if any, is stale
         self._keep(client, state)
 
     def clients(self) -> list[int]:
@@ -209,12 +248,12 @@ class ClientStore:
     def _evict(self, client: int, state: dict[str, np.ndarray]) -> None:
         """A state leaves memory: written to the spill file unless disk has it
         already (a spilled copy, or the last checkpoint's piece when unchanged)."""
-        if client in self._dirty and self._slen[client] < 0:
+        if self._dirty[client] and self._slot[client] < 0:
             self._spill(client, encode(state))
 
     def _record(self, client: int) -> bytearray:
         """The client's current state as a record, from disk (it is not in memory)."""
-        if client in self._dirty:
+        if self._dirty[client]:
             return _read(self._spill_path(), int(self._slot[client]), int(self._slen[client]))
         assert self._piece_dir is not None
         return _read(self._piece_dir / piece_name(int(self._piece[client])), int(self._offset[client]),
@@ -244,17 +283,13 @@ class ClientStore:
         self._spill_made = True
 
     def _spill(self, client: int, record: bytes) -> None:
+        """``record`` into a free slot of its length, or a new one at the end (the client has none)."""
         if not self._spill_made:
             self._make_spill()
         n = len(record)
-        if self._slot[client] < 0 or self._cap[client] < n:
-            self._free_slot(client)
-            free = self._free.get(n)
-            if free:
-                self._slot[client] = free.pop()
-            else:
-                self._slot[client], self._end = self._end, self._end + n
-            self._cap[client] = n
+        free = self._free.get(n)
+        self._slot[client] = free.pop() if free else self._end
+        self._end = max(self._end, int(self._slot[client]) + n)
         with open(self._spill_path(), "r+b") as f:
             f.seek(int(self._slot[client]))
             f.write(record)
@@ -262,7 +297,7 @@ class ClientStore:
 
     def _free_slot(self, client: int) -> None:
         if self._slot[client] >= 0:
-            self._free.setdefault(int(self._cap[client]), []).append(int(self._slot[client]))
+            self._free.setdefault(int(self._slen[client]), []).append(int(self._slot[client]))
         self._slot[client], self._slen[client] = -1, -1
 
     # ------------------------------------------------------------ checkpoints
@@ -270,44 +305,47 @@ class ClientStore:
     def checkpoint(self, directory: Path, round: int) -> dict:
         """Write the states changed since the last checkpoint (and those of
         pieces less than half current: the module docstring) as the piece of
-        ``round`` in ``directory``; returns the new manifest: ``clients``,
-        ``piece`` (a piece's round), ``offset``, ``length`` (arrays, by
-        client), ``pieces`` (file name -> {"sha256", "bytes"})."""
+        ``round`` in ``directory``, its index last; returns the manifest:
+        ``pieces``, the pieces the map is made of (file name -> {"sha256",
+        "bytes"}; ``load`` reads the map back from them)."""
         directory = Path(directory)
-        stale = [c for c in self._dirty if self._piece[c] >= 0]
-        self._piece[stale] = -1  # superseded: no longer counts as live in its piece
-        rewrite = set(self._dirty)
-        if self._piece_dir is not None and directory != self._piece_dir:
-            rewrite |= set(np.flatnonzero(self._piece >= 0).tolist())  # a new folder gets every state
+        self._piece[self._dirty] = -1  # superseded: no longer counts as live in its piece
+        rewrite = self._dirty.copy()
+        if self._rewrite_all or (self._piece_dir is not None and directory != self._piece_dir):
+            rewrite |= self._piece >= 0  # a new folder, or pieces without an index: every state
         else:
-            live = np.bincount(self._piece[self._piece >= 0], self._length[self._piece >= 0])
-            for p, info in self._pieces.items():
-                if 2 * (live[p] if p < len(live) else 0) < info["bytes"]:
-                    rewrite |= set(np.flatnonzero(self._piece == p).tolist())
-        order = sorted(rewrite)
-        records = {}
-        sha = hashlib.sha256()
+            at = self._piece >= 0
+            live = np.bincount(self._piece[at], self._length[at], max(self._pieces, default=-1) + 1)
+            stale = [p for p, info in self._pieces.items() if 2 * live[p] < info["records"]]
+            if stale:
+                rewrite |= np.isin(self._piece, stale)
+        order = np.flatnonzero(rewrite)
+        lengths = np.zeros(len(order), np.int64)
+        sha, size = hashlib.sha256(), [0]
 
         def write(f) -> None:
-            pos = 0
-            for c in order:
+            for i, c in enumerate(order.tolist()):
                 rec = encode(self._mem[c]) if c in self._mem else self._record(c)
                 f.write(rec)
                 sha.update(rec)
-                records[c] = (pos, len(rec))
-                pos += len(rec)
+                lengths[i] = len(rec)
+            index = encode({"clients": order, "length": lengths})
+            tail = index + _LEN.pack(len(index))
+            f.write(tail)
+            sha.update(tail)
+            size[0] = int(lengths.sum()) + len(tail)
 
         directory.mkdir(parents=True, exist_ok=True)
-        if order:
+        if len(order):
             atomic_write_with(directory / piece_name(round), write)
-            idx = np.array(order, np.int64)
-            self._piece[idx] = round
-            self._offset[idx] = [records[c][0] for c in order]
-            self._length[idx] = [records[c][1] for c in order]
-            self._pieces[round] = {"sha256": sha.hexdigest(), "bytes": sum(n for _, n in records.values())}
-        for c in self._dirty:
+            self._piece[order] = round
+            self._offset[order] = np.cumsum(lengths) - lengths
+            self._length[order] = lengths
+            self._pieces[round] = {"sha256": sha.hexdigest(), "bytes": size[0], "records": int(lengths.sum())}
+        for c in np.flatnonzero(self._dirty).tolist():
             self._free_slot(c)
-        self._dirty.clear()
+        self._dirty[:] = False
+        self._rewrite_all = False
         self._piece_dir = directory
         named = set(np.unique(self._piece[self._piece >= 0]).tolist())
         self._pieces = {p: info for p, info in self._pieces.items() if p in named}
@@ -315,21 +353,35 @@ class ClientStore:
 
     def manifest(self) -> dict:
         """The last checkpoint's manifest (``checkpoint``'s return value)."""
+        return {"pieces": {piece_name(p): {"sha256": info["sha256"], "bytes": info["bytes"]}
+                           for p, info in sorted(self._pieces.items())}}
+
+    def locations(self) -> dict[str, np.ndarray]:
+        """The last checkpoint's map, by client (tests and tools): ``clients``
+        (ascending) and their records' ``piece`` (its round), ``offset``, ``length``."""
         ids = np.flatnonzero(self._piece >= 0)
-        return {"clients": ids, "piece": self._piece[ids], "offset": self._offset[ids], "length": self._length[ids],
-                "pieces": {piece_name(p): dict(info) for p, info in sorted(self._pieces.items())}}
+        return {"clients": ids, "piece": self._piece[ids], "offset": self._offset[ids], "length": self._length[ids]}
 
     def load(self, manifest: dict, directory: Path) -> None:
-        """Start over from a checkpoint's ``manifest`` whose pieces are in ``directory``."""
+        """Start over from a checkpoint's ``manifest`` whose pieces are in
+        ``directory``: the map is their indexes, applied in round order."""
         self._reset()
-        ids = np.asarray(manifest["clients"], np.int64)
-        self._has[ids] = True
-        self._piece[ids] = manifest["piece"]
-        self._offset[ids] = manifest["offset"]
-        self._length[ids] = manifest["length"]
-        self._pieces = {int(name.split("_")[1].split(".")[0]): dict(info)
+        directory = Path(directory)
+        self._pieces = {_piece_round(name): dict(info, records=info["bytes"])
                         for name, info in manifest["pieces"].items()}
-        self._piece_dir = Path(directory)
+        if "clients" in manifest:  # written before pieces had an index: the map itself
+            ids = np.asarray(manifest["clients"], np.int64)
+            self._piece[ids] = manifest["piece"]
+            self._offset[ids] = manifest["offset"]
+            self._length[ids] = manifest["length"]
+            self._rewrite_all = True
+        else:
+            for p in sorted(self._pieces):
+                ids, offset, length = read_index(directory / piece_name(p))
+                self._piece[ids], self._offset[ids], self._length[ids] = p, offset, length
+                self._pieces[p]["records"] = int(length.sum())
+        self._has[self._piece >= 0] = True
+        self._piece_dir = directory
 
     def load_states(self, states: dict[int, dict[str, np.ndarray]]) -> None:
         """Start over from every client's state (a checkpoint written before
@@ -341,12 +393,11 @@ class ClientStore:
     def _reset(self) -> None:
         self._mem.clear()
         self._mem_bytes = 0
-        self._dirty.clear()
-        self._has[:] = False
+        self._dirty[:], self._has[:] = False, False
         self._piece[:] = -1
         self._slot[:], self._slen[:] = -1, -1
         self._free.clear()
-        self._pieces, self._piece_dir, self._end = {}, None, 0
+        self._pieces, self._piece_dir, self._end, self._rewrite_all = {}, None, 0, False
         if self._spill_made:
             self._spill_path().write_bytes(b"")
 
