@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -143,7 +143,10 @@ class RunDirWriter:
         if last:
             self.run_dir.save_weights("final", self.target, state["global_state"])
         if ckpt:
-            self.run_dir.save_checkpoint(self.target, r, {"server": state, "result": asdict(res)},
+            # the clients' and ledger's rows are in the run directory's tables already (written before the
+            # callbacks): a checkpoint that carried them too would grow with every client trained so far
+            result = asdict(replace(res, clients=[], ledger=[]))
+            self.run_dir.save_checkpoint(self.target, r, {"server": state, "result": result, "rows": "tables"},
                                          state["client_pieces"]["pieces"])
 
     def close(self):
@@ -170,6 +173,9 @@ def _resume(run_dir: RunDir | None, target: str) -> tuple[TargetResult, dict | N
     if state is None or run_dir is None:
         return TargetResult(target), None
     res = TargetResult(**state["result"])
+    if state.get("rows") == "tables":  # this checkpoint's rounds' clients and ledger rows are the tables'
+        res.clients = run_dir.read_target_rows("clients", target, res.rounds_done)
+        res.ledger = run_dir.read_target_rows("ledger", target, res.rounds_done)
     if "client_pieces" in state["server"]:  # where the server reads the states the manifest names
         state["server"]["client_pieces"]["directory"] = str(run_dir.checkpoints(target))
     # a checkpoint written before rounds recorded their clients' phase: unknown, one entry per round all the same

@@ -285,6 +285,17 @@ class RunDir:
     def read_rows(self, name: str) -> list[dict]:
         return self.read_table(name).to_pylist()
 
+    def read_target_rows(self, name: str, target: str, upto: int) -> list[dict]:
+        """The rows of one target's rounds 0 .. ``upto`` of table ``name``, in
+        round order (what a resumed federation had recorded at its checkpoint)."""
+        import pyarrow.parquet as pq
+
+        path = self.path / f"{name}.parquet"
+        parts = sorted((p for p in path.glob("*.parquet") if _part_key(p)[0] == target and _part_key(p)[1] <= upto),
+                       key=_part_key) if path.is_dir() else []
+        schema = table_schema(name)
+        return [row for p in parts for row in pq.read_table(p, schema=schema).to_pylist()]
+
     # ------------------------------------------------------------ other files
 
     def write_skipped(self, files: list[str]) -> None:
