@@ -145,8 +145,9 @@ def many(rounds: int, per_round: int) -> None:
           f"touched grew {np.mean([r['touched'] for r in rs[half:]]) / np.mean([r['touched'] for r in rs[:half]]):.2f}x"
           f" (the manifest before grew as they did)")
     trained = sum(r["trained"] for r in rs[1:])
-    print(f".pt: {(rs[-1]['pt'] - rs[0]['pt']) / trained:.0f} bytes more per client trained (the run's records so far, "
-          f"client and ledger rows: run.py's TargetResult), {rs[-1]['pt'] / 1024:.0f} KiB at the last round")
+    print(f".pt: {(rs[-1]['pt'] - rs[0]['pt']) / trained:.0f} bytes more per client trained (the records a checkpoint "
+          f"carries; the client and ledger rows stay in the run directory's tables), {rs[-1]['pt'] / 1024:.0f} KiB at "
+          "the last round")
 
 
 def main() -> None:
