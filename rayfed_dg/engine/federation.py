@@ -57,6 +57,7 @@ from .worker import to_numpy_state
 class Federation:
     def __init__(self, cfg: ExperimentConfig, split: FederatedSplit, num_classes: int, id: int):
         self.cfg, self.split, self.id = cfg, split, id  # id: the federation's number on its host's actors
+        self.sizes = split.client_sizes()  # once: the split's clients never change, and it is O(population)
         self.method = build_method(cfg, split.num_clients)
         torch.manual_seed(seed_int(cfg.training.seed, Stream.INIT))
         model = self.method.build_model(num_classes)
@@ -81,7 +82,7 @@ class Federation:
         self.devices = DeviceModel(cfg.devices, cfg.training.seed, split.client_domains,
                                    model_bytes(self.global_state)) if cfg.devices.enabled else None
         self.clock = 0.0
-        self.steps = np.array([planned_steps(cfg.training, int(n)) for n in split.client_sizes()]) \
+        self.steps = np.array([planned_steps(cfg.training, int(n)) for n in self.sizes]) \
             if cfg.devices.enabled else None  # each client's local steps in a round, which its duration counts
         # asynchronous modes: the virtual clock, and the global model of every version still in flight (and the
         # current one), since each client trains from the version it downloaded
@@ -133,7 +134,7 @@ class Federation:
                           d.wait_s)
 
     def reducer(self, sampled: list[int]) -> Reducer:
-        sizes = self.split.client_sizes()[sampled]
+        sizes = self.sizes[sampled]
         return Reducer(sampled, dict(zip(sampled, self.method.aggregation_weights(
             sampled, sizes, self.server_state))))
 
@@ -182,7 +183,7 @@ class Federation:
 
     # ------------------------------------------------------------ asynchronous modes
     def _async_clock(self) -> aio.AsyncClock:
-        n, sizes = self.split.num_clients, self.split.client_sizes()
+        n, sizes = self.split.num_clients, self.sizes
         aio.check_async(self.cfg, n)  # the run's preflight did; a federation opened by hand is checked too
         # without devices.enabled: the section's defaults, every device online, one simulated second a local step
         devices = self.devices if self.devices is not None else DeviceModel(
@@ -197,7 +198,7 @@ class Federation:
         s = self.cfg.server
         got = [t for t in arrivals if t.client in updates]
         ids = [t.client for t in got]
-        weights = self.method.aggregation_weights(ids, self.split.client_sizes()[ids], self.server_state)
+        weights = self.method.aggregation_weights(ids, self.sizes[ids], self.server_state)
         x = self.global_state
         if s.mode == "fedasync":
             (t,) = got

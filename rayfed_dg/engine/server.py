@@ -144,7 +144,7 @@ class Server:
         sampled = fed.sample(r) if plan is None else plan.aggregated
         if plan is not None and not sampled:
             return self._idle_round(r, plan, t0)
-        sizes = self.split.client_sizes()[sampled]
+        sizes = fed.sizes[sampled]
         reducer, ledger = fed.reducer(sampled), Ledger(r)
         work = RoundWork(r, sampled, ledger, fed, self.pool, self.global_ref)
         run_phases(Slot.BEFORE_TRAINING, work)
@@ -255,7 +255,7 @@ class Server:
         failed = self.pool.map(  # one task per client: each reads its own version
             ids, lambda w, cid, attempt: w.train_in.remote(fed.id, fed.task(r, cid, {}, attempt),
                                                            self.versions[start[cid].version]),
-            on_update, cost={c: int(fed.split.client_sizes()[c]) for c in ids},
+            on_update, cost={c: int(fed.sizes[c]) for c in ids},
             largest_first=fed.cfg.engine.schedule == "largest_first")
         retries = dict(self.pool.last_retries)  # before the evaluation's maps
         if not updates:
@@ -272,8 +272,7 @@ class Server:
         self.versions = {v: self.versions.get(v, self.global_ref) for v in fed.versions}
         seconds_train = time.perf_counter() - t0
         work = RoundWork(r, ids, ledger, fed, self.pool, self.global_ref, results=results)
-        every = fed.cfg.evaluation.every
-        metrics = self.evaluate(work) if (every and r % every == 0) or r == fed.cfg.training.rounds else []
+        metrics = self.evaluate(work) if self._evaluates(r) else []
         rows = client_rows(r, self.split, ids, updates, dict(failed), retries, ledger)
         for row in rows:
             t = start[row.client]
@@ -282,7 +281,7 @@ class Server:
         # a training that dropped out: a row of its own (its device may also have trained again and arrived in this
         # update), charged the download it made; like the sync clock's, not a failed task (no DropRow)
         down = sum(b for _, b, _ in bcast_sizes)
-        sizes = self.split.client_sizes()
+        sizes = fed.sizes
         for t in upd.dropped:
             ledger.add_state(t.client, "down", bcast_sizes)
             rows.append(ClientRow(
