@@ -1,14 +1,26 @@
-"""A one-node Slurm on this machine, for running ``tuning/slurm_sweep.sbatch`` for real.
+"""A Slurm of one or more nodes on this machine, for running the ``tuning/*.sbatch`` scripts for real.
 
 ``LocalSlurm(folder)`` writes a private munge key, ``slurm.conf`` and
-``gres.conf`` into ``folder`` and starts ``munged``, ``slurmctld`` and
-``slurmd`` in the foreground, keeping their process ids; ``stop`` ends those
-three by id (never ``scontrol shutdown`` of anyone else's Slurm, never
-``pkill``).  Everything listens on loopback, on free ports, and uses its own
-munge socket, so the machine's own munge/Slurm (if any) is untouched.
+``gres.conf`` into ``folder`` and starts ``munged``, ``slurmctld`` and a
+``slurmd`` per node in the foreground, keeping their process ids; ``stop``
+ends them by id (never ``scontrol shutdown`` of anyone else's Slurm, never
+``pkill``).  It uses its own munge socket and free ports, so the machine's
+own munge/Slurm (if any) is untouched.
 
-The node is this machine (``slurmd -C``: its name, CPUs, sockets, memory)
-with ``gpus`` declared GPUs: GRES ``gpu`` whose ``File`` entries
+One node listens on loopback.  With ``nodes=2`` or more, each node is a host
+of its own: a network namespace (``ip netns``) joined by a veth pair to a
+bridge on this machine, with its own address on a private /24, and its
+``slurmd`` runs there in its own UTS and mount namespaces, with its own
+hostname and an ``/etc/hosts`` (bound over the machine's, in that mount
+namespace only) naming every node, so ``hostname --ip-address`` on a node
+gives that node's address, as on a real cluster.  slurmctld listens on the
+bridge's address.  Debian's slurmd is not built with --enable-multiple-slurmd,
+and two slurmds sharing one address would make Ray's nodes share one too
+(ports, sockets): real nodes never do.  ``stop`` deletes the namespaces, the
+veths and the bridge it made (names carry this instance's token).
+
+Each node has ``cpus`` CPUs (default: this machine's, ``slurmd -C``) and
+``gpus`` declared GPUs: GRES ``gpu`` whose ``File`` entries
 ``folder/dev/nvidia0..`` are links to ``/dev/null`` (slurmd wants character
 devices; it sets ``CUDA_VISIBLE_DEVICES`` from their numbers, as on a GPU node).
 
@@ -16,7 +28,7 @@ Every process the daemons start (job scripts, steps, what those start) carries
 ``MARK`` in its environment with this instance's token, so ``processes()``
 finds whatever is left of them by reading ``/proc/*/environ``.
 
-    python tests/slurm_local.py up FOLDER [--gpus 2]    # prints the SLURM_CONF to export
+    python tests/slurm_local.py up FOLDER [--gpus 2] [--nodes 2]    # prints the SLURM_CONF to export
     python tests/slurm_local.py down FOLDER
 """
 from __future__ import annotations
@@ -60,19 +72,56 @@ def _hardware() -> dict[str, str]:
     return dict(re.findall(r"(\w+)=(\S+)", out.splitlines()[0]))
 
 
+def _ip(*args: str) -> None:
+    r = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"local Slurm: ip {' '.join(args)}: {r.stderr.strip()}")
+
+
+def _free_subnet() -> str:
+    """``10.241.N`` for an N no address or route of this machine uses."""
+    used = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True).stdout + \
+        subprocess.run(["ip", "-4", "route"], capture_output=True, text=True).stdout
+    for n in secrets.SystemRandom().sample(range(1, 255), 254):
+        if f"10.241.{n}." not in used:
+            return f"10.241.{n}"
+    raise RuntimeError("local Slurm: no free 10.241.N.0/24 subnet")
+
+
 class LocalSlurm:
-    def __init__(self, folder: str | Path, gpus: int = 2, cpus: int | None = None):
+    def __init__(self, folder: str | Path, gpus: int = 2, cpus: int | None = None, nodes: int = 1):
         self.dir = Path(folder).resolve()
         self.gpus = gpus
         self.cpus = cpus
         self.token = secrets.token_hex(8)
         self.pids: dict[str, int] = {}
         self._procs: dict[str, subprocess.Popen] = {}
-        self.node = ""
+        self.nodes: list[str] = []
+        self.addrs: dict[str, str] = {}  # node -> its address (several nodes: in its own network namespace)
+        self.subnet = ""  # several nodes: 10.241.N, the bridge is .1 and node i is .(i+1)
+        self.count = nodes
         state = self.dir / "local-slurm.json"
         if state.is_file():  # an instance started by `up` in another process
-            s = json.loads(state.read_text())
-            self.token, self.pids, self.node = s["token"], s["pids"], s["node"]
+            st = json.loads(state.read_text())
+            self.token, self.pids, self.nodes, self.addrs, self.subnet = \
+                st["token"], st["pids"], st["nodes"], st["addrs"], st["subnet"]
+            self.count = len(self.nodes)
+
+    @property
+    def node(self) -> str:
+        """The first node (the batch host of a job on every node)."""
+        return self.nodes[0]
+
+    # names of this instance's network devices and namespaces (interface names are at most 15 characters)
+    @property
+    def _bridge(self) -> str:
+        return f"rf{self.token[:6]}br"
+
+    def _netns(self, i: int) -> str:
+        return f"rf{self.token[:6]}n{i}"
+
+    def _veth(self, i: int) -> str:
+        return f"rf{self.token[:6]}h{i}"
 
     # ------------------------------------------------------------------ files
     @property
@@ -102,16 +151,27 @@ class LocalSlurm:
             if not dev.is_symlink():
                 dev.symlink_to("/dev/null")
         hw = _hardware()
-        self.node = hw["NodeName"]
         cpus = self.cpus or int(hw["CPUs"])
-        node = (f"NodeName={self.node} NodeAddr=127.0.0.1 NodeHostname={self.node} CPUs={cpus} "
-                f"Boards={hw.get('Boards', 1)} SocketsPerBoard={hw.get('SocketsPerBoard', 1)} "
-                f"CoresPerSocket={hw.get('CoresPerSocket', cpus)} ThreadsPerCore={hw.get('ThreadsPerCore', 1)} "
-                f"RealMemory={hw.get('RealMemory', 1000)}" + (f" Gres=gpu:{self.gpus}" if self.gpus else "")
-                + " State=UNKNOWN")
+        if self.count == 1:
+            self.nodes, ctld = [hw["NodeName"]], f"{hw['NodeName']}(127.0.0.1)"
+            self.addrs = {self.nodes[0]: "127.0.0.1"}
+        else:
+            self.subnet = _free_subnet()
+            self.nodes = [f"rfnode{i}" for i in range(1, self.count + 1)]
+            self.addrs = {n: f"{self.subnet}.{i + 2}" for i, n in enumerate(self.nodes)}
+            # slurmctld runs here: it checks that the host named in SlurmctldHost is this one
+            ctld = f"{hw['NodeName']}({self.subnet}.1)"
+            (d / "hosts").write_text("127.0.0.1 localhost\n" + f"{self.subnet}.1 {hw['NodeName']}\n"
+                                     + "".join(f"{a} {n}\n" for n, a in self.addrs.items()))
+        for n in self.nodes:
+            (d / "spool" / n).mkdir(exist_ok=True)
+        hw_line = (f"CPUs={cpus} Boards={hw.get('Boards', 1)} SocketsPerBoard={hw.get('SocketsPerBoard', 1)} "
+                   f"CoresPerSocket={hw.get('CoresPerSocket', cpus)} ThreadsPerCore={hw.get('ThreadsPerCore', 1)} "
+                   f"RealMemory={hw.get('RealMemory', 1000)}" + (f" Gres=gpu:{self.gpus}" if self.gpus else "")
+                   + " State=UNKNOWN")
         self.conf.write_text("\n".join([
             "ClusterName=rayfeddg",
-            f"SlurmctldHost={self.node}(127.0.0.1)",
+            f"SlurmctldHost={ctld}",
             f"SlurmctldPort={_free_port()}",
             f"SlurmdPort={_free_port()}",
             "SlurmUser=root",
@@ -120,11 +180,11 @@ class LocalSlurm:
             "CredType=cred/munge",
             f"AuthInfo=socket={self.socket}",
             f"StateSaveLocation={d / 'ctld'}",
-            f"SlurmdSpoolDir={d / 'spool'}",
+            f"SlurmdSpoolDir={d / 'spool' / '%n'}",
             f"SlurmctldPidFile={d / 'slurmctld.pid'}",
-            f"SlurmdPidFile={d / 'slurmd.pid'}",
+            f"SlurmdPidFile={d / 'spool' / 'slurmd-%n.pid'}",
             f"SlurmctldLogFile={d / 'log' / 'slurmctld.log'}",
-            f"SlurmdLogFile={d / 'log' / 'slurmd.log'}",
+            f"SlurmdLogFile={d / 'log' / 'slurmd-%n.log'}",
             "SlurmdParameters=config_overrides",  # the node as configured here, whatever the hardware says
             "ProctrackType=proctrack/linuxproc",  # no cgroup plugin: steps are tracked as process trees
             "TaskPlugin=task/none",
@@ -140,12 +200,37 @@ class LocalSlurm:
             "MinJobAge=600",  # a finished job stays in `scontrol show job` for the test to read
             "KillWait=10",
             "InactiveLimit=0",
-            node,
+            *(f"NodeName={n} NodeAddr={a} NodeHostname={n} {hw_line}" for n, a in self.addrs.items()),
             "PartitionName=local Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO",
             ""]))
         (d / "gres.conf").write_text(
             "AutoDetect=off\n"
-            + (f"NodeName={self.node} Name=gpu File={d / 'dev'}/nvidia[0-{self.gpus - 1}]\n" if self.gpus else ""))
+            + "".join(f"NodeName={n} Name=gpu File={d / 'dev'}/nvidia[0-{self.gpus - 1}]\n"
+                      for n in self.nodes if self.gpus))
+
+    def _network(self) -> None:
+        """The bridge on this machine and each node's namespace, joined to it by a veth pair."""
+        net = self.subnet
+        _ip("link", "add", self._bridge, "type", "bridge")
+        _ip("addr", "add", f"{net}.1/24", "dev", self._bridge)
+        _ip("link", "set", self._bridge, "up")
+        for i, node in enumerate(self.nodes, 1):
+            ns, host_end, node_end = self._netns(i), self._veth(i), f"rf{self.token[:6]}v{i}"
+            _ip("netns", "add", ns)
+            _ip("link", "add", host_end, "type", "veth", "peer", "name", node_end)
+            _ip("link", "set", node_end, "netns", ns)
+            _ip("link", "set", host_end, "master", self._bridge)
+            _ip("link", "set", host_end, "up")
+            _ip("-n", ns, "addr", "add", f"{self.addrs[node]}/24", "dev", node_end)
+            _ip("-n", ns, "link", "set", node_end, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+
+    def _unnetwork(self) -> None:
+        """Delete what ``_network`` made (whatever of it exists)."""
+        for i in range(1, len(self.nodes) + 1):
+            subprocess.run(["ip", "link", "del", self._veth(i)], capture_output=True)  # its peer goes with it
+            subprocess.run(["ip", "netns", "del", self._netns(i)], capture_output=True)
+        subprocess.run(["ip", "link", "del", self._bridge], capture_output=True)
 
     # ---------------------------------------------------------------- control
     def _spawn(self, name: str, cmd: list[str]) -> None:
@@ -162,12 +247,26 @@ class LocalSlurm:
                                f"--key-file={m / 'munge.key'}", f"--pid-file={m / 'munged.pid'}",
                                f"--log-file={m / 'munged.log'}", f"--seed-file={m / 'munged.seed'}"])
         self._wait(lambda: self.socket.exists(), timeout, "munged did not open its socket")
+        if self.count > 1:
+            try:
+                self._network()
+            except RuntimeError:
+                self.stop()
+                raise
         self._spawn("slurmctld", [_exe("slurmctld"), "-D", "-c", "-i", "-f", str(self.conf)])
         self._wait(lambda: self._scontrol("ping").returncode == 0, timeout, "slurmctld does not answer a ping")
-        self._spawn("slurmd", [_exe("slurmd"), "-D", "-f", str(self.conf), "-N", self.node])
-        self._wait(self._node_idle, timeout, "the node did not become idle")
-        (self.dir / "local-slurm.json").write_text(json.dumps({"token": self.token, "pids": self.pids,
-                                                                "node": self.node}))
+        for i, node in enumerate(self.nodes, 1):
+            slurmd = [_exe("slurmd"), "-D", "-f", str(self.conf), "-N", node]
+            if self.count > 1:  # each exec keeps the process id: the one kept is slurmd's
+                # nsenter, not `ip netns exec`: that remounts /sys, hiding the cgroup file system slurmd reads
+                slurmd = ["nsenter", f"--net=/run/netns/{self._netns(i)}", "unshare", "--uts", "--mount", "--propagation",
+                          "private", "sh", "-c", 'mount --bind "$0" /etc/hosts && hostname "$1" && shift && exec "$@"',
+                          str(self.dir / "hosts"), node, *slurmd]
+            self._spawn(f"slurmd-{node}", slurmd)
+        self._wait(self._nodes_idle, timeout, "the nodes did not become idle")
+        (self.dir / "local-slurm.json").write_text(json.dumps({
+            "token": self.token, "pids": self.pids, "nodes": self.nodes, "addrs": self.addrs,
+            "subnet": self.subnet}))
 
     def _wait(self, ok, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
@@ -182,16 +281,14 @@ class LocalSlurm:
     def _scontrol(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run(["scontrol", *args], env=self.env(), capture_output=True, text=True, timeout=30)
 
-    def _node_idle(self) -> bool:
-        r = self._scontrol("show", "node", self.node)
-        return r.returncode == 0 and bool(re.search(r"State=IDLE\b", r.stdout))
+    def _nodes_idle(self) -> bool:
+        r = self._scontrol("show", "node", ",".join(self.nodes))
+        return r.returncode == 0 and len(re.findall(r"State=IDLE\b", r.stdout)) == len(self.nodes)
 
     def stop(self, timeout: float = 15.0) -> None:
-        """End this instance's daemons by process id: slurmd, slurmctld, munged, in that order."""
-        for name in reversed(DAEMONS):
-            pid = self.pids.get(name)
-            if pid is None:
-                continue
+        """End this instance's daemons by process id: the slurmds, slurmctld, munged, in that order; then
+        delete its network namespaces, veths and bridge."""
+        for name, pid in reversed(list(self.pids.items())):
             p = self._procs.get(name)
             try:
                 os.kill(pid, signal.SIGTERM)
@@ -213,6 +310,8 @@ class LocalSlurm:
                 if p is not None:
                     p.wait()
         self.pids.clear()
+        if self.subnet:
+            self._unnetwork()
 
     def processes(self) -> list[tuple[int, str]]:
         """(pid, command line) of every live process carrying this instance's mark (daemons, jobs, Ray)."""
@@ -272,8 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("action", choices=["up", "down"])
     ap.add_argument("folder")
     ap.add_argument("--gpus", type=int, default=2)
+    ap.add_argument("--nodes", type=int, default=1)
     args = ap.parse_args(argv)
-    s = LocalSlurm(args.folder, gpus=args.gpus)
+    s = LocalSlurm(args.folder, gpus=args.gpus, nodes=args.nodes)
     if args.action == "up":
         if missing():
             print(f"missing: {' '.join(missing())} (apt-get install slurm-wlm munge)", file=sys.stderr)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The Ray side of ``tuning/slurm_sweep.sbatch``: what the trials may ask for, and checks that Ray got it.
+"""The Ray side of the Slurm scripts (``tuning/slurm_ray.sh``): what the workers may ask for, checks that Ray got it.
 
     python tuning/slurm_ray.py plan --cpus 16 --gpus 4 --cpus-per-worker 1
         -> "0.25 16 0": each worker's GPU share, the workers per node and the GPUs
@@ -7,7 +7,7 @@
     python tuning/slurm_ray.py wait --address IP:PORT --nodes 3 --cpus 16 --gpus 4
         -> waits for the nodes, then fails unless Ray's CPUs and GPUs are Slurm's
     python tuning/slurm_ray.py placement-groups --address IP:PORT
-        -> the placement groups the sweep's trials reserved (removed ones too)
+        -> the placement groups the sweep's trials reserved (removed ones too), and each bundle's node
 
 Every line it prints starts with ``slurm_ray:`` so a job log can be read by
 machine (``tests/test_slurm.py`` does).
@@ -115,12 +115,15 @@ def placement_groups(address: str) -> int:
 
     _connect(address, 30)
     table = placement_group_table()
+    ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
     ray.shutdown()
     for pg_id, pg in sorted(table.items()):
         bundles = [pg["bundles"][i] for i in sorted(pg["bundles"])]
         gpu = sum(b.get("GPU", 0) for b in bundles)
+        where = pg.get("bundles_to_node_id") or {}
         _say("placement group " + json.dumps({"id": pg_id[:12], "state": pg["state"], "bundles": bundles,
-                                               "gpu": gpu, "placed": bool(pg.get("bundles_to_node_id"))}))
+                                               "gpu": gpu, "placed": bool(where),
+                                               "nodes": [ips.get(where[i], where[i]) for i in sorted(where)]}))
     _say(f"{len(table)} placement group(s)")
     return 0
 
