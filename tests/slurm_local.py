@@ -50,10 +50,14 @@ MARK = "RAYFED_DG_LOCAL_SLURM"
 DAEMONS = ("munged", "slurmctld", "slurmd")
 
 
-def missing() -> list[str]:
-    """The Slurm and munge programs this machine lacks (empty: it can run a local Slurm)."""
-    return [p for p in (*DAEMONS, "sbatch", "scontrol", "srun")
+def missing(nodes: int = 1) -> list[str]:
+    """The programs this machine lacks to run a local Slurm of ``nodes`` nodes (empty: none)."""
+    return [p for p in (*DAEMONS, "sbatch", "scontrol", "srun", *(("ip", "nsenter", "unshare") if nodes > 1 else ()))
             if shutil.which(p) is None and not Path("/usr/sbin", p).is_file()]
+
+
+class NoNetworkNamespaces(RuntimeError):
+    """This machine lets no one here make a bridge (no CAP_NET_ADMIN): no nodes of their own."""
 
 
 def _exe(name: str) -> str:
@@ -211,7 +215,10 @@ class LocalSlurm:
     def _network(self) -> None:
         """The bridge on this machine and each node's namespace, joined to it by a veth pair."""
         net = self.subnet
-        _ip("link", "add", self._bridge, "type", "bridge")
+        try:
+            _ip("link", "add", self._bridge, "type", "bridge")
+        except RuntimeError as e:
+            raise NoNetworkNamespaces(str(e)) from None
         _ip("addr", "add", f"{net}.1/24", "dev", self._bridge)
         _ip("link", "set", self._bridge, "up")
         for i, node in enumerate(self.nodes, 1):
@@ -334,24 +341,37 @@ class LocalSlurm:
                 if pid not in daemons and not cmd.startswith("slurmctld: slurmscriptd")]
 
     # ------------------------------------------------------------------- jobs
+    def submit(self, args: list[str], env: dict[str, str] | None = None, cwd: str | Path | None = None) -> int:
+        """``sbatch --parsable ARGS``: the job's id."""
+        r = subprocess.run(["sbatch", "--parsable", *args], env=self.env(env), cwd=cwd, capture_output=True,
+                           text=True, timeout=60)
+        job = r.stdout.strip().split(";")[0]
+        if not job.isdigit():
+            raise RuntimeError(f"sbatch failed ({r.returncode}): {r.stderr.strip()}")
+        return int(job)
+
+    def wait(self, job: int, timeout: float = 600.0) -> int:
+        """The job's exit code once it has ended; a job over ``timeout`` is cancelled."""
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.job(job)
+            if info.get("JobState") not in (None, "PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED"):
+                return int(info["ExitCode"].split(":")[0])
+            if time.monotonic() > deadline:
+                subprocess.run(["scancel", str(job)], env=self.env(), timeout=30)
+                raise RuntimeError(f"job {job} ran over {timeout:g} s and was cancelled")
+            time.sleep(0.5)
+
     def sbatch(self, args: list[str], env: dict[str, str] | None = None, cwd: str | Path | None = None,
                timeout: float = 600.0) -> tuple[int, int]:
-        """``sbatch --parsable --wait ARGS``: (job id, the job's exit code); a job over ``timeout`` is cancelled."""
-        p = subprocess.Popen(["sbatch", "--parsable", "--wait", *args], env=self.env(env), cwd=cwd,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            out, err = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, err = p.communicate()
-            job = out.strip().split(";")[0]
-            if job:
-                subprocess.run(["scancel", job], env=self.env(), timeout=30)
-            raise RuntimeError(f"job {job or '?'} ran over {timeout:g} s and was cancelled") from None
-        job = out.strip().split(";")[0]
-        if not job.isdigit():
-            raise RuntimeError(f"sbatch failed ({p.returncode}): {err.strip()}")
-        return int(job), p.returncode
+        """``submit`` then ``wait``: (job id, the job's exit code)."""
+        job = self.submit(args, env, cwd)
+        return job, self.wait(job, timeout)
+
+    def signal(self, job: int, sig: str = "TERM") -> None:
+        """Send ``sig`` to every process of the job, its batch shell included, as Slurm's time limit does
+        (``scancel --signal=SIG --full``; the limit then follows with SIGKILL after KillWait)."""
+        subprocess.run(["scancel", f"--signal={sig}", "--full", str(job)], env=self.env(), check=True, timeout=30)
 
     def job(self, job_id: int) -> dict[str, str]:
         """``scontrol show job -d`` as a dict (a finished job is kept MinJobAge seconds)."""
@@ -375,8 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     s = LocalSlurm(args.folder, gpus=args.gpus, nodes=args.nodes)
     if args.action == "up":
-        if missing():
-            print(f"missing: {' '.join(missing())} (apt-get install slurm-wlm munge)", file=sys.stderr)
+        if missing(args.nodes):
+            print(f"missing: {' '.join(missing(args.nodes))} (apt-get install slurm-wlm munge iproute2)",
+                  file=sys.stderr)
             return 2
         s.start()
         print(f"export SLURM_CONF={s.conf}")
