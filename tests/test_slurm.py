@@ -183,8 +183,9 @@ def test_a_run_stopped_by_sigterm_exits_130_and_its_printed_command_finishes_it(
     rounds = 30  # short rounds (a third of a second here): the signal lands mid-run, the rest is quick
     env = _job_env(slurm)
     log1, log2 = tmp_path / "job1.log", tmp_path / "job2.log"
+    # one worker: fewer processes to start on this machine's 2 cores (the numbers do not depend on it)
     sets = [f"training.rounds={rounds}", "data.resolution=16", "model.width=8", "compare=null",
-            "output.checkpoint_every=1", "engine.gpus_declared_only=true"]
+            "output.checkpoint_every=1", "engine.num_workers=1", "engine.gpus_declared_only=true"]
     job = slurm.submit(["--nodes=1", "--exclusive", f"--cpus-per-task={CPUS}", f"--gpus-per-node={ASKED}",
                         "--time=10", f"--output={log1}", str(REPO / "tuning" / "slurm_run.sbatch"),
                         "configs/quickstart.yaml", "--target", "colour", "--run-dir", str(run),
@@ -209,7 +210,7 @@ def test_a_run_stopped_by_sigterm_exits_130_and_its_printed_command_finishes_it(
     resume_env, args = _resume_command(text, "slurm_run")
     assert resume_env == {"CPUS_PER_WORKER": str(CPUS_PER_WORKER)}
     assert args[-3:] == ["tuning/slurm_run.sbatch", "--resume", str(run)], args
-    assert {f"--nodes=1", f"--cpus-per-task={CPUS}", f"--gpus-per-node={ASKED}"} <= set(args), args
+    assert {"--nodes=1", f"--cpus-per-task={CPUS}", f"--gpus-per-node={ASKED}"} <= set(args), args
     _no_job_processes(slurm)
     before = {p.name: p.stat().st_mtime_ns for p in (run / "metrics.parquet").iterdir()}
     assert len(before) >= saved[-1]

@@ -100,15 +100,16 @@ run_driver() {
   (trap - INT; exec "$@") &
   driver=$!
   wait "${driver}" && rc=0 || rc=$?
-  if [[ ${signalled} == 1 ]]; then
-    kill -INT "${driver}" 2>/dev/null || true
-    wait "${driver}" 2>/dev/null || true
-  fi
   # 130: stopped before the end (Slurm's time limit sends SIGTERM to every process of the job: the driver ends at
   # once, its checkpoints are what a resume continues from); tune.py and rayfed-dg run exit 130 on Ctrl-C too
-  if [[ ${signalled} == 1 || ${rc} == 130 ]]; then
-    say "stopped before the end$([[ ${signalled} == 1 ]] && echo " by a signal (a time limit, scancel)");" \
-        "continue with: ${resume}"
+  if [[ ${signalled} == 1 ]]; then
+    # said first: SIGKILL follows a time limit's SIGTERM after KillWait
+    say "stopped before the end by a signal (a time limit, scancel); continue with: ${resume}"
+    kill -INT "${driver}" 2>/dev/null || true
+    wait "${driver}" 2>/dev/null || true
+    exit 130
+  elif [[ ${rc} == 130 ]]; then
+    say "stopped before the end; continue with: ${resume}"
     exit 130
   fi
   return "${rc}"
