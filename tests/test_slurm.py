@@ -166,7 +166,7 @@ def test_a_two_node_sweep_runs_a_trial_on_each_node_with_the_gpus_it_asked_for(s
         worker_bundles = [b for b in pg["bundles"] if b.get("CPU", 0) > 0 or b.get("GPU", 0) > 0]
         assert worker_bundles == [{"CPU": CPUS_PER_WORKER, "GPU": share}] * 3, pg
         assert pg["gpu"] == pytest.approx(3 * share)
-    assert sorted(set(pg["nodes"]) for pg in pgs) == sorted([{head}, {worker}]), pgs
+    assert sorted(sorted(set(pg["nodes"])) for pg in pgs) == [[head], [worker]], pgs
     # the trials table on the shared path
     sweep = tmp_path / "store" / "tiny"
     rows = pq.read_table(sweep / "trials.parquet").to_pylist()
