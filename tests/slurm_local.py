@@ -266,8 +266,9 @@ class LocalSlurm:
             slurmd = [_exe("slurmd"), "-D", "-f", str(self.conf), "-N", node]
             if self.count > 1:  # each exec keeps the process id: the one kept is slurmd's
                 # nsenter, not `ip netns exec`: that remounts /sys, hiding the cgroup file system slurmd reads
-                slurmd = ["nsenter", f"--net=/run/netns/{self._netns(i)}", "unshare", "--uts", "--mount", "--propagation",
-                          "private", "sh", "-c", 'mount --bind "$0" /etc/hosts && hostname "$1" && shift && exec "$@"',
+                slurmd = ["nsenter", f"--net=/run/netns/{self._netns(i)}", "unshare", "--uts", "--mount",
+                          "--propagation", "private", "sh", "-c",
+                          'mount --bind "$0" /etc/hosts && hostname "$1" && shift && exec "$@"',
                           str(self.dir / "hosts"), node, *slurmd]
             self._spawn(f"slurmd-{node}", slurmd)
         self._wait(self._nodes_idle, timeout, "the nodes did not become idle")

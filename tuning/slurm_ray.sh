@@ -59,7 +59,10 @@ ray_up() {
   export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
   if [[ "${RAY_AUTH_MODE}" == token && -z "${RAY_AUTH_TOKEN:-}" ]]; then
     if [[ -n "${RAY_AUTH_TOKEN_PATH:-}" ]]; then
-      [[ -s "${RAY_AUTH_TOKEN_PATH}" ]] || { say "error: RAY_AUTH_TOKEN_PATH=${RAY_AUTH_TOKEN_PATH} is empty or missing" >&2; exit 2; }
+      if [[ ! -s "${RAY_AUTH_TOKEN_PATH}" ]]; then
+        say "error: RAY_AUTH_TOKEN_PATH=${RAY_AUTH_TOKEN_PATH} is empty or missing" >&2
+        exit 2
+      fi
     elif [[ ! -s "${HOME}/.ray/auth_token" ]]; then
       ray get-auth-token --generate >/dev/null
     fi
