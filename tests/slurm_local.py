@@ -111,11 +111,6 @@ class LocalSlurm:
                 st["token"], st["pids"], st["nodes"], st["addrs"], st["subnet"]
             self.count = len(self.nodes)
 
-    @property
-    def node(self) -> str:
-        """The first node (the batch host of a job on every node)."""
-        return self.nodes[0]
-
     # names of this instance's network devices and namespaces (interface names are at most 15 characters)
     @property
     def _bridge(self) -> str:
