@@ -54,11 +54,22 @@ class SlowFakeProvider(FakeMultiNodeProvider):
     ``launch_delay_s`` (provider config) before the node starts, as a cold
     cloud node boots and installs for minutes.  The autoscaler launches
     from a thread of its own, so it reports the node as a pending launch
-    meanwhile, as it does on a cloud."""
+    meanwhile, as it does on a cloud.
+
+    A started node is marked set up (``up-to-date``), as a cloud node is
+    once its setup commands ran: Ray's fake provider keeps the autoscaler's
+    ``uninitialized`` tag, so a node that died would count as pending
+    forever, and would never be terminated (the autoscaler ends only
+    set-up nodes that stopped reporting) nor replaced at ``max_workers``."""
 
     def _create_node_with_resources_and_labels(self, node_config, tags, count, resources, labels):
+        from ray.autoscaler.tags import STATUS_UP_TO_DATE, TAG_RAY_NODE_STATUS
+
         time.sleep(float(self.provider_config.get("launch_delay_s", 0.0)))
-        super()._create_node_with_resources_and_labels(node_config, tags, count, resources, labels)
+        with self.lock:
+            super()._create_node_with_resources_and_labels(node_config, tags, count, resources, labels)
+            for node in self._nodes.values():
+                node["tags"][TAG_RAY_NODE_STATUS] = STATUS_UP_TO_DATE
 
 
 def client_env() -> dict[str, str]:

@@ -11,7 +11,8 @@ A worker whose process died is not sent anything until Ray has restarted it
 whatever the load: a restart is minutes on a lost cloud node, seconds on a
 busy laptop, and counting attempts cannot tell the two apart.  While the
 autoscaler launches a node that could host it (``launching``, asked every
-``LAUNCH_POLL_S`` while a worker is away), the wait follows it: it ends
+``LAUNCH_POLL_S`` while a worker is away, and at least twice within
+``restart_timeout_s``), the wait follows it: it ends
 ``restart_timeout_s`` after the last time a launch was seen, and never later
 than ``replacement_timeout_s`` after the loss (``give_up_at``); a pool whose
 every worker was lost waits so too, saying on stderr what it waits for.  A
@@ -47,7 +48,7 @@ def own_fault(err: Exception) -> bool:
 
 
 SETTLE_S = 30.0  # how long a failing ``map`` waits for its other jobs before raising anyway
-LAUNCH_POLL_S = 5.0  # the autoscaler's own update interval: asking more often learns nothing
+LAUNCH_POLL_S = 5.0  # the autoscaler's own update interval (on a cloud): asking more often learns nothing
 SAY_EVERY_S = 60.0  # a line on stderr this often while workers are away
 
 
@@ -169,7 +170,7 @@ class WorkerPool:
             self.launch = self.launching()
             if self.launch is not None:
                 self.launch_seen_at = now
-            self.next_poll = now + LAUNCH_POLL_S
+            self.next_poll = now + min(LAUNCH_POLL_S, self.restart_timeout_s / 2)  # twice in a plain wait at least
         if now >= self.next_say:
             self.next_say = now + SAY_EVERY_S
             first = min(rec.lost_at for rec in self.recovering.values())

@@ -146,7 +146,7 @@ def launching_nodes(report: dict, num_cpus: float, num_gpus: float) -> str | Non
 
     r = report.get("autoscaler_report") or {}
     kinds = Counter({t: n for t, n in (r.get("pending_launches") or {}).items() if n})
-    kinds.update(node[2] for node in r.get("pending_nodes") or [])
+    kinds.update(node[-2] for node in r.get("pending_nodes") or [])  # (id,) ip, node type, status
     res = r.get("pending_resources") or {}
     if not kinds or res.get("CPU", 0) < num_cpus or res.get("GPU", 0) < num_gpus:
         return None
