@@ -84,11 +84,20 @@ def autoscaler_present() -> bool:
     """Whether the connected cluster runs a real autoscaler (``ray up``, a
     fake multi-node cluster).  Plain local Ray runs the autoscaler's
     read-only provider, whose node types are named after its nodes
-    (``node_<id>``); a cluster config names its node types itself."""
+    (``node_<id>``); a cluster config names its node types itself.  v1
+    reports in the GCS's key-value store; v2 (``ray up``'s autoscaler since
+    Ray 2.50) writes nothing there and answers ``get_cluster_status``."""
     import json
 
+    import ray
+    from ray.autoscaler.v2.sdk import get_cluster_status
+    from ray.autoscaler.v2.utils import is_autoscaler_v2
     from ray.experimental.internal_kv import _internal_kv_get
 
+    if is_autoscaler_v2(fetch_from_server=True):
+        status = get_cluster_status(ray.get_runtime_context().gcs_address)
+        types = {n.ray_node_type_name for n in status.active_nodes + status.idle_nodes + status.pending_nodes}
+        return any(not str(t).startswith("node_") for t in types)
     raw = _internal_kv_get("__autoscaling_status")
     if not raw:
         return False
