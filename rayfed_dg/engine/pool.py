@@ -178,7 +178,7 @@ class WorkerPool:
             ready = len(self._ready())
             what = (f"the autoscaler is launching {self.launch}" if self.launch is not None else
                     "no node is being launched for them")
-            print(f"rayfed-dg: waiting for {len(self.recovering)} lost worker(s) ({ready} still working), "
+            print(f"rayfed-dg: waiting for {len(self.recovering)} lost worker(s) ({ready} others ready), "
                   f"{now - first:.0f} s so far; {what}; giving up in {max(0.0, end - now):.0f} s "
                   f"(engine.worker_restart_timeout_s={self.restart_timeout_s:g}, "
                   f"worker_replacement_timeout_s={self.replacement_timeout_s:g})", file=sys.stderr, flush=True)
