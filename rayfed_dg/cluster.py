@@ -4,7 +4,11 @@ and the one step of ``cluster.yaml`` that runs on the cloud head.
 ``LocalCluster`` starts a Ray head on port 6379 with the autoscaler's fake
 multi-node provider (``cluster-local.yaml``): the autoscaler starts "worker
 nodes" (raylets with declared CPUs and GPUs) on demand, exactly as a cloud
-cluster adds machines, and removes them when idle.
+cluster adds machines, and removes them when idle.  ``SlowFakeProvider``
+(``provider: {type: external, module: rayfed_dg.cluster.SlowFakeProvider,
+launch_delay_s: ...}``) is that provider with a launch as slow as a cold
+cloud node's.  A head on another port tells the provider where its nodes
+join (``gcs_address``, in a copy of the config in the cluster's folder).
 
 It stops exactly what it started, never with ``ray stop`` (which ends every
 Ray process on the machine, other users' included) and never by matching
@@ -33,6 +37,7 @@ import time
 from pathlib import Path
 
 import yaml
+from ray.autoscaler._private.fake_multi_node.node_provider import FakeMultiNodeProvider
 
 from .errors import ConfigError
 
@@ -41,6 +46,30 @@ ADDRESS = f"127.0.0.1:{PORT}"
 STATE = Path(os.environ.get("RAYFED_DG_CLUSTER_DIR", "/tmp/rayfed-dg-cluster"))
 RECORD = "rayfed-dg-cluster.json"  # in the cluster's folder: what `up` started
 SSM_IMAGE = "resolve:ssm:"  # an ImageId EC2 resolves through a Systems Manager parameter at launch
+SLOW_PROVIDER = "rayfed_dg.cluster.SlowFakeProvider"
+
+
+class SlowFakeProvider(FakeMultiNodeProvider):
+    """Ray's fake multi-node provider whose every launch takes
+    ``launch_delay_s`` (provider config) before the node starts, as a cold
+    cloud node boots and installs for minutes.  The autoscaler launches
+    from a thread of its own, so it reports the node as a pending launch
+    meanwhile, as it does on a cloud.
+
+    A started node is marked set up (``up-to-date``), as a cloud node is
+    once its setup commands ran: Ray's fake provider keeps the autoscaler's
+    ``uninitialized`` tag, so a node that died would count as pending
+    forever, and would never be terminated (the autoscaler ends only
+    set-up nodes that stopped reporting) nor replaced at ``max_workers``."""
+
+    def _create_node_with_resources_and_labels(self, node_config, tags, count, resources, labels):
+        from ray.autoscaler.tags import STATUS_UP_TO_DATE, TAG_RAY_NODE_STATUS
+
+        time.sleep(float(self.provider_config.get("launch_delay_s", 0.0)))
+        with self.lock:
+            super()._create_node_with_resources_and_labels(node_config, tags, count, resources, labels)
+            for node in self._nodes.values():
+                node["tags"][TAG_RAY_NODE_STATUS] = STATUS_UP_TO_DATE
 
 
 def client_env() -> dict[str, str]:
@@ -152,25 +181,46 @@ def stop_cluster(temp_dir: str | Path = STATE, timeout: float = 5.0) -> int:
 
 
 class LocalCluster:
-    def __init__(self, config: str | Path, temp_dir: str | Path = STATE):
+    def __init__(self, config: str | Path, temp_dir: str | Path = STATE, port: int = PORT,
+                 env: dict[str, str] | None = None):
         self.config = Path(config).resolve()
         self.temp_dir = Path(temp_dir)
+        self.port = port
+        self.env = dict(env or {})  # for the head's processes (the autoscaler's settings: AUTOSCALER_*)
         if not self.config.is_file():
             raise ConfigError(f"{self.config}: no such cluster config")
-        cfg = yaml.safe_load(self.config.read_text())
-        if (cfg.get("provider") or {}).get("type") != "fake_multinode":
-            raise ConfigError(f"{self.config}: provider.type must be fake_multinode for a local cluster")
-        self.head = dict(cfg["available_node_types"][cfg["head_node_type"]].get("resources") or {})
+        self.cfg = yaml.safe_load(self.config.read_text())
+        provider = self.cfg.get("provider") or {}
+        if provider.get("type") != "fake_multinode" and provider.get("module") != SLOW_PROVIDER:
+            raise ConfigError(f"{self.config}: a local cluster needs provider.type fake_multinode (or type external "
+                              f"with module {SLOW_PROVIDER})")
+        self.head = dict(self.cfg["available_node_types"][self.cfg["head_node_type"]].get("resources") or {})
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _autoscaling_config(self) -> Path:
+        """The config the head's autoscaler reads: on another port than the
+        fake provider's default, a copy naming where its nodes join."""
+        if self.port == PORT:
+            return self.config
+        from ray._private.services import get_node_ip_address
+
+        cfg = dict(self.cfg, provider={**self.cfg["provider"], "gcs_address": f"{get_node_ip_address()}:{self.port}"})
+        path = self.temp_dir / "autoscaling-config.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        return path
 
     # ---------------------------------------------------------------- control
     def start(self) -> None:
         if self._port_in_use():
-            raise ConfigError(f"port {PORT} is in use: another Ray head runs there; stop it first "
+            raise ConfigError(f"port {self.port} is in use: another Ray head runs there; stop it first "
                               "(python -m rayfed_dg.cluster down, if it is this one)")
         self.temp_dir.mkdir(parents=True, exist_ok=True)
         env = client_env()
-        env.update({"RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"})
-        cmd = ["ray", "start", "--head", f"--port={PORT}", f"--autoscaling-config={self.config}",
+        env.update({"RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1", **self.env})
+        cmd = ["ray", "start", "--head", f"--port={self.port}", f"--autoscaling-config={self._autoscaling_config()}",
                f"--temp-dir={self.temp_dir}", "--include-dashboard=false", "--disable-usage-stats",
                f"--num-cpus={self.head.get('CPU', 0)}", f"--num-gpus={self.head.get('GPU', 0)}"]
         started = time.time()
@@ -218,13 +268,13 @@ class LocalCluster:
         import socket
 
         with socket.socket() as s:
-            return s.connect_ex(("127.0.0.1", PORT)) == 0
+            return s.connect_ex(("127.0.0.1", self.port)) == 0
 
     def wait_until_up(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
         while not self._port_in_use():
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the local cluster's head did not open port {PORT} within {timeout:g} s")
+                raise RuntimeError(f"the local cluster's head did not open port {self.port} within {timeout:g} s")
             time.sleep(0.5)
 
     def __enter__(self) -> LocalCluster:

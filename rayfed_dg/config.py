@@ -205,8 +205,16 @@ class EngineConfig(_Strict):
     schedule: Literal["largest_first", "in_order"] = "largest_first"
     # small clients share one Ray task (about 1 ms of task overhead each otherwise; dispatch.py); off: one per task
     group_small_clients: bool = True
-    # a worker whose process died gets this long to be restarted by Ray (a lost cloud node: minutes)
+    # a worker whose process died gets this long to be restarted by Ray (a lost cloud node: minutes), counted from its
+    # loss and again from the last moment the autoscaler was seen launching a node that could host it
     worker_restart_timeout_s: float = Field(300.0, gt=0.0)
+    # while the autoscaler launches such a node, the wait for a lost worker (and for a pool whose every worker was lost)
+    # goes on up to this long after the loss: a cold g5 node boots, installs and joins in 5-10 min (issue 41); 30 min
+    # covers that three times over, or a launch the cloud refused and retried
+    worker_replacement_timeout_s: float = Field(1800.0, gt=0.0)  # bound on the wait that follows the autoscaler
+    # a sweep's trial that failed (its node lost with the trial's own process, a driver killed) starts again from its
+    # last checkpoint this many times (Ray Tune's FailureConfig.max_failures); -1: without limit
+    trial_max_failures: int = Field(3, ge=-1)  # Ray Tune's retries of a failed trial, from its last checkpoint
     fault_probability: float = Field(0.0, ge=0.0, le=1.0)  # seeded fault injection per task
     fault_mode: Literal["exception", "kill"] = "exception"  # kill: the worker process exits
     fault_clients: list[int] = []  # clients whose every task fails (to test dropping)

@@ -30,6 +30,11 @@ for each hyper-parameter value, the round of each target's trial is chosen
 by source validation; the value with the best mean selected source
 validation wins, and its target accuracies are what one reports.
 
+The engine's checkpoints travel through Tune's checkpoint API, so a trial
+that failed (its node lost with its process) starts again from its last one
+on any node, ``engine.trial_max_failures`` times (Tune's ``FailureConfig``),
+and ends with the numbers of a trial that never failed.
+
 Each trial also writes the run's TensorBoard scalars (``engine/tblog.py``:
 the same tags as ``rayfed-dg run``) to ``<trial dir>/tensorboard/<target>``,
 so ``tensorboard --logdir runs/tune/NAME`` compares the trials.  W&B and
@@ -410,7 +415,10 @@ def _tuner(sw: Sweep, resume: bool, verbose: int, callbacks: list):
                       tune_config=tune.TuneConfig(metric="src_val", mode="max", num_samples=sw.samples,
                                                   scheduler=sched),
                       run_config=tune.RunConfig(name=sw.name, storage_path=sw.storage, verbose=verbose,
-                                                callbacks=callbacks or None))
+                                                callbacks=callbacks or None,
+                                                # a failed trial (its node lost) goes on from its last checkpoint
+                                                failure_config=tune.FailureConfig(
+                                                    max_failures=sw.cfg.engine.trial_max_failures)))
 
 
 def _interrupt_watch():

@@ -1,13 +1,15 @@
 """The worker pool on local Ray: a diverged client stops ``map`` with the
 engine's error, after fetching the other jobs in flight, and never waits
 without bound for a job that hangs; the round's tail goes out in ever smaller
-groups, to idle workers only."""
+groups, to idle workers only; the wait for a lost worker follows the
+autoscaler's launches (``give_up_at``, by hand; a pool whose only worker was
+lost waits for it while a launch is seen)."""
 import time
 
 import pytest
 
 from rayfed_dg.engine import pool as pool_mod
-from rayfed_dg.engine.pool import WorkerPool
+from rayfed_dg.engine.pool import WorkerPool, give_up_at
 from rayfed_dg.errors import EngineError
 
 
@@ -158,3 +160,64 @@ def test_the_round_tail_goes_out_in_shrinking_groups_to_idle_workers_only(ray_se
     finally:
         for h in workers:
             ray.kill(h)
+
+
+def test_the_wait_for_a_lost_worker_follows_the_autoscalers_launches():
+    # lost at 100 s, 300 s to come back, at most 1800 s while the autoscaler launches
+    assert give_up_at(100, 300, 1800, None) == 400  # no autoscaler, or it launched nothing
+    assert give_up_at(100, 300, 1800, 50) == 400  # a launch seen before the loss changes nothing
+    assert give_up_at(100, 300, 1800, 250) == 550  # 300 s after the last launch seen
+    assert give_up_at(100, 300, 1800, 1700) == 1900  # still launching: bounded 1800 s after the loss
+    assert give_up_at(100, 300, 200, 250) == 400  # a bound below the plain wait never shortens it
+
+
+def test_a_pool_whose_only_worker_was_lost_waits_for_it_while_a_launch_is_seen(ray_session, tmp_path):
+    """Its restart takes 4 s, the pool's plain wait 1.5 s: it stays only
+    because the autoscaler is seen launching meanwhile; without one the run
+    stops with the one-line error."""
+    ray = ray_session
+
+    @ray.remote(num_cpus=0, max_restarts=2, max_task_retries=0)
+    class Slow:
+        def __init__(self, marker: str):
+            import os
+
+            if os.path.exists(marker):  # a restart: a node being launched
+                time.sleep(4)
+            open(marker, "w").close()
+
+        def ping(self):
+            import os
+
+            return os.getpid()
+
+        def run(self, job: int, attempt: int):
+            import os
+
+            if attempt == 0:
+                os._exit(1)  # the first attempt kills the pool's only worker
+            return job, attempt
+
+    asked = []
+
+    def launching():
+        asked.append(time.monotonic())
+        return "1 x gpu_worker"
+
+    w = Slow.remote(str(tmp_path / "a"))
+    try:
+        pool = WorkerPool([w], retries=2, restart_timeout_s=1.5, launching=launching)
+        got = {}
+        t0 = time.monotonic()
+        assert pool.map([0], lambda w, j, attempt: w.run.remote(j, attempt), got.__setitem__) == []
+        assert got == {0: (0, 1)} and pool.dead == set() and time.monotonic() - t0 >= 4
+        assert len(asked) >= 2  # asked when the worker was lost, and again while it waited
+    finally:
+        ray.kill(w)
+    w = Slow.remote(str(tmp_path / "b"))
+    try:
+        pool = WorkerPool([w], retries=2, restart_timeout_s=1.5, launching=lambda: None)
+        with pytest.raises(EngineError, match="every worker died and none came back"):
+            pool.map([0], lambda w, j, attempt: w.run.remote(j, attempt), lambda j, r: None)
+    finally:
+        ray.kill(w)

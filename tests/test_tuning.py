@@ -207,6 +207,48 @@ def test_sweep_interrupted_mid_trial_exits_130_chooses_nothing_and_resumes_to_an
     assert max(resumed(tmp_path / "killed")) >= 2 and set(resumed(tmp_path / "clean")) == {0}
 
 
+@pytest.mark.slow
+def test_a_trial_whose_process_is_killed_restarts_from_its_checkpoint_and_ends_as_one_never_killed(tmp_path):
+    """Tune's FailureConfig (engine.trial_max_failures): one of two trials of
+    the same config (the grid names its value twice) loses its process, as
+    on a lost node, once a checkpoint of rounds 2-9 is recorded; the sweep
+    goes on by itself, that trial from its checkpoint, and both trials end
+    with the same numbers."""
+    import re
+    import signal
+    import time
+
+    import psutil
+    import pyarrow.parquet as pq
+
+    space = tiny_space(tmp_path / "tiny.yaml", "training.rounds=12", "output.checkpoint_every=1")
+    spec = yaml.safe_load(space.read_text())
+    spec["params"] = {"method.lam": {"grid": [0.5, 0.5]}}
+    space.write_text(yaml.safe_dump(spec))
+    proc = subprocess.Popen([sys.executable, "tune.py", "--space", str(space), "--target", "colour", "--storage",
+                             str(tmp_path / "t")], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 400
+
+    def recorded():
+        return any(re.search(r"checkpoint_00000[1-8]", p.read_text())
+                   for p in (tmp_path / "t" / "tiny").glob("experiment_state*.json"))
+
+    while not recorded():
+        assert proc.poll() is None and time.monotonic() < deadline, "the sweep ended before round 2 was saved"
+        time.sleep(0.2)
+    trials = [p for p in psutil.Process(proc.pid).children(recursive=True) if "ImplicitFunc" in " ".join(p.cmdline())]
+    assert trials, "no trial process found"
+    trials[0].send_signal(signal.SIGKILL)
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-3000:]
+    rows = pq.read_table(tmp_path / "t" / "tiny" / "trials.parquet").to_pylist()
+    cols = ["selected_round", "selected_src_val", "selected_target_acc", "rounds_run", "finished"]
+    assert len(rows) == 2 and [r[c] for c in cols for r in rows[:1]] == [r[c] for c in cols for r in rows[1:]], rows
+    assert rows[0]["rounds_run"] == 12
+    # the killed trial went on from its last checkpoint, not from round 1; the other never restarted
+    assert sorted(r["resumed_from_round"] > 0 for r in rows) == [False, True], rows
+
+
 def _space_searching_data(path, base):
     """``base``'s space with data.split_seed searched over its one configured value: the same trials, but a
     ``data.*`` key is searched, so each trial loads and puts a dataset of its own."""

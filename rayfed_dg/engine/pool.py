@@ -7,17 +7,24 @@ uncharged, dropped past ``retries``), and moves the work.  The rules, and
 why no timing can change a job's attempts, are written there.
 
 A worker whose process died is not sent anything until Ray has restarted it
-(pinged every half second until it answers), waiting at most
-``restart_timeout_s``, whatever the load: a restart is minutes on a lost
-cloud node, seconds on a busy laptop, and counting attempts cannot tell
-the two apart.  A worker past ``max_restarts`` is dead for good: it leaves
-the pool and its jobs run on the others (no budget spent); with no worker
-left the run stops.  A client whose training diverged stops the run (a
+(pinged every half second until it answers), waiting ``restart_timeout_s``,
+whatever the load: a restart is minutes on a lost cloud node, seconds on a
+busy laptop, and counting attempts cannot tell the two apart.  While the
+autoscaler launches a node that could host it (``launching``, asked every
+``LAUNCH_POLL_S`` while a worker is away, and at least twice within
+``restart_timeout_s``), the wait follows it: it ends
+``restart_timeout_s`` after the last time a launch was seen, and never later
+than ``replacement_timeout_s`` after the loss (``give_up_at``); a pool whose
+every worker was lost waits so too, saying on stderr what it waits for.  A
+worker past ``max_restarts`` is dead for good: it leaves the pool and its
+jobs run on the others (no budget spent); with no worker left the run
+stops.  A client whose training diverged stops the run (a
 retry would diverge again: training is seeded); any other exception in
 client code is a bug and is raised with its traceback.
 """
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
@@ -32,6 +39,7 @@ from .faults import OWN_FAULTS, DivergedError, JobFailed
 
 J = TypeVar("J", bound=Hashable)  # a job: a client id, or an evaluation chunk's key
 Answer = Callable[[int, bool], None]  # a restarting worker answered: (worker, its process died)
+Launching = Callable[[], str | None]  # what the autoscaler launches that could host a worker ("1 x gpu_worker")
 
 
 def own_fault(err: Exception) -> bool:
@@ -40,6 +48,20 @@ def own_fault(err: Exception) -> bool:
 
 
 SETTLE_S = 30.0  # how long a failing ``map`` waits for its other jobs before raising anyway
+LAUNCH_POLL_S = 5.0  # the autoscaler's own update interval (on a cloud): asking more often learns nothing
+SAY_EVERY_S = 60.0  # a line on stderr this often while workers are away
+
+
+def give_up_at(lost_at: float, restart_timeout_s: float, replacement_timeout_s: float,
+               launch_seen_at: float | None) -> float:
+    """When a worker lost at ``lost_at`` leaves the pool: ``restart_timeout_s``
+    after its loss or after the autoscaler was last seen launching a node
+    that could host it (``launch_seen_at``), whichever is later, but never
+    past ``replacement_timeout_s`` after the loss (nor before the first)."""
+    end = lost_at + restart_timeout_s
+    if launch_seen_at is None:
+        return end
+    return max(end, min(launch_seen_at + restart_timeout_s, lost_at + replacement_timeout_s))
 
 
 def _settle(inflight: Mapping[Any, Any]) -> None:
@@ -69,7 +91,7 @@ def _apply(verdicts: list[Verdict], plan: DispatchPlan, on_result: Callable[[Any
 
 @dataclass
 class _Recovery:
-    deadline: float
+    lost_at: float
     next_ping: float = 0.0
     ping: Any = None  # the ObjectRef of the ping in flight
     died_once: bool = False  # a ping found the actor dead; a second one confirms it
@@ -86,11 +108,17 @@ class _Task:
 class WorkerPool:
     PING_EVERY_S = 0.5  # while a worker restarts; a ping to a restarting actor fails at once
 
-    def __init__(self, workers: list[Any], retries: int, restart_timeout_s: float = 300.0):
+    def __init__(self, workers: list[Any], retries: int, restart_timeout_s: float = 300.0,
+                 replacement_timeout_s: float = 1800.0, launching: Launching | None = None):
         self.workers = list(workers)
         self.pids: list[int] = ray.get([w.ping.remote() for w in self.workers])  # every worker up
         self.retries = retries
         self.restart_timeout_s = restart_timeout_s
+        self.replacement_timeout_s = replacement_timeout_s
+        self.launching = launching  # None: no autoscaler to follow
+        self.launch: str | None = None  # what the autoscaler launched when last asked
+        self.launch_seen_at: float | None = None  # when it was last seen launching
+        self.next_poll = self.next_say = 0.0
         self.dead: set[int] = set()  # workers past their restarts (or not back in time), out of the pool
         self.recovering: dict[int, _Recovery] = {}  # worker -> its restart, kept across maps
         self.restarted: set[int] = set()  # workers whose process died since ``replace`` last renewed them
@@ -126,8 +154,34 @@ class WorkerPool:
         if w in self.dead:
             return None
         if w not in self.recovering:
-            self.recovering[w] = _Recovery(deadline=time.monotonic() + self.restart_timeout_s)
+            now = time.monotonic()
+            if not self.recovering:  # the first worker away: ask the autoscaler now; speak when a plain wait would end
+                self.next_poll, self.next_say = now, now + min(SAY_EVERY_S, self.restart_timeout_s)
+            self.recovering[w] = _Recovery(lost_at=now)
         return self.recovering[w]
+
+    def _deadline(self, rec: _Recovery) -> float:
+        return give_up_at(rec.lost_at, self.restart_timeout_s, self.replacement_timeout_s, self.launch_seen_at)
+
+    def _follow_autoscaler(self, now: float) -> None:
+        """Ask the autoscaler what it launches (when due), and say now and
+        then what the pool waits for."""
+        if self.launching is not None and now >= self.next_poll:
+            self.launch = self.launching()
+            if self.launch is not None:
+                self.launch_seen_at = now
+            self.next_poll = now + min(LAUNCH_POLL_S, self.restart_timeout_s / 2)  # twice in a plain wait at least
+        if now >= self.next_say:
+            self.next_say = now + SAY_EVERY_S
+            first = min(rec.lost_at for rec in self.recovering.values())
+            end = max(self._deadline(rec) for rec in self.recovering.values())
+            ready = len(self._ready())
+            what = (f"the autoscaler is launching {self.launch}" if self.launch is not None else
+                    "no node is being launched for them")
+            print(f"rayfed-dg: waiting for {len(self.recovering)} lost worker(s) ({ready} others ready), "
+                  f"{now - first:.0f} s so far; {what}; giving up in {max(0.0, end - now):.0f} s "
+                  f"(engine.worker_restart_timeout_s={self.restart_timeout_s:g}, "
+                  f"worker_replacement_timeout_s={self.replacement_timeout_s:g})", file=sys.stderr, flush=True)
 
     def _poll_recovering(self, answer: Answer) -> None:
         """Ping each restarting worker that has no ping out and is due; one
@@ -135,11 +189,13 @@ class WorkerPool:
         its answer already arrived (read it first: it may be from before a
         long pause between two maps)."""
         now = time.monotonic()
+        if self.recovering:
+            self._follow_autoscaler(now)
         for w, rec in list(self.recovering.items()):
-            if now > rec.deadline:
+            if now > self._deadline(rec):
                 if rec.ping is not None and ray.wait([rec.ping], timeout=0)[0]:
                     self._pinged(w, answer)
-                if w in self.recovering and now > self.recovering[w].deadline:
+                if w in self.recovering and now > self._deadline(self.recovering[w]):
                     self._leave(w, answer)
             elif rec.ping is None and now >= rec.next_ping:
                 rec.ping = self.workers[w].ping.remote()
@@ -151,7 +207,9 @@ class WorkerPool:
         answer(w, True)  # a job alone on it when it died is charged
         if len(self.dead) == len(self.workers):
             raise EngineError(f"every worker died and none came back (engine.max_restarts, "
-                              f"engine.worker_restart_timeout_s={self.restart_timeout_s:g})")
+                              f"engine.worker_restart_timeout_s={self.restart_timeout_s:g}, "
+                              f"worker_replacement_timeout_s={self.replacement_timeout_s:g} while the autoscaler "
+                              "launches nodes)")
 
     def _pinged(self, w: int, answer: Answer) -> None:
         rec = self.recovering[w]
@@ -175,10 +233,14 @@ class WorkerPool:
         answer(w, died)  # a worker that answers with its old pid never died: the job was not at fault
 
     def _next_wake(self) -> float | None:
-        """Seconds until a restarting worker is due a ping or past its deadline."""
-        times = [t for rec in self.recovering.values() for t in ((rec.deadline,) if rec.ping else
-                                                                 (rec.deadline, rec.next_ping))]
-        return max(0.0, min(times) - time.monotonic()) + 0.01 if times else None
+        """Seconds until a restarting worker is due a ping or past its
+        deadline, or the autoscaler is due a question."""
+        if not self.recovering:
+            return None
+        times = [t for rec in self.recovering.values() for t in ((self._deadline(rec),) if rec.ping else
+                                                                 (self._deadline(rec), rec.next_ping))]
+        times += [self.next_say] + ([self.next_poll] if self.launching is not None else [])
+        return max(0.0, min(times) - time.monotonic()) + 0.01
 
     def _wait(self, inflight: list[Any], answer: Answer) -> Any:
         """The next task back, or None when a restarting worker was heard

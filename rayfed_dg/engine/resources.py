@@ -84,11 +84,20 @@ def autoscaler_present() -> bool:
     """Whether the connected cluster runs a real autoscaler (``ray up``, a
     fake multi-node cluster).  Plain local Ray runs the autoscaler's
     read-only provider, whose node types are named after its nodes
-    (``node_<id>``); a cluster config names its node types itself."""
+    (``node_<id>``); a cluster config names its node types itself.  v1
+    reports in the GCS's key-value store; v2 (``ray up``'s autoscaler since
+    Ray 2.50) writes nothing there and answers ``get_cluster_status``."""
     import json
 
+    import ray
+    from ray.autoscaler.v2.sdk import get_cluster_status
+    from ray.autoscaler.v2.utils import is_autoscaler_v2
     from ray.experimental.internal_kv import _internal_kv_get
 
+    if is_autoscaler_v2(fetch_from_server=True):
+        status = get_cluster_status(ray.get_runtime_context().gcs_address)
+        types = {n.ray_node_type_name for n in status.active_nodes + status.idle_nodes + status.pending_nodes}
+        return any(not str(t).startswith("node_") for t in types)
     raw = _internal_kv_get("__autoscaling_status")
     if not raw:
         return False
@@ -133,3 +142,50 @@ def init_ray(cfg: ExperimentConfig) -> None:
         # running cluster (RAY_ADDRESS, a `ray start` on this machine), which refuses a _system_config
         with env_set("RAY_worker_niceness", str(e.worker_niceness)):
             ray.init(**kwargs)
+
+
+def launching_nodes(report: dict, num_cpus: float, num_gpus: float) -> str | None:
+    """What an autoscaler v1 status report (``__autoscaling_status``) says is
+    being brought up that could host a worker of ``num_cpus`` CPU and
+    ``num_gpus`` GPU ("1 x gpu_worker"), or None.  Pending launches (the
+    provider's create call: EC2's, or a fake node's start) and pending nodes
+    (booting, setting up) count when their resources together
+    (``pending_resources``) hold one such worker."""
+    from collections import Counter
+
+    r = report.get("autoscaler_report") or {}
+    kinds = Counter({t: n for t, n in (r.get("pending_launches") or {}).items() if n})
+    kinds.update(node[-2] for node in r.get("pending_nodes") or [])  # (id,) ip, node type, status
+    res = r.get("pending_resources") or {}
+    if not kinds or res.get("CPU", 0) < num_cpus or res.get("GPU", 0) < num_gpus:
+        return None
+    return ", ".join(f"{n} x {t}" for t, n in sorted(kinds.items()))
+
+
+def autoscaler_launching(num_cpus: float, num_gpus: float) -> str | None:
+    """What the connected cluster's autoscaler is bringing up that could host
+    a worker (see ``launching_nodes``), or None (none runs, or it launches
+    nothing).  Autoscaler v2 (what ``ray up`` starts since Ray 2.50) answers
+    through the GCS (``get_cluster_status``), without the node types'
+    resources: any pending launch or node counts; v1 (``ray start
+    --autoscaling-config``, the local cluster) writes its report in the GCS's
+    key-value store."""
+    import json
+    from collections import Counter
+
+    import ray
+    from ray.autoscaler.v2.sdk import get_cluster_status
+    from ray.autoscaler.v2.utils import is_autoscaler_v2
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    try:
+        if is_autoscaler_v2(fetch_from_server=True):
+            status = get_cluster_status(ray.get_runtime_context().gcs_address)
+            kinds: Counter[str] = Counter(node.ray_node_type_name for node in status.pending_nodes)
+            for req in status.pending_launches:
+                kinds[req.ray_node_type_name] += req.count
+            return ", ".join(f"{n} x {t}" for t, n in sorted(kinds.items()) if n) or None
+        raw = _internal_kv_get("__autoscaling_status")
+    except Exception:  # a status the GCS could not give (it restarts, a Ray that changed it) extends nothing
+        return None
+    return launching_nodes(json.loads(raw), num_cpus, num_gpus) if raw else None

@@ -43,6 +43,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,7 @@ from .federation import Federation
 from .phases import RoundWork, run_phases
 from .pool import WorkerPool
 from .records import ClientRow, ClientTask, DropRow, Fold, Ledger, MetricRow, RoundResult, client_rows
+from .resources import autoscaler_launching
 from .stagehost import run_stages
 
 
@@ -104,6 +106,10 @@ class Server:
         self.fed = Federation(cfg, split, num_classes, federation)
         e = cfg.engine
         self.pool.retries, self.pool.restart_timeout_s = e.max_task_retries, e.worker_restart_timeout_s
+        # a lost worker is waited for as long as the autoscaler launches a node that could host it
+        self.pool.replacement_timeout_s = e.worker_replacement_timeout_s
+        self.pool.launching = None if e.autoscaler == "off" else partial(
+            autoscaler_launching, e.num_cpus_per_worker, e.num_gpus_per_worker)
         self.pool.retried = self.pool.reruns = 0
         self.global_ref = ray.put(self.fed.global_state)
         # asynchronous modes: the global model of each version still in flight, in the object store
