@@ -19,8 +19,8 @@ import sys
 import threading
 import time
 
-import pyarrow.parquet as pq
 import pytest
+import yaml
 from conftest import REPO
 
 BUCKET = "rayfed-runs"
@@ -165,3 +165,67 @@ def test_a_sync_cut_at_any_point_leaves_a_checkpoint_and_every_row_up_to_it(tmp_
     again.fs = Cut(again.fs, 0)
     again.sync()
     assert again.fs.ops == []
+
+
+# ---------------------------------------------------------------- the rehearsal: a head lost, a run resumed from S3
+
+def _cli(*extra):
+    return [sys.executable, "-m", "rayfed_dg", "run", str(REPO / "configs" / "quickstart.yaml"), *ARGS, *extra]
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_a_run_copied_to_s3_resumes_from_there_on_a_new_head_bit_for_bit(s3, ray_session, tmp_path):
+    """``rayfed-dg run --set output.sync_to=s3://...`` killed (SIGKILL) once its round-2 checkpoint is on S3,
+    its local run directory deleted (the head replaced); ``rayfed-dg run --resume s3://.../exp`` on a fresh
+    cache downloads it and finishes, and the copy on S3 then holds the tables of a run never interrupted
+    (``rayfed_dg.run`` here).  The runs join the session's Ray, as drivers join a cluster's."""
+    import rayfed_dg
+    from rayfed_dg.engine.records import TABLES
+    from rayfed_dg.engine.remote import download
+    from rayfed_dg.engine.rundir import RunDir
+
+    prefix = f"{tmp_path.name}/runs"
+    uri = f"s3://{BUCKET}/{prefix}"
+    head = tmp_path / "head"
+    join = ["--set", f"engine.ray_address={ray_session.get_runtime_context().gcs_address}"]
+    proc = subprocess.Popen(_cli("--run-dir", str(head / "exp"), "--set", f"output.sync_to={uri}", *join), env=s3.env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    marker = f"{prefix}/exp/checkpoints/negative/round_00002.json"
+    t0 = time.monotonic()
+    try:
+        while marker not in _keys(s3.client, "") and proc.poll() is None:
+            assert time.monotonic() < t0 + 600, "round 2's checkpoint never reached S3"
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.stderr.read()[-2000:]
+        budget = max(300.0, 3 * (time.monotonic() - t0))
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    finally:
+        try:  # the Ray processes it left behind
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    shutil.rmtree(head)  # the head is gone, and its disk with it
+    copy = _keys(s3.client, f"{prefix}/exp/")
+    assert "run.json" in copy and "summary.json" not in copy and "final_negative.pt" not in copy
+    new_head = {**s3.env, "RAYFED_DG_CACHE": str(tmp_path / "new-head-cache")}
+    r = subprocess.run(_cli("--resume", f"{uri}/exp", *join), env=new_head, capture_output=True, text=True,
+                       timeout=budget)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"downloading {uri}/exp to {tmp_path / 'new-head-cache' / 'runs' / BUCKET / prefix / 'exp'}" in r.stderr
+    sets = {k: yaml.safe_load(v) for k, v in (a.split("=", 1) for a in ARGS[ARGS.index("--set") + 1::2])}
+    rayfed_dg.run(REPO / "configs" / "quickstart.yaml", sets, target="negative", run_dir=tmp_path / "clean",
+                  progress=False)
+    final = RunDir(download(f"{uri}/exp", tmp_path / "final"))  # what S3 holds now
+    assert {"summary.json", "final_negative.pt", "best_negative.pt"} <= set(_keys(s3.client, f"{prefix}/exp/"))
+    clean = RunDir(tmp_path / "clean")
+    no_time = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} for r in rows]  # noqa: E731
+    for name in TABLES:
+        assert no_time(final.read_rows(name)) == no_time(clean.read_rows(name)), name
+    assert len(final.read_rows("metrics")) == 4 * 4
+    a, b = (json.loads((d.path / "summary.json").read_text())["targets"]["negative"] for d in (final, clean))
+    assert (a["selected_round"], a["target_acc"]) == (b["selected_round"], b["target_acc"])
+    # only the two newest checkpoints, locally and on S3
+    assert sorted(k for k in _keys(s3.client, f"{prefix}/exp/checkpoints/negative/") if k.endswith(".json")) == [
+        "round_00003.json", "round_00004.json"]
