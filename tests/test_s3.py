@@ -229,3 +229,41 @@ def test_a_run_copied_to_s3_resumes_from_there_on_a_new_head_bit_for_bit(s3, ray
     # only the two newest checkpoints, locally and on S3
     assert sorted(k for k in _keys(s3.client, f"{prefix}/exp/checkpoints/negative/") if k.endswith(".json")) == [
         "round_00003.json", "round_00004.json"]
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_a_sweep_with_s3_storage_keeps_its_tables_there_and_resumes_from_there(s3, ray_session, tmp_path,
+                                                                                 monkeypatch):
+    """``tune.py --storage s3://...`` (its own Ray, whose workers upload the trials' checkpoints): the
+    checkpoints (the two newest of three), the trials table, the selection and the chosen config land on S3;
+    the sweep resumed from another process and Ray (this one's) restores from S3 alone, re-runs nothing and
+    chooses the same value."""
+    from conftest import tiny_space
+
+    from rayfed_dg.tuning import run_sweep
+
+    space = tiny_space(tmp_path / "tiny.yaml", "training.rounds=3", "output.checkpoint_every=1")
+    prefix = f"{tmp_path.name}/tune"
+    cmd = [sys.executable, "tune.py", "--space", str(space), "--target", "colour", "--storage",
+           f"s3://{BUCKET}/{prefix}"]
+    r = subprocess.run(cmd, cwd=REPO, env=s3.env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    keys = _keys(s3.client, f"{prefix}/tiny/")
+    for f in ("trials.parquet", "selection.parquet", "selection.md", "chosen_config.yaml", "sweep.json"):
+        assert f in keys, f
+    results = sorted(k for k in keys if k.endswith("/result.json"))
+    assert len(results) == 2
+    for res in results:  # rounds 1-3 each reported a checkpoint; Tune keeps the two newest
+        trial = res.rsplit("/", 1)[0]
+        assert sorted({k.split("/")[1] for k in keys if k.startswith(trial + "/checkpoint_")}) == [
+            "checkpoint_000001", "checkpoint_000002"], trial
+    read = lambda key: s3.client.get_object(Bucket=BUCKET, Key=f"{prefix}/tiny/{key}")["Body"].read()  # noqa: E731
+    before = {res: read(res) for res in results}
+    chosen = yaml.safe_load(read("chosen_config.yaml"))["method"]["lam"]
+    s3.client.delete_object(Bucket=BUCKET, Key=f"{prefix}/tiny/chosen_config.yaml")  # written again by the resume
+    monkeypatch.chdir(REPO)
+    again = run_sweep(str(space), None, "colour", 1, "fifo", True, [], f"s3://{BUCKET}/{prefix}", verbose=0)
+    assert {res: read(res) for res in results} == before  # nothing re-ran
+    assert again["complete"] and again["chosen"] == {"method.lam": chosen} and again["path"] == f"s3://{BUCKET}/{prefix}/tiny"
+    assert yaml.safe_load(read("chosen_config.yaml"))["method"]["lam"] == chosen
