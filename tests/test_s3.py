@@ -127,21 +127,21 @@ def test_a_sync_cut_at_any_point_leaves_a_checkpoint_and_every_row_up_to_it(tmp_
 
     from rayfed_dg.engine.checkpoint import CheckpointWarning, load_latest
     from rayfed_dg.engine.remote import Mirror
-    from rayfed_dg.engine.rundir import RunDir
+    from rayfed_dg.engine.rundir import RunDir, marks_complete
 
     local = RunDir(tmp_path / "run")
     local.path.mkdir()
     local.write_record({"targets": ["t"], "seeds": None})
     for r in (1, 2):
         _round(local, "t", r)
-    first = Mirror(local.path, str(tmp_path / "copy"))
+    first = Mirror(local.path, str(tmp_path / "copy"), marks_complete)
     first.sync()
     _round(local, "t", 3)
     cuts = 0
     for k in range(100):
         copy = tmp_path / f"cut{k}"
         shutil.copytree(tmp_path / "copy", copy)
-        m = Mirror(local.path, str(copy))
+        m = Mirror(local.path, str(copy), marks_complete)
         m.sent, m.fs = dict(first.sent), Cut(m.fs, k)
         try:
             m.sync()
@@ -161,7 +161,7 @@ def test_a_sync_cut_at_any_point_leaves_a_checkpoint_and_every_row_up_to_it(tmp_
     assert m.fs.ops[4][1].endswith("checkpoints/t/round_00001.json")
     files = lambda d: sorted(p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file())  # noqa: E731
     assert files(copy) == files(local.path)
-    again = Mirror(local.path, str(copy))  # a new process (a resumed run) finds the copy complete: sends nothing
+    again = Mirror(local.path, str(copy), marks_complete)  # a new process (a resumed run) finds the copy complete: sends nothing
     again.fs = Cut(again.fs, 0)
     again.sync()
     assert again.fs.ops == []

@@ -12,28 +12,22 @@ the ``AWS_*`` variables (``AWS_ENDPOINT_URL_S3`` for an S3-compatible server).
 
 A resume never takes a half-uploaded checkpoint for a complete one.  An
 object appears whole or not at all (an S3 PUT or multipart upload), and a sync
-uploads every changed file before the checkpoints' digests
-(``checkpoints/<target>/round_*.json``, which hash the ``.pt`` and the
-client-state pieces it names: ``checkpoint.py``) and ``summary.json``; only
-then does it delete what the run directory no longer holds (superseded
-checkpoints), digests first.  A copy cut off at any moment holds a checkpoint
-whose digest matches, at worst the one before, and every table row up to it.
+uploads every changed file before the files that say others are complete (the
+run directory names them, ``rundir.marks_complete``: the checkpoints' digests,
+which hash the ``.pt`` and the client-state pieces it names, and the rows'
+summaries); only then does it delete what the run directory no longer holds
+(superseded checkpoints), digests first.  A copy cut off at any moment holds a
+checkpoint whose digest matches, at worst the one before, and every table row
+up to it.
 """
 from __future__ import annotations
 
 import shutil
-from pathlib import Path, PurePosixPath
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from rayfed_dg.errors import ConfigError
-
-SCRATCH = "client_state"  # spilled client states: removed when a federation ends, never needed by a resume
-
-
-def _last(rel: str) -> bool:
-    """Whether ``rel`` says that what it names is complete: a checkpoint's digest, a row's summary."""
-    p = PurePosixPath(rel)
-    return p.name == "summary.json" or (len(p.parts) >= 3 and p.parts[-3] == "checkpoints" and p.suffix == ".json")
 
 
 def open_uri(uri: str) -> tuple[Any, str]:
@@ -55,12 +49,13 @@ def remote_files(fs: Any, base: str) -> dict[str, int]:
     return {i.path[len(base) + 1:]: i.size for i in fs.get_file_info(sel) if i.type == pafs.FileType.File}
 
 
-def _local_files(root: Path) -> dict[str, tuple[int, int]]:
-    """{relative path: (size, mtime)} of the files a copy holds: no scratch, no temporary (``.NAME.tmp``)."""
+def _local_files(root: Path, scratch: tuple[str, ...]) -> dict[str, tuple[int, int]]:
+    """{relative path: (size, mtime)} of the files a copy holds: none in a ``scratch`` folder, no temporary
+    (``.NAME.tmp``)."""
     out = {}
     for p in root.rglob("*"):
         rel = p.relative_to(root)
-        if SCRATCH in rel.parts or any(part.startswith(".") for part in rel.parts):
+        if any(part in scratch or part.startswith(".") for part in rel.parts):
             continue
         try:
             st = p.stat()
@@ -75,12 +70,14 @@ class Mirror:
     """The copy of the run directory ``local`` at ``uri``, kept by one
     process: it uploads what changed since its last sync (a file's size or
     modification time), and on its first, what the copy lacks or holds at
-    another size (a resumed run's download is not sent back)."""
+    another size (a resumed run's download is not sent back).  ``last(rel)``:
+    whether the file says others are complete (uploaded last, deleted first);
+    ``scratch``: folders never copied."""
 
-    def __init__(self, local: Path, uri: str):
+    def __init__(self, local: Path, uri: str, last: Callable[[str], bool], scratch: tuple[str, ...] = ()):
         import pyarrow.fs as pafs
 
-        self.local, self.uri = Path(local), uri.rstrip("/")
+        self.local, self.uri, self.last, self.scratch = Path(local), uri.rstrip("/"), last, scratch
         self.fs, self.base = open_uri(self.uri)
         self.folders = isinstance(self.fs, pafs.LocalFileSystem)  # object stores have no folders to make
         self.sent: dict[str, tuple[int, int]] | None = None
@@ -107,17 +104,17 @@ class Mirror:
                               f"continue that run with --resume {self.uri}")
 
     def sync(self) -> None:
-        local = _local_files(self.local)
+        local = _local_files(self.local, self.scratch)
         if self.sent is None:
             there = remote_files(self.fs, self.base)
             self.sent = {k: v for k, v in local.items() if there.get(k) == v[0]}
             gone = set(there) - set(local)
         else:
             gone = set(self.sent) - set(local)
-        for rel in sorted((k for k, v in local.items() if self.sent.get(k) != v), key=lambda k: (_last(k), k)):
+        for rel in sorted((k for k, v in local.items() if self.sent.get(k) != v), key=lambda k: (self.last(k), k)):
             if self._put(rel):
                 self.sent[rel] = local[rel]
-        for rel in sorted(gone, key=lambda k: (not _last(k), k)):  # a digest goes before what it names
+        for rel in sorted(gone, key=lambda k: (not self.last(k), k)):  # a digest goes before what it names
             self.fs.delete_file(f"{self.base}/{rel}")
             self.sent.pop(rel, None)
 

@@ -43,7 +43,7 @@ import os
 import re
 import sys
 import time
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
@@ -60,7 +60,8 @@ from .remote import Mirror
 RUN_RECORD = "run.json"
 CONFIG = "config.yaml"
 SUMMARY = "summary.json"
-NOT_RUNS = ("checkpoints", "client_state", "tensorboard", "plots")  # folders of a run that hold no run
+SCRATCH = "client_state"  # spilled client states, removed when a federation ends: never copied
+NOT_RUNS = ("checkpoints", SCRATCH, "tensorboard", "plots")  # folders of a run that hold no run
 _MIRRORS: dict[Path, Mirror | None] = {}  # an experiment's root -> its copy, one per process (what it sent)
 
 
@@ -152,7 +153,7 @@ class RunDir:
 
     def client_state(self, target: str) -> Path:
         """Where ``target``'s federation spills client states while it runs."""
-        return self.path / "client_state" / target
+        return self.path / SCRATCH / target
 
     def saved_rounds(self, target: str) -> list[int]:
         return saved_rounds(self.checkpoints(target))
@@ -347,8 +348,15 @@ class RunDir:
         write_text("\n".join(files) + "\n", self.path / "skipped_images.txt")
 
 
+def marks_complete(rel: str) -> bool:
+    """Whether the file at ``rel`` (relative to the experiment's root) says
+    that others are complete: a checkpoint's digest, a row's summary."""
+    p = PurePosixPath(rel)
+    return p.name == SUMMARY or (len(p.parts) >= 3 and p.parts[-3] == "checkpoints" and p.suffix == ".json")
+
+
 def _mirror_of(root: Path, sync_to: str) -> Mirror:
-    return Mirror(root, f"{sync_to.rstrip('/')}/{root.name}")
+    return Mirror(root, f"{sync_to.rstrip('/')}/{root.name}", marks_complete, (SCRATCH,))
 
 
 def _json(path: Path) -> dict[str, Any]:
