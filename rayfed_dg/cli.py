@@ -172,8 +172,8 @@ def _fetch_run(uri: str) -> Path:
     from rayfed_dg.engine.rundir import RunDir
 
     local = cache_dir() / "runs" / open_uri(uri)[1].lstrip("/")
-    print(f"rayfed-dg: downloading {uri} to {local}", file=sys.stderr)
     copy = RunDir(download(uri, local)).mirror()
+    print(f"rayfed-dg: downloaded {uri} to {local}", file=sys.stderr)
     if copy is None or copy.uri != uri.rstrip("/"):
         print(f"rayfed-dg: warning: {uri} is a run whose output.sync_to names "
               f"{'no copy' if copy is None else copy.uri}: the resumed run updates that, not {uri}", file=sys.stderr)

@@ -167,6 +167,39 @@ def test_a_sync_cut_at_any_point_leaves_a_checkpoint_and_every_row_up_to_it(tmp_
     assert again.fs.ops == []
 
 
+
+# ---------------------------------------------------------------- bad input: one line, before anything is written
+
+@pytest.mark.cluster
+def test_a_new_run_refuses_a_missing_bucket_and_a_copy_that_holds_a_run(s3, tmp_path):
+    from conftest import tiny_cfg
+
+    from rayfed_dg.config import ConfigError
+    from rayfed_dg.engine.rundir import RunDir
+
+    with pytest.raises(ConfigError, match=r"^output.sync_to: s3://no-such-bucket/runs/exp: no bucket no-such-bucket; "
+                                          r"create it \(aws s3 mb s3://no-such-bucket\) or name another$"):
+        RunDir.create(tiny_cfg("output.sync_to=s3://no-such-bucket/runs"), tmp_path / "exp")
+    s3.client.put_object(Bucket=BUCKET, Key=f"{tmp_path.name}/exp/run.json", Body=b"{}")
+    uri = f"s3://{BUCKET}/{tmp_path.name}/exp"
+    with pytest.raises(ConfigError, match=f"^output.sync_to: {uri} already holds a run; choose another --run-dir "
+                                          f"name, or continue that run with --resume {uri}$"):
+        RunDir.create(tiny_cfg(f"output.sync_to=s3://{BUCKET}/{tmp_path.name}"), tmp_path / "exp")
+    assert not (tmp_path / "exp").exists()  # nothing written
+    RunDir.create(tiny_cfg(f"output.sync_to=s3://{BUCKET}/{tmp_path.name}"), tmp_path / "other")
+
+
+@pytest.mark.cluster
+def test_resuming_from_an_empty_uri_is_one_line_exit_2(s3, tmp_path, capsys, monkeypatch):
+    from rayfed_dg.cli import main
+
+    monkeypatch.setenv("RAYFED_DG_CACHE", str(tmp_path))
+    assert main(["run", "--resume", f"s3://{BUCKET}/{tmp_path.name}/nothing"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"rayfed-dg: error: --resume s3://{BUCKET}/{tmp_path.name}/nothing: nothing there; give the run "
+                       "directory's copy, <output.sync_to>/<run name>"], err
+
+
 # ---------------------------------------------------------------- the rehearsal: a head lost, a run resumed from S3
 
 def _cli(*extra):
@@ -213,7 +246,7 @@ def test_a_run_copied_to_s3_resumes_from_there_on_a_new_head_bit_for_bit(s3, ray
     r = subprocess.run(_cli("--resume", f"{uri}/exp", *join), env=new_head, capture_output=True, text=True,
                        timeout=budget)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert f"downloading {uri}/exp to {tmp_path / 'new-head-cache' / 'runs' / BUCKET / prefix / 'exp'}" in r.stderr
+    assert f"downloaded {uri}/exp to {tmp_path / 'new-head-cache' / 'runs' / BUCKET / prefix / 'exp'}" in r.stderr
     sets = {k: yaml.safe_load(v) for k, v in (a.split("=", 1) for a in ARGS[ARGS.index("--set") + 1::2])}
     rayfed_dg.run(REPO / "configs" / "quickstart.yaml", sets, target="negative", run_dir=tmp_path / "clean",
                   progress=False)
