@@ -97,8 +97,8 @@ class Mirror:
             raise ConfigError(f"output.sync_to: cannot read {self.uri} ({e}); check the bucket and the credentials "
                               "(on AWS: the node's instance profile)") from None
         if bucket is not None and bucket.type == pafs.FileType.NotFound:
-            raise ConfigError(f"output.sync_to: {self.uri}: no bucket {bucket.path}; create it (aws s3 mb "
-                              f"s3://{bucket.path}) or name another")
+            hint = f" (aws s3 mb s3://{bucket.path})" if self.uri.startswith("s3://") else ""
+            raise ConfigError(f"output.sync_to: {self.uri}: no bucket {bucket.path}; create it{hint} or name another")
         if taken:
             raise ConfigError(f"output.sync_to: {self.uri} already holds a run; choose another --run-dir name, or "
                               f"continue that run with --resume {self.uri}")
