@@ -3,6 +3,7 @@
 
     python tune.py --space NAME [--config CONFIG] [--target DOMAIN|all] [--samples N]
                    [--scheduler fifo|asha] [--resume] [--set k=v ...]
+                   [--storage DIR|s3://BUCKET/PREFIX] [--keep-checkpoints N]
                    [--wandb PROJECT] [--mlflow TRACKING_URI]
 
 Spaces are the YAML files in tuning/.  Model selection follows the DG
@@ -30,7 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scheduler", choices=["fifo", "asha"], default="fifo")
     ap.add_argument("--resume", action="store_true", help="continue an interrupted sweep")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    ap.add_argument("--storage", default="runs/tune", help="where sweeps are kept")
+    ap.add_argument("--storage", default="runs/tune",
+                    help="where sweeps are kept: a folder, or a URI every node can write (s3://bucket/tune)")
+    ap.add_argument("--keep-checkpoints", type=int, default=None, metavar="N",
+                    help="checkpoints kept per trial (default 2: a resumed trial needs its latest)")
     ap.add_argument("--wandb", metavar="PROJECT", default=None,
                     help="also log trials to Weights & Biases (Ray Tune's WandbLoggerCallback; needs wandb)")
     ap.add_argument("--mlflow", metavar="TRACKING_URI", default=None,
@@ -41,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from rayfed_dg.errors import ConfigError
-    from rayfed_dg.tuning import run_sweep
+    from rayfed_dg.tuning import KEEP_CHECKPOINTS, run_sweep
     from rayfed_dg.utils import run_cli
 
     def sweep() -> int:
@@ -51,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--seeds {args.seeds}: expected integers separated by commas, e.g. 0,1,2") from None
         out = run_sweep(args.space, args.config, args.target, args.samples, args.scheduler, args.resume,
                         args.overrides, args.storage, wandb_project=args.wandb, mlflow_uri=args.mlflow,
-                        verbose=2 if args.tune_tables else 1, seeds=seeds)
+                        verbose=2 if args.tune_tables else 1, seeds=seeds,
+                        keep=KEEP_CHECKPOINTS if args.keep_checkpoints is None else args.keep_checkpoints)
         print(f"\nTarget accuracy at each target's round selected by source validation; sweep {out['path']}")
         print(out["table"])
         if out["complete"]:

@@ -41,7 +41,8 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--run-dir", default=None, help="output directory (default: output.root/name-timestamp)")
     run.add_argument("--resume", metavar="RUN_DIR", default=None,
                      help="continue RUN_DIR from its last complete checkpoint, with its own config, targets and "
-                          "seeds (rayfed-dg run --resume RUN_DIR)")
+                          "seeds (rayfed-dg run --resume RUN_DIR); a URI (s3://bucket/prefix/NAME, the copy "
+                          "output.sync_to keeps) is downloaded first, to $RAYFED_DG_CACHE/runs")
     run.add_argument("--seeds", default=None, metavar="S,S,...",
                      help="run each training seed in turn into RUN_DIR/seed<S> and end with mean +- SE over seeds")
     run.add_argument("--no-progress", action="store_true", help="no live progress bars")
@@ -139,12 +140,18 @@ def _run(args) -> int:
     from rayfed_dg.engine.service import RunInterrupted, RunRequest, execute_run
     from rayfed_dg.reporting import SE_NOTE, run_table, seeds_table
 
+    if args.resume and "://" in args.resume:
+        args.resume = str(_fetch_run(args.resume))
     req = RunRequest(config=args.config, target=args.target, overrides=list(args.overrides), run_dir=args.run_dir,
                      resume=args.resume, seeds=args.seeds, dry_run=args.dry_run, no_progress=args.no_progress)
     try:
         out = execute_run(req)
     except RunInterrupted as e:
-        print(f"rayfed-dg: {e}", file=sys.stderr)
+        from rayfed_dg.engine.rundir import RunDir
+
+        copy = RunDir(e.run_dir).mirror() if e.kept else None
+        print(f"rayfed-dg: {e}" + (f"\n  (or on another machine: rayfed-dg run --resume {copy.uri})" if copy else ""),
+              file=sys.stderr)
         return 130
     where_to = "dry run: nothing kept (--run-dir DIR keeps its run directory)" if out.tmp is not None else \
         f"run dir {out.run_dir.path}"
@@ -155,6 +162,22 @@ def _run(args) -> int:
         print(f"\nTarget accuracy (%) over seeds {','.join(map(str, out.seeds))} ({SE_NOTE}); {where_to}")
         print(seeds_table([out.run_dir.path], "text"))
     return 0
+
+
+def _fetch_run(uri: str) -> Path:
+    """The run directory copied to ``uri`` (``output.sync_to``), downloaded
+    to this machine's cache; the resumed run updates the same copy."""
+    from rayfed_dg.data.folders import cache_dir
+    from rayfed_dg.engine.remote import download, open_uri
+    from rayfed_dg.engine.rundir import RunDir
+
+    local = cache_dir() / "runs" / open_uri(uri)[1].lstrip("/")
+    copy = RunDir(download(uri, local)).mirror()
+    print(f"rayfed-dg: downloaded {uri} to {local}", file=sys.stderr)
+    if copy is None or copy.uri != uri.rstrip("/"):
+        print(f"rayfed-dg: warning: {uri} is a run whose output.sync_to names "
+              f"{'no copy' if copy is None else copy.uri}: the resumed run updates that, not {uri}", file=sys.stderr)
+    return local
 
 
 def _evaluate(args) -> int:

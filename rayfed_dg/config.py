@@ -338,6 +338,9 @@ class OutputConfig(_Strict):
     # the same scalars to Weights & Biases / MLflow (engine/trackers.py); optional packages, imported only when set
     wandb: WandbConfig | None = None
     mlflow: MlflowConfig | None = None
+    # a copy of the run directory kept at <sync_to>/<its name> (engine/remote.py): s3://bucket/prefix (or gs://...,
+    # or a folder), uploaded at the start, after every checkpoint and at the end; `run --resume URI` continues it
+    sync_to: str | None = None
 
 
 class DomainWindow(_Strict):

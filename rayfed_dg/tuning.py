@@ -63,6 +63,9 @@ from rayfed_dg.utils import did_you_mean, env_set, render_table, write_table, wr
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SPACE_DIR = REPO_ROOT / "tuning"
+# a restored trial continues from its latest checkpoint and the selection reads reported metrics, never a
+# checkpoint; the one before the latest is kept too, as Tune's saved sweep state may still name it
+KEEP_CHECKPOINTS = 2
 
 
 def space_names(space_dir: Path = SPACE_DIR) -> list[str]:
@@ -344,6 +347,7 @@ class Sweep:
     scheduler: str
     samples: int
     seeds: list[int] | None = None  # training.seed values: every value x target is run once per seed
+    keep: int = KEEP_CHECKPOINTS  # checkpoints Tune keeps per trial (CheckpointConfig.num_to_keep)
 
     @property
     def remote(self) -> bool:
@@ -356,7 +360,7 @@ class Sweep:
 
 def plan_sweep(space_name: str, config: str | None, target: str, samples: int, scheduler: str,
                overrides: list[str], storage: str, space_dir: Path = SPACE_DIR,
-               seeds: list[int] | None = None) -> Sweep:
+               seeds: list[int] | None = None, keep: int = KEEP_CHECKPOINTS) -> Sweep:
     """Every check a sweep can fail before its first trial: the space, the
     config with each searched key, the data, the targets, and the trials'
     worker pools (``engine.experiment.plan_experiment``: the model builds,
@@ -387,8 +391,10 @@ def plan_sweep(space_name: str, config: str | None, target: str, samples: int, s
     storage = storage if "://" in storage else str(Path(storage).resolve())
     if seeds is not None and ("training.seed" in space["params"] or len(set(seeds)) != len(seeds) or not seeds):
         raise ConfigError("--seeds: give distinct seeds, and not with a space that searches training.seed")
+    if keep < 1:
+        raise ConfigError(f"--keep-checkpoints {keep}: a resumed trial needs its latest checkpoint; give 1 or more")
     return Sweep(space, name, config_path, fixed, cfg, ds, targets, workers, storage, scheduler, samples,
-                 sorted(seeds) if seeds else None)
+                 sorted(seeds) if seeds else None, keep)
 
 
 def _tuner(sw: Sweep, resume: bool, verbose: int, callbacks: list):
@@ -401,7 +407,7 @@ def _tuner(sw: Sweep, resume: bool, verbose: int, callbacks: list):
         if not tune.Tuner.can_restore(sw.where):
             raise ConfigError(f"--resume: no sweep to resume at {sw.where}")
         return tune.Tuner.restore(sw.where, fn, resume_unfinished=True, restart_errored=True)
-    if not sw.remote and Path(sw.where).exists():
+    if tune.Tuner.can_restore(sw.where) or (not sw.remote and Path(sw.where).exists()):
         raise ConfigError(f"sweep directory {sw.where} exists; continue it with --resume or choose --storage")
     param_space = {key: to_tune(d) for key, d in sw.space["params"].items()}
     param_space["target"] = tune.grid_search(sw.targets)
@@ -415,6 +421,7 @@ def _tuner(sw: Sweep, resume: bool, verbose: int, callbacks: list):
                       tune_config=tune.TuneConfig(metric="src_val", mode="max", num_samples=sw.samples,
                                                   scheduler=sched),
                       run_config=tune.RunConfig(name=sw.name, storage_path=sw.storage, verbose=verbose,
+                                                checkpoint_config=tune.CheckpointConfig(num_to_keep=sw.keep),
                                                 callbacks=callbacks or None,
                                                 # a failed trial (its node lost) goes on from its last checkpoint
                                                 failure_config=tune.FailureConfig(
@@ -529,7 +536,7 @@ def _records(results, params: list[str], at_interrupt: dict[str, str] | None) ->
 def run_sweep(space_name: str, config: str | None, target: str, samples: int, scheduler: str, resume: bool,
               overrides: list[str], storage: str, space_dir: Path = SPACE_DIR, verbose: int = 1,
               wandb_project: str | None = None, mlflow_uri: str | None = None,
-              seeds: list[int] | None = None) -> dict[str, Any]:
+              seeds: list[int] | None = None, keep: int = KEEP_CHECKPOINTS) -> dict[str, Any]:
     """Plan, run (or resume) and collect a sweep.  Returns {path, chosen,
     table, records, complete}; ``chosen`` is None and no
     ``chosen_config.yaml`` is written while any trial is unfinished.
@@ -538,7 +545,7 @@ def run_sweep(space_name: str, config: str | None, target: str, samples: int, sc
     from rayfed_dg.engine import init_ray
 
     callbacks = logger_callbacks(space_name, wandb_project, mlflow_uri)  # a missing package fails before any trial
-    sw = plan_sweep(space_name, config, target, samples, scheduler, overrides, storage, space_dir, seeds)
+    sw = plan_sweep(space_name, config, target, samples, scheduler, overrides, storage, space_dir, seeds, keep)
     init_ray(sw.cfg)
     # Tune saves the sweep's state (which checkpoint each trial is at) every 10 s or more by default; a sweep
     # killed in between would restart trials from scratch: save it every second (it is a few kB here)
@@ -587,11 +594,11 @@ def run_sweep(space_name: str, config: str | None, target: str, samples: int, sc
     elif stale.exists():  # written by an earlier collection of this sweep; an unfinished one chooses nothing
         stale.unlink()
     if sw.remote:  # the tables go beside the trials, in the sweep's storage
-        import pyarrow.fs as pafs
+        from rayfed_dg.engine.remote import delete_file, upload_files
 
-        fs, root = pafs.FileSystem.from_uri(sw.where)
-        for f in exp_path.iterdir():
-            with fs.open_output_stream(f"{root}/{f.name}") as out:
-                out.write(f.read_bytes())
+        upload_files(sorted(exp_path.iterdir()), sw.where)
+        if not stale.exists():
+            delete_file(f"{sw.where}/{stale.name}")
+        shutil.rmtree(exp_path.parent, ignore_errors=True)
     return {"path": sw.where if sw.remote else str(exp_path), "chosen": chosen if complete else None, "table": md,
             "records": records, "complete": complete}

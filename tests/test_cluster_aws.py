@@ -59,9 +59,11 @@ def aws(tmp_path, monkeypatch):
     aws_utils.resource_cache.cache_clear()
     aws_utils.client_cache.cache_clear()
     runs = []  # (InstanceType, ImageId as asked) of every RunInstances
+    profiles = []  # the IamInstanceProfile each RunInstances asked for
 
     def as_ec2(params, **_):  # what EC2 does and moto does not
         runs.append((params.get("InstanceType"), params.get("ImageId")))
+        profiles.append(params.get("IamInstanceProfile"))
         # EC2 launches MaxCount instances when it has the capacity (moto launches MinCount; Ray asks 1..count)
         params["MinCount"] = params.get("MaxCount", params.get("MinCount"))
         # ImageId=resolve:ssm:NAME is the AMI id the parameter NAME holds
@@ -69,9 +71,15 @@ def aws(tmp_path, monkeypatch):
             name = params["ImageId"][len("resolve:ssm:"):]
             params["ImageId"] = boto3.client("ssm", REGION).get_parameter(Name=name)["Parameter"]["Value"]
 
+    def profile_each(parsed, **_):  # EC2 gives every instance of a launch its profile; moto only the first
+        for inst in parsed.get("Instances", [])[1:] if profiles[-1] else []:
+            boto3.client("ec2", REGION).associate_iam_instance_profile(IamInstanceProfile=profiles[-1],
+                                                                        InstanceId=inst["InstanceId"])
+
     with mock_aws():
         boto3.setup_default_session()  # (mock_aws resets it) every client Ray makes comes from this session
         boto3.DEFAULT_SESSION.events.register("provide-client-params.ec2.RunInstances", as_ec2)
+        boto3.DEFAULT_SESSION.events.register("after-call.ec2.RunInstances", profile_each)
         ec2 = boto3.client("ec2", REGION)
         image = ec2.register_image(Name=DLAMI, Architecture="x86_64", RootDeviceName="/dev/sda1")["ImageId"]
         # a public parameter (/aws/...) cannot be put through the API; AWS publishes it, so does the test
@@ -218,7 +226,8 @@ def test_ray_up_of_cluster_yaml_against_moto(aws, monkeypatch):
     assert {n: t["node_config"]["ImageId"] for n, t in pinned["available_node_types"].items()} == \
            {"ray.head.default": head["ImageId"], "gpu_worker": head["ImageId"]}
     mounts = pinned["available_node_types"]["gpu_worker"]["initialization_commands"]
-    assert any("$RAY_HEAD_IP:/mnt/shared /mnt/shared" in c for c in mounts)
+    (mount,) = [c for c in mounts if "$RAY_HEAD_IP:/mnt/shared /mnt/shared" in c]
+    assert "-o soft," in mount  # the share holds only what can be fetched again: an error, not a hang, without it
 
     # ---- the head's autoscaler (v2): plan for a demand, launch through the AWS node provider
     reader = FileConfigReader(str(remote), skip_content_hash=True)
@@ -249,7 +258,8 @@ def test_ray_up_of_cluster_yaml_against_moto(aws, monkeypatch):
     for w in workers:
         assert w["InstanceType"] == "g5.xlarge" and w["ImageId"] == head["ImageId"] == aws.image
         assert [g["GroupId"] for g in w["SecurityGroups"]] == [sg["GroupId"]]
-        assert "IamInstanceProfile" not in w  # storage is the head's NFS share: no S3, no profile to pass
+        # the head's profile, which Ray gives the head only: a trial on this node writes its checkpoints to S3
+        assert w["IamInstanceProfile"]["Arn"] == head["IamInstanceProfile"]["Arn"]
         assert w["KeyName"] == head["KeyName"]
         tags = _tags(w)
         assert (tags["ray-cluster-name"], tags["ray-node-type"], tags["ray-user-node-type"],

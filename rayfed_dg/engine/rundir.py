@@ -25,6 +25,11 @@ it ran with; a row (one method, one seed) holds its run:
 ``tensorboard/<target>/``  TensorBoard scalars (``output.tensorboard``)
 ``skipped_images.txt`` images ``data.on_corrupt: skip`` left out (root)
 
+With ``output.sync_to`` the experiment's copy at ``<sync_to>/<root's name>``
+is brought up to date (``remote.Mirror``) when ``run.json`` is written, after
+every checkpoint and with every ``summary.json``; a new run refuses a copy
+that already holds files.
+
 ``summary.json`` has one shape, a row's.  Run directories written before
 this module also hold aggregate summaries (a compare run's ``{label:
 summary}`` beside its rows, a ``--seeds`` run's ``{"seeds": ...}`` at the
@@ -36,8 +41,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import time
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
@@ -49,11 +55,14 @@ from rayfed_dg.utils import atomic_write_with, write_text
 
 from .checkpoint import checkpoint_files, checkpoint_path, load_latest, save_checkpoint, saved_rounds
 from .records import table_schema
+from .remote import Mirror
 
 RUN_RECORD = "run.json"
 CONFIG = "config.yaml"
 SUMMARY = "summary.json"
-NOT_RUNS = ("checkpoints", "client_state", "tensorboard", "plots")  # folders of a run that hold no run
+SCRATCH = "client_state"  # spilled client states, removed when a federation ends: never copied
+NOT_RUNS = ("checkpoints", SCRATCH, "tensorboard", "plots")  # folders of a run that hold no run
+_MIRRORS: dict[Path, Mirror | None] = {}  # an experiment's root -> its copy, one per process (what it sent)
 
 
 def _part_key(p: Path) -> tuple[str, int]:
@@ -83,6 +92,8 @@ class RunDir:
         if path.exists() and any(path.iterdir()):
             raise ConfigError(f"run directory {path} already exists and is not empty; "
                               "choose another --run-dir, or continue it with --resume")
+        if cfg.output.sync_to:
+            _mirror_of(path.resolve(), cfg.output.sync_to).check_new()
         path.mkdir(parents=True, exist_ok=True)
         os.chmod(path, 0o755)
         return cls(path)
@@ -129,6 +140,7 @@ class RunDir:
         two newest are kept: ``checkpoint.py``); ``pieces``: the client-state
         pieces it names, already written beside it by the server's store."""
         save_checkpoint(self.checkpoints(target), round, state, pieces)
+        self.sync()
 
     def latest_checkpoint(self, target: str) -> dict | None:
         """``target``'s newest checkpoint that verifies, or None."""
@@ -141,7 +153,7 @@ class RunDir:
 
     def client_state(self, target: str) -> Path:
         """Where ``target``'s federation spills client states while it runs."""
-        return self.path / "client_state" / target
+        return self.path / SCRATCH / target
 
     def saved_rounds(self, target: str) -> list[int]:
         return saved_rounds(self.checkpoints(target))
@@ -165,6 +177,7 @@ class RunDir:
 
     def write_record(self, record: dict) -> None:
         write_text(json.dumps(record, indent=2) + "\n", self.path / RUN_RECORD)
+        self.sync(strict=True)
 
     def record(self) -> dict | None:
         """This folder's ``run.json``; None when it has none (a seed's or a
@@ -227,6 +240,38 @@ class RunDir:
 
     def write_summary(self, summary: dict) -> None:
         write_text(json.dumps(summary, indent=2), self.path / SUMMARY)
+        self.sync()
+
+    # ------------------------------------------------------------ the copy at output.sync_to
+
+    def mirror(self) -> Mirror | None:
+        """The copy of the experiment this folder is in (``output.sync_to``
+        of its config, or of its first seed's), None without one."""
+        found = self.experiment()
+        if found is None:
+            return None
+        root = found[0].path.resolve()
+        if root not in _MIRRORS:
+            trees = [d.config_tree() for d in [found[0], *found[0].subdirs()] if d.has_config()]
+            uri = next((t["output"]["sync_to"] for t in trees if (t.get("output") or {}).get("sync_to")), None)
+            _MIRRORS[root] = _mirror_of(root, uri) if uri else None
+        return _MIRRORS[root]
+
+    def sync(self, strict: bool = False) -> None:
+        """Bring the experiment's copy up to date (none: nothing).  A failure
+        ends the run when ``strict`` (its start: nothing trained yet), else is
+        a warning: the run goes on and the next sync tries again."""
+        copy = self.mirror()
+        if copy is None:
+            return
+        try:
+            copy.sync()
+        except OSError as e:
+            if strict:
+                raise ConfigError(f"output.sync_to: cannot write {copy.uri} ({e}); check the bucket and the "
+                                  "credentials (on AWS: the node's instance profile)") from None
+            print(f"rayfed-dg: warning: output.sync_to: {copy.uri} was not brought up to date ({e}); the next "
+                  "checkpoint tries again", file=sys.stderr)
 
     def summary(self) -> dict | None:
         """The finished row's summary; None while it runs, and for the
@@ -301,6 +346,17 @@ class RunDir:
     def write_skipped(self, files: list[str]) -> None:
         """The images ``data.on_corrupt: skip`` left out (the loader warned, naming a few)."""
         write_text("\n".join(files) + "\n", self.path / "skipped_images.txt")
+
+
+def marks_complete(rel: str) -> bool:
+    """Whether the file at ``rel`` (relative to the experiment's root) says
+    that others are complete: a checkpoint's digest, a row's summary."""
+    p = PurePosixPath(rel)
+    return p.name == SUMMARY or (len(p.parts) >= 3 and p.parts[-3] == "checkpoints" and p.suffix == ".json")
+
+
+def _mirror_of(root: Path, sync_to: str) -> Mirror:
+    return Mirror(root, f"{sync_to.rstrip('/')}/{root.name}", marks_complete, (SCRATCH,))
 
 
 def _json(path: Path) -> dict[str, Any]:

@@ -91,7 +91,7 @@ def _dry_overrides(cfg: ExperimentConfig) -> list[str]:
     # enough images that every client of the partition gets a few
     return ["training.rounds=1", "training.local_steps=1", "training.batch_size=4",
             f"data.limit_per_domain={max(24, 6 * clients)}", "partition.min_size=1",
-            "evaluation.batch_size=8", "output.checkpoint_every=1"]
+            "evaluation.batch_size=8", "output.checkpoint_every=1", "output.sync_to=null"]  # nothing kept
 
 
 def _new_configs(req: RunRequest, seeds: list[int] | None) -> Configs:
