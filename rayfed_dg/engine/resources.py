@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from rayfed_dg.config import ExperimentConfig
-from rayfed_dg.errors import ResourceError
+from rayfed_dg.errors import ConfigError, ResourceError
 
 
 def plan_workers(engine_cfg, clients_per_round: int, resources: dict) -> int:
@@ -106,42 +106,81 @@ def autoscaler_present() -> bool:
     return any(not str(t).startswith("node_") for t in types)
 
 
+def cluster_to_join(address: str | None) -> str | None:
+    """The running cluster ``ray.init(address=address)`` joins (its GCS
+    address), found as Ray finds it: the address, else ``RAY_ADDRESS``, else
+    the cluster of the last ``ray start`` on this machine
+    (``<RAY_TMPDIR or /tmp>/ray/ray_current_cluster``, as on a ``ray up``
+    head); None where ``ray.init`` starts a local Ray of its own.  Raises
+    ValueError (a malformed address) or ConnectionError (``auto`` with no
+    cluster running) as ``ray.init`` would."""
+    from ray._private.services import canonicalize_bootstrap_address
+
+    if address is not None and address.startswith("ray://"):  # Ray Client: a remote cluster, never a local Ray
+        return address
+    return canonicalize_bootstrap_address(address)  # type: ignore[arg-type]  # annotated str, takes None as ray.init
+
+
 def use_token_auth_if_available(local: bool = False) -> None:
-    """Token authentication, said explicitly.  A cluster started with ``ray
-    start`` has it on, and a driver connecting to it must ask for it too; a
-    local ``ray.init`` turns it on by itself but then logs a WARNING on every
-    run, which saying so explicitly (Ray's own opt-in) silences."""
+    """Token authentication, said explicitly, where this driver needs it.
+    ``local`` (this driver starts its own Ray): on, as Ray would turn it on
+    by itself, but then with a WARNING on every run, which saying so
+    explicitly (Ray's own opt-in) silences.  Joining a running cluster: on
+    only where this machine has a token (``RAY_AUTH_TOKEN``,
+    ``RAY_AUTH_TOKEN_PATH``, ``~/.ray/auth_token``: what Ray's ``ray start``
+    turned auth on with); a cluster started without one, as ``cluster.yaml``
+    starts its head, refuses a driver that asks for it ("no authentication
+    token was found"), and ignores a token it was not started with.
+    ``RAY_AUTH_MODE`` set by the user wins."""
     import os
-    from pathlib import Path
 
-    if "RAY_AUTH_MODE" not in os.environ and (local or "RAY_AUTH_TOKEN" in os.environ
-                                              or (Path.home() / ".ray" / "auth_token").is_file()):
-        from ray._raylet import Config  # type: ignore[attr-defined]
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
 
+    if local or AuthenticationTokenLoader.instance().has_token(ignore_auth_mode=True):
         os.environ["RAY_AUTH_MODE"] = "token"
         Config.initialize("")  # Ray reads its settings once; re-read them (as Ray's own token setup does)
 
 
 def init_ray(cfg: ExperimentConfig) -> None:
+    """Start a local Ray or join the cluster that ``engine.ray_address``,
+    ``RAY_ADDRESS`` or a ``ray start`` on this machine names (as ``ray.init``
+    decides); a cluster that cannot be joined ends in one line (ConfigError)."""
+    import os
+
     import ray
+    from ray.exceptions import AuthenticationError
 
     from rayfed_dg.utils import env_set
 
     if ray.is_initialized():
         return
     e = cfg.engine
+    named = (f"engine.ray_address={e.ray_address}" if e.ray_address else
+             f"RAY_ADDRESS={os.environ['RAY_ADDRESS']}" if os.environ.get("RAY_ADDRESS") else
+             "the cluster of the last `ray start` on this machine")
+    try:
+        joins = cluster_to_join(e.ray_address)
+    except (ValueError, ConnectionError) as err:
+        raise ConfigError(f"cannot join a Ray cluster ({named}): {' '.join(str(err).split())}") from None
+    use_token_auth_if_available(local=joins is None)
     # the dashboard is off by default; when on, it listens on loopback only
     kwargs: dict[str, Any] = dict(include_dashboard=e.include_dashboard, configure_logging=True,
                                   logging_level="WARNING", log_to_driver=True, dashboard_host="127.0.0.1")
-    if e.ray_address:
-        use_token_auth_if_available()
-        ray.init(address=e.ray_address, **kwargs)
-    else:
-        use_token_auth_if_available(local=True)
+    try:
         # read by the raylet ray.init starts (Ray's job manager sets it the same way); ignored when ray.init joins a
-        # running cluster (RAY_ADDRESS, a `ray start` on this machine), which refuses a _system_config
+        # running cluster, which refuses a _system_config.  The address decided above, so Ray does not look again
         with env_set("RAY_worker_niceness", str(e.worker_niceness)):
-            ray.init(**kwargs)
+            ray.init(address=joins, **kwargs)
+    except (ConnectionError, AuthenticationError) as err:
+        if joins is None:
+            raise
+        token = "its token in ~/.ray/auth_token, RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH"
+        hint = (f"; RAY_AUTH_MODE=token needs {token}" if isinstance(err, AuthenticationError) else
+                f"; check that its head runs, the address, and, if the cluster has token authentication, {token}")
+        raise ConfigError(f"cannot join the Ray cluster at {joins} ({named}): {' '.join(str(err).split())}"
+                          f"{hint}") from None
 
 
 def launching_nodes(report: dict, num_cpus: float, num_gpus: float) -> str | None:
