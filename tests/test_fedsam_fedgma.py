@@ -1,0 +1,151 @@
+"""FedSAM (Qu et al., ICML 2022) and FedGMA (Tenison et al., TMLR 2023):
+their equations on hand-computed values, and FedGMA at tau = 0 against
+FedAvg through the engine."""
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+from conftest import tiny_cfg, tiny_federation
+
+from rayfed_dg.errors import ConfigError
+from rayfed_dg.methods import ClientContext, ClientUpdate, build_method
+from rayfed_dg.methods.fedgma import SIGN, gma_mask
+from rayfed_dg.methods.fedsam import sam_perturbation
+
+
+def _ctx():
+    return ClientContext(client_id=0, round=1, device=torch.device("cpu"), generator=torch.Generator().manual_seed(0),
+                         num_samples=4)
+
+
+def _ce_grad(W, b, x, y):
+    """d CE / d (W, b) of logits x W^T + b, by hand: G = (softmax - onehot) / B."""
+    z = x @ W.T + b
+    p = np.exp(z - z.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    G = (p - np.eye(W.shape[0])[y]) / len(y)
+    return G.T @ x, G.sum(0)
+
+
+X = np.array([[1.0, -2.0, 0.5], [0.0, 1.0, 1.0], [2.0, 0.5, -1.0], [-1.0, -1.0, 0.0]])
+Y = np.array([0, 1, 1, 0])
+W0 = np.array([[0.2, -0.1, 0.3], [-0.4, 0.5, 0.1]])
+B0 = np.array([0.05, -0.05])
+
+
+def _linear():
+    m = nn.Linear(3, 2)
+    with torch.no_grad():
+        m.weight.copy_(torch.tensor(W0, dtype=torch.float32))
+        m.bias.copy_(torch.tensor(B0, dtype=torch.float32))
+    return m
+
+
+def test_sam_perturbation_is_rho_over_the_norm_of_all_tensors():
+    g = [torch.tensor([3.0, 0.0]), None, torch.tensor([[4.0]])]
+    e = sam_perturbation(g, 0.5)
+    assert e[1] is None
+    assert torch.allclose(e[0], torch.tensor([0.3, 0.0])) and torch.allclose(e[2], torch.tensor([[0.4]]))  # ||g|| = 5
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_fedsam_step_is_sgd_from_w_with_the_gradient_at_w_plus_e(wd):
+    rho, lr = 0.5, 0.1
+    cfg = tiny_cfg("method.name=fedsam", f"method.rho={rho}", f"training.lr={lr}", "training.momentum=0",
+                   f"training.weight_decay={wd}")
+    method = build_method(cfg, 3)
+    model = _linear()
+    x, y = torch.tensor(X, dtype=torch.float32), torch.tensor(Y)
+    res = method.local_train(model, lambda: iter([(x, y)]), _ctx())
+    gW, gb = _ce_grad(W0, B0, X, Y)
+    norm = np.sqrt((gW ** 2).sum() + (gb ** 2).sum())
+    We, be = W0 + rho * gW / norm, B0 + rho * gb / norm  # w + e(w)
+    sW, sb = _ce_grad(We, be, X, Y)  # the SAM gradient
+    np.testing.assert_allclose(model.weight.detach().numpy(), W0 - lr * (sW + wd * W0), atol=1e-6)
+    np.testing.assert_allclose(model.bias.detach().numpy(), B0 - lr * (sb + wd * B0), atol=1e-6)
+    assert res.steps == 1
+
+
+def test_fedsam_updates_batchnorm_statistics_at_w_only():
+    cfg = tiny_cfg("method.name=fedsam", "method.rho=2.0", "training.lr=0.1", "training.momentum=0",
+                   "training.weight_decay=0")
+    method = build_method(cfg, 3)
+    torch.manual_seed(0)
+    model = nn.Sequential(_linear(), nn.BatchNorm1d(2), nn.Linear(2, 2))
+    x, y = torch.tensor(X, dtype=torch.float32), torch.tensor(Y)
+    h = X @ W0.T + B0  # the BatchNorm's input at w
+    method.local_train(model, lambda: iter([(x, y)]), _ctx())
+    bn = model[1]
+    np.testing.assert_allclose(bn.running_mean.numpy(), 0.1 * h.mean(0), atol=1e-6)
+    np.testing.assert_allclose(bn.running_var.numpy(), 0.9 + 0.1 * h.var(0, ddof=1), atol=1e-6)
+    assert bn.momentum == 0.1  # restored after the perturbed pass
+
+
+def test_fedsam_refuses_fp16():
+    with pytest.raises(ConfigError, match="fedsam cannot train in training.precision fp16"):
+        tiny_cfg("method.name=fedsam", "training.precision=fp16")
+
+
+# ------------------------------------------------------------------ FedGMA
+
+def test_gma_mask_is_one_at_or_above_tau_and_the_agreement_below():
+    # 4 clients: sign sums 4, -2, 1, 0, -3 give agreements 1, 0.5, 0.25, 0, 0.75
+    m = gma_mask(np.array([4, -2, 1, 0, -3]), 4, 0.5)
+    np.testing.assert_array_equal(m, [1.0, 1.0, 0.25, 0.0, 1.0])
+    np.testing.assert_array_equal(gma_mask(np.array([4, -2, 1, 0, -3]), 4, 0.8), [1.0, 0.5, 0.25, 0.0, 0.75])
+
+
+def _update(cid, n, signs):
+    return ClientUpdate(client=cid, num_samples=n, update={}, private={}, payload={SIGN: np.array(signs, np.int8)},
+                        train_loss=0.0, seconds=0.0)
+
+
+def test_fedgma_assembles_w_plus_eta_mask_times_the_weighted_update():
+    cfg = tiny_cfg("method.name=fedgma", "method.mask_threshold=0.9", "method.step_size=0.5")
+    method = build_method(cfg, 4)  # four clients, three of whose updates arrived: |S| = 3 divides
+    method.param_keys = ["a", "b"]  # a: 2 coordinates, b: 1 (trainable()'s order)
+    prev = {"a": np.array([1.0, 2.0], np.float32), "b": np.array([0.0], np.float32)}
+    # three clients of 1, 1 and 2 samples: w_k - w per coordinate
+    deltas = [np.array([0.3, -0.2, 1.0]), np.array([0.1, 0.4, 2.0]), np.array([0.2, -0.1, 0.5])]
+    sizes = [1, 1, 2]
+    avg = sum(n * d for n, d in zip(sizes, deltas)) / 4  # [0.2, 0.0, 1.0]
+    average = {"a": (prev["a"] + avg[:2]).astype(np.float32), "b": (prev["b"] + avg[2:]).astype(np.float32)}
+    results = [_update(i, n, np.sign(d)) for i, (n, d) in enumerate(zip(sizes, deltas))]
+    out = method.assemble_global(1, results, average, prev, {})
+    # agreements: |3|/3 = 1, |-1|/3, 3/3 -> masks 1, 1/3, 1
+    np.testing.assert_allclose(out["a"], [1.0 + 0.5 * 0.2, 2.0 + 0.5 * (1 / 3) * 0.0], atol=1e-6)
+    np.testing.assert_allclose(out["b"], [0.5 * 1.0], atol=1e-6)
+    # second coordinate of "a" with a non-zero average: shift it and check the damping
+    average["a"][1] = 2.3
+    out = method.assemble_global(1, results, average, prev, {})
+    np.testing.assert_allclose(out["a"][1], 2.0 + 0.5 * (1 / 3) * 0.3, atol=1e-6)
+
+
+def test_fedgma_uploads_the_sign_of_its_own_change():
+    method = build_method(tiny_cfg("method.name=fedgma"), 3)
+    model = _linear()
+    ctx = _ctx()
+    method.round_start(model, ctx)
+    with torch.no_grad():
+        model.weight[0, 1] += 0.5
+        model.weight[1, 2] -= 0.25
+    sign = method.upload_payload(model, ctx)[SIGN]
+    assert sign.dtype == np.int8 and sign.tolist() == [0, 1, 0, 0, 0, -1, 0, 0]  # weight (row-major), then bias
+
+
+def test_fedgma_refuses_a_server_optimizer():
+    with pytest.raises(ConfigError, match="server.optimizer fedadam has nothing to step: fedgma"):
+        tiny_cfg("method.name=fedgma", "server.optimizer=fedadam")
+
+
+@pytest.mark.slow
+def test_fedgma_with_tau_zero_is_fedavg_bit_for_bit(tiny_ds, engine_host):
+    """tau = 0 and eta = 1: every mask is 1 and w + (avg - w) in float64 is avg."""
+    common = ["training.rounds=2", "training.local_steps=2", "data.limit_per_domain=60"]
+    host = engine_host(tiny_ds, 1)
+    gma = tiny_federation(tiny_ds, "texture", "method.name=fedgma", "method.mask_threshold=0", *common, host=host)
+    avg = tiny_federation(tiny_ds, "texture", "method.name=fedavg", *common, host=host)
+    key = lambda res: [(m["round"], m["split"], m["domain"], m["accuracy"], m["loss"]) for m in res.metrics]  # noqa: E731
+    assert key(gma) == key(avg)
+    damped = tiny_federation(tiny_ds, "texture", "method.name=fedgma", "method.mask_threshold=1", *common, host=host)
+    assert key(damped) != key(avg)
