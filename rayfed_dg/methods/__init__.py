@@ -10,6 +10,7 @@ from . import (  # noqa: F401
                    feddyn,
                    fedfd,
                    fedgma,
+                   fediir,
                    fedprox,
                    fedsam,
                    fedsr,

@@ -1,6 +1,7 @@
-"""FedSAM (Qu et al., ICML 2022) and FedGMA (Tenison et al., TMLR 2023):
-their equations on hand-computed values, and FedGMA at tau = 0 against
-FedAvg through the engine."""
+"""The baselines of FedDG-Benchmark and FL-bench: FedSAM (Qu et al., ICML 2022),
+FedGMA (Tenison et al., TMLR 2023) and FedIIR (Guo et al., ICML 2023): their
+equations on hand-computed values, and FedGMA at tau = 0 against FedAvg
+through the engine."""
 import numpy as np
 import pytest
 import torch
@@ -149,3 +150,114 @@ def test_fedgma_with_tau_zero_is_fedavg_bit_for_bit(tiny_ds, engine_host):
     assert key(gma) == key(avg)
     damped = tiny_federation(tiny_ds, "texture", "method.name=fedgma", "method.mask_threshold=1", *common, host=host)
     assert key(damped) != key(avg)
+
+
+# ------------------------------------------------------------------ FedIIR
+
+class _Split(nn.Module):
+    """features (a fixed linear map) and a linear head, as models/split.py's SplitModel."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(3, 3)
+        self.head = _linear_head()
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def _linear_head():
+    m = nn.Linear(3, 2)
+    with torch.no_grad():
+        m.weight.copy_(torch.tensor(W0, dtype=torch.float32))
+        m.bias.copy_(torch.tensor(B0, dtype=torch.float32))
+    return m
+
+
+V0 = np.array([[0.5, 0.1, -0.2], [0.0, 0.3, 0.4], [-0.3, 0.2, 0.1]])
+C0 = np.array([0.1, 0.0, -0.1])
+
+
+def _split_model():
+    m = _Split()
+    with torch.no_grad():
+        m.body.weight.copy_(torch.tensor(V0, dtype=torch.float32))
+        m.body.bias.copy_(torch.tensor(C0, dtype=torch.float32))
+    return m
+
+
+def _iir_objective(theta, gbar, lam):
+    """CE + lam ||grad_head CE - gbar||^2 in numpy, theta = (V, c, W, b) flat."""
+    V, c = theta[:9].reshape(3, 3), theta[9:12]
+    W, b = theta[12:18].reshape(2, 3), theta[18:20]
+    f = X @ V.T + c
+    z = f @ W.T + b
+    p = np.exp(z - z.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    ce = -np.log(p[np.arange(len(Y)), Y]).mean()
+    gW, gb = _ce_grad(W, b, f, Y)
+    return ce + lam * ((np.concatenate([gW.ravel(), gb]) - gbar) ** 2).sum()
+
+
+def test_fediir_local_step_descends_the_penalised_objective_by_hand():
+    """One SGD step on CE + penalty ||grad_theta CE - g_bar||^2, its gradient
+    (through grad_theta CE: double backpropagation) by central differences of
+    the objective written out in numpy."""
+    lam, lr = 0.7, 0.1
+    cfg = tiny_cfg("method.name=fediir", f"method.penalty={lam}", f"training.lr={lr}", "training.momentum=0",
+                   "training.weight_decay=0")
+    method = build_method(cfg, 3)
+    model = _split_model()
+    gbar = np.array([0.05, -0.1, 0.2, 0.0, 0.1, -0.05, 0.02, -0.02])
+    ctx = _ctx()
+    ctx.payload = {"fediir_grad_mean": gbar.astype(np.float32)}
+    method.round_start(model, ctx)
+    x, y = torch.tensor(X, dtype=torch.float32), torch.tensor(Y)
+    theta0 = np.concatenate([V0.ravel(), C0, W0.ravel(), B0])
+    eps = 1e-6
+    grad = np.array([(_iir_objective(theta0 + eps * e, gbar, lam) - _iir_objective(theta0 - eps * e, gbar, lam))
+                     / (2 * eps) for e in np.eye(20)])
+    method.local_train(model, lambda: iter([(x, y)]), ctx)
+    got = torch.cat([p.detach().reshape(-1) for p in (model.body.weight, model.body.bias, model.head.weight,
+                                                      model.head.bias)]).numpy()
+    np.testing.assert_allclose(got, theta0 - lr * grad, atol=2e-6)
+    # the penalty moved the body too (through the features in grad_theta CE), not only the head
+    plain = theta0 - lr * np.array([(_iir_objective(theta0 + eps * e, gbar, 0.0)
+                                     - _iir_objective(theta0 - eps * e, gbar, 0.0)) / (2 * eps) for e in np.eye(20)])
+    assert np.abs(got[:12] - plain[:12]).max() > 1e-4
+
+
+def test_fediir_prepare_sums_the_head_gradient_of_each_batch():
+    cfg = tiny_cfg("method.name=fediir", "training.batch_size=3")
+    method = build_method(cfg, 3)
+    model = _split_model()
+    xs, ys = torch.tensor(X, dtype=torch.float32), torch.tensor(Y)
+    ctx = _ctx()
+    ctx.indices = np.arange(4)
+    ctx.fetch = lambda idx: (xs[torch.as_tensor(idx)], ys[torch.as_tensor(idx)])
+    order = ctx.indices[torch.randperm(4, generator=torch.Generator().manual_seed(0)).numpy()]
+    out = method.round_prepare(model, ctx)
+    f = X @ V0.T + C0
+    expect = np.zeros(8)
+    for part in (order[:3], order[3:]):  # batches of 3 and 1
+        gW, gb = _ce_grad(W0, B0, f[part], Y[part])
+        expect += np.concatenate([gW.ravel(), gb])
+    np.testing.assert_allclose(out["fediir_grad_sum"], expect, atol=1e-6)
+    assert out["fediir_batches"].tolist() == [2]
+    ctx.generator = torch.Generator().manual_seed(0)
+    capped = build_method(tiny_cfg("method.name=fediir", "training.batch_size=3", "method.grad_batches=1"), 3)
+    assert capped.round_prepare(model, ctx)["fediir_batches"].tolist() == [1]
+
+
+def test_fediir_server_keeps_an_ema_of_the_mean_batch_gradient():
+    method = build_method(tiny_cfg("method.name=fediir", "method.ema=0.9"), 4)
+    state: dict = {}
+    prepared = {0: {"fediir_grad_sum": np.array([2.0, 4.0]), "fediir_batches": np.array([2])},
+                3: {"fediir_grad_sum": np.array([1.0, -1.0]), "fediir_batches": np.array([1])}}
+    out = method.server_payloads(1, [0, 3], state, None, {}, prepared)
+    first = 0.1 * np.array([3.0, 3.0]) / 3  # from 0: (1 - ema) * (sum of sums / batches)
+    np.testing.assert_allclose(out[3]["fediir_grad_mean"], first)
+    assert sorted(out) == [0, 3]
+    out = method.server_payloads(2, [1], state, None, {}, {1: {"fediir_grad_sum": np.array([1.0, -0.5]),
+                                                               "fediir_batches": np.array([5])}})
+    np.testing.assert_allclose(out[1]["fediir_grad_mean"], 0.9 * first + 0.1 * np.array([0.2, -0.1]), atol=1e-7)
