@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from conftest import tiny_cfg, tiny_federation
 
 from rayfed_dg.errors import ConfigError
@@ -261,3 +262,125 @@ def test_fediir_server_keeps_an_ema_of_the_mean_batch_gradient():
     out = method.server_payloads(2, [1], state, None, {}, {1: {"fediir_grad_sum": np.array([1.0, -0.5]),
                                                                "fediir_batches": np.array([5])}})
     np.testing.assert_allclose(out[1]["fediir_grad_mean"], 0.9 * first + 0.1 * np.array([0.2, -0.1]), atol=1e-7)
+
+
+# ------------------------------------------------------------------ FedADG
+
+ADG_SMALL = ["method.name=fedadg", "method.noise_dim=6", "method.gen_hidden=12", "method.rp_size=5",
+             "method.disc_hidden=7"]
+
+
+def test_fedadg_losses_by_hand():
+    from rayfed_dg.methods.fedadg import discriminator_loss, encoder_loss, generator_loss
+
+    d_ref, d_feat = torch.tensor([0.2, 0.9]), torch.tensor([0.5, 0.1])
+    # D: reference -> 1, features -> 0; F: features -> 1; G: reference -> 0
+    assert float(discriminator_loss(d_ref, d_feat)) == pytest.approx(((0.64 + 0.25) + (0.01 + 0.01)) / 2)
+    assert float(encoder_loss(d_feat)) == pytest.approx((0.25 + 0.81) / 2)
+    assert float(generator_loss(d_ref)) == pytest.approx((0.04 + 0.81) / 2)
+
+
+def _adg(*sets):
+    import copy
+
+    cfg = tiny_cfg(*ADG_SMALL, "training.momentum=0", "training.weight_decay=0", *sets)
+    method = build_method(cfg, 3)
+    torch.manual_seed(0)
+    model = method.build_model(10)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(6, 3, 16, 16, generator=g), torch.arange(6) % 10
+    return method, model, copy.deepcopy(model), x, y
+
+
+def _opts(method, model, lr_task, lr_d, lr_g):
+    from rayfed_dg.methods.fedadg import DISC, GEN
+
+    task = [q for n, q in model.named_parameters() if not n.startswith((GEN, DISC))]
+    sgd = lambda ps, lr: torch.optim.SGD(ps, lr=lr)  # noqa: E731
+    return sgd(task, lr_task), sgd(getattr(model, DISC).parameters(), lr_d), sgd(getattr(model, GEN).parameters(), lr_g)
+
+
+def _changed(a, b, prefix):
+    return [k for k, v in a.state_dict().items() if k.startswith(prefix) and not torch.equal(v, b.state_dict()[k])]
+
+
+def test_fedadg_discriminator_step_tells_the_reference_from_eval_mode_features():
+    from rayfed_dg.methods.fedadg import discriminator_loss
+
+    method, model, ref_model, x, y = _adg()
+    ctx = _ctx()
+    method.adversarial_step(model, x, y, ctx, *_opts(method, model, 0.0, 0.1, 0.0))
+    # by hand: the same noise, features of the model in evaluation mode, one SGD step on D alone
+    u = torch.rand(6, 6, generator=torch.Generator().manual_seed(0))
+    ys = F.one_hot(y, 10).float() * 0.7
+    ref_model.eval()
+    with torch.no_grad():
+        feat, ref = ref_model.features(x), ref_model.fedadg_generator(ys, u)
+    d = ref_model.fedadg_discriminator
+    loss = discriminator_loss(d(ys, ref), d(ys, feat))
+    grads = torch.autograd.grad(loss, list(d.parameters()))
+    got = dict(model.fedadg_discriminator.named_parameters())
+    for (name, q), g in zip(d.named_parameters(), grads):
+        assert torch.allclose(got[name], q - 0.1 * g, atol=1e-6), name
+    # nothing else moved, and BatchNorm statistics were not touched by D's step: they are one training-mode
+    # forward's (the F step's, at lr 0)
+    assert _changed(model, ref_model, "fedadg_generator") == []
+    ref_model.train()
+    ref_model.features(x)
+    buffers = [k for k, v in model.state_dict().items() if "running" in k]
+    assert buffers and all(torch.equal(model.state_dict()[k], ref_model.state_dict()[k]) for k in buffers)
+    assert all(torch.equal(a, b) for (n, a), (_, b) in zip(model.named_parameters(), ref_model.named_parameters())
+               if not n.startswith("fedadg"))
+
+
+def test_fedadg_feature_step_weighs_classification_against_alignment():
+    from rayfed_dg.methods.fedadg import encoder_loss
+
+    method, model, ref_model, x, y = _adg("method.alpha=0.6", "method.label_smoothing=0.2")
+    method.adversarial_step(model, x, y, _ctx(), *_opts(method, model, 0.1, 0.0, 0.0))
+    ys = F.one_hot(y, 10).float() * 0.7
+    ref_model.train()
+    feat = ref_model.features(x)
+    ce = F.cross_entropy(ref_model.head(feat), y, label_smoothing=0.2)
+    loss = 0.6 * ce + 0.4 * encoder_loss(ref_model.fedadg_discriminator(ys, feat))
+    task = [(n, q) for n, q in ref_model.named_parameters() if not n.startswith("fedadg")]
+    grads = torch.autograd.grad(loss, [q for _, q in task])
+    got = dict(model.named_parameters())
+    for (n, q), g in zip(task, grads):
+        assert torch.allclose(got[n], q - 0.1 * g, atol=1e-6), n
+    assert _changed(model, ref_model, "fedadg") == []  # D and G kept still
+
+
+def test_fedadg_generator_step_moves_the_reference_towards_the_features():
+    from rayfed_dg.methods.fedadg import generator_loss
+
+    method, model, ref_model, x, y = _adg()
+    method.adversarial_step(model, x, y, _ctx(), *_opts(method, model, 0.0, 0.0, 0.1))
+    u = torch.rand(6, 6, generator=torch.Generator().manual_seed(0))
+    ys = F.one_hot(y, 10).float() * 0.7
+    gen = ref_model.fedadg_generator
+    loss = generator_loss(ref_model.fedadg_discriminator(ys, gen(ys, u)))
+    grads = torch.autograd.grad(loss, list(gen.parameters()))
+    got = dict(model.fedadg_generator.named_parameters())
+    for (n, q), g in zip(gen.named_parameters(), grads):
+        assert torch.allclose(got[n], q - 0.1 * g, atol=1e-6), n
+    assert any(g.abs().max() > 1e-6 for g in grads)  # G did learn: its output is not detached
+    assert _changed(model, ref_model, "fedadg_discriminator") == []
+
+
+def test_fedadg_keeps_its_discriminator_private_and_shares_the_generator():
+    method, model, _, _, _ = _adg()
+    keys = model.state_dict()
+    assert method.private_keys(model) == method.local_keys(model) == {k for k in keys
+                                                                      if k.startswith("fedadg_discriminator.")}
+    assert {method.tensor_group(k, False) for k in keys if k.startswith("fedadg_generator.")} == {"fedadg_generator"}
+    proj = model.fedadg_discriminator.projection.weight
+    assert float(torch.linalg.matrix_norm(proj.detach())) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_fedadg_warms_up_on_plain_cross_entropy_first():
+    method, model, ref_model, x, y = _adg("training.local_steps=10", "method.warmup_fraction=0.3")
+    seen = []
+    method.adversarial_step = lambda *a: seen.append(len(seen)) or torch.tensor(0.0)  # count adversarial steps
+    res = method.local_train(model, lambda: iter([(x, y)] * 10), _ctx())
+    assert res.steps == 10 and len(seen) == 7

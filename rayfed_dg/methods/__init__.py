@@ -5,6 +5,7 @@ from . import (  # noqa: F401
                    dson,
                    dsu,
                    elcfs,
+                   fedadg,
                    fedbn,
                    feddg_ga,
                    feddyn,
