@@ -220,7 +220,7 @@ def partition_proportional(source_train, labels, num_clients: int, seed: int, **
         raise DataError(f"partition.num_clients={num_clients} is smaller than the {len(names)} source domains")
     sizes = np.array([len(source_train[d]) for d in names], dtype=np.float64)
     per = np.ones(len(names), dtype=np.int64)
-    for _ in range(num_clients - len(names)):
+    for _extra in range(num_clients - len(names)):
         per[int(np.argmax(sizes / per))] += 1
     clients, doms = [], []
     for d, k in zip(names, per):
