@@ -384,3 +384,32 @@ def test_fedadg_warms_up_on_plain_cross_entropy_first():
     method.adversarial_step = lambda *a: seen.append(len(seen)) or torch.tensor(0.0)  # count adversarial steps
     res = method.local_train(model, lambda: iter([(x, y)] * 10), _ctx())
     assert res.steps == 10 and len(seen) == 7
+
+
+def test_fedgma_defaults_and_bounds_are_the_references():
+    # FedDG-Benchmark's PACS configuration: mask_threshold 0.4, step_size 1.0 (a changed default changes a table)
+    p = build_method(tiny_cfg("method.name=fedgma"), 3).p
+    assert (p.mask_threshold, p.step_size) == (0.4, 1.0)
+    for bad in ("method.mask_threshold=1.5", "method.mask_threshold=-0.1", "method.step_size=0"):
+        with pytest.raises(ConfigError, match=bad.split("=")[0].split(".")[1]):
+            tiny_cfg("method.name=fedgma", bad)
+
+
+def test_fedgma_with_one_client_moves_every_coordinate_fully():
+    method = build_method(tiny_cfg("method.name=fedgma", "method.mask_threshold=1.0"), 4)
+    method.param_keys = ["a"]
+    prev, average = {"a": np.array([1.0, 2.0], np.float32)}, {"a": np.array([1.5, 1.0], np.float32)}
+    out = method.assemble_global(1, [_update(2, 5, [1, -1])], average, prev, {})
+    np.testing.assert_allclose(out["a"], [1.5, 1.0])  # one vote is full agreement: A = 1 >= tau
+
+
+@pytest.mark.parametrize("name,defaults", [
+    ("fedsam", {"rho": 0.05}),
+    ("fediir", {"penalty": 1e-3, "ema": 0.95, "grad_batches": 0}),
+    ("fedadg", {"alpha": 0.85, "label_smoothing": 0.1, "label_scale": 0.7, "warmup_fraction": 0.3, "adv_lr": 0.007,
+                "noise_dim": 2048, "gen_hidden": 4096, "rp_size": 1024, "disc_hidden": 1024}),
+])
+def test_defaults_are_the_reference_codes(name, defaults):
+    # each default is its docstring's source's value: a changed one silently changes every table with the method
+    p = build_method(tiny_cfg(f"method.name={name}"), 3).p
+    assert {k: getattr(p, k) for k in defaults} == defaults
