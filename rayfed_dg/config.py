@@ -86,7 +86,8 @@ class DataConfig(_Strict):
 
 
 class PartitionConfig(_Strict):
-    strategy: str = "per_domain"  # per_domain, single_domain, dirichlet, label_dirichlet, explicit, heterogeneity, ...
+    # per_domain, single_domain, proportional, dirichlet, label_dirichlet, explicit, heterogeneity, centralized
+    strategy: str = "per_domain"
     num_clients: int | None = Field(None, ge=1)  # clients over all source domains (single_domain, dirichlet, ...)
     alpha: float | None = Field(None, gt=0.0)  # Dirichlet concentration (dirichlet, label_dirichlet)
     min_size: int = Field(1, ge=1)  # fewest training samples a client may have

@@ -208,6 +208,34 @@ def partition_heterogeneity(source_train, labels, num_clients: int, seed: int, h
     return [np.sort(np.concatenate(p)) for p in parts], [names[i % len(names)] for i in range(num_clients)]
 
 
+def partition_proportional(source_train, labels, num_clients: int, seed: int, **_):
+    """Single-domain clients in proportion to the domains' sizes, FedIIR's
+    split (Guo et al., ICML 2023; its ``main.py``): every source domain gets
+    one client, then each further client goes to the domain with the most
+    training samples per client (ties: the first domain); a domain's k
+    clients hold floor(n / k) samples each, its n mod k leftover samples
+    drawn out (seeded) and unused, as in the reference's ``split_dataset_fl``."""
+    names = list(source_train)
+    if num_clients < len(names):
+        raise DataError(f"partition.num_clients={num_clients} is smaller than the {len(names)} source domains")
+    sizes = np.array([len(source_train[d]) for d in names], dtype=np.float64)
+    per = np.ones(len(names), dtype=np.int64)
+    for _extra in range(num_clients - len(names)):
+        per[int(np.argmax(sizes / per))] += 1
+    clients, doms = [], []
+    for d, k in zip(names, per):
+        idx = source_train[d].copy()
+        np.random.default_rng(_seed_for(seed, "proportional", d)).shuffle(idx)
+        each = len(idx) // int(k)
+        if each < 1:
+            raise DataError(f"partition.num_clients={num_clients} gives source domain {d} {k} clients for its "
+                            f"{len(idx)} training samples; lower num_clients")
+        for i in range(int(k)):
+            clients.append(np.sort(idx[i * each:(i + 1) * each]))
+            doms.append(d)
+    return clients, doms
+
+
 def partition_centralized(source_train, labels, **_):
     """The centralized reference (ERM on pooled data, the upper row of the
     FedDG papers' tables): one client holding every source domain's training
@@ -222,7 +250,7 @@ PARTITIONS: Registry = Registry("partition.strategy", DataError)
 for _name, _fn in (("per_domain", partition_per_domain), ("single_domain", partition_single_domain),
                    ("dirichlet", partition_dirichlet_domains), ("label_dirichlet", partition_label_dirichlet),
                    ("explicit", partition_explicit), ("heterogeneity", partition_heterogeneity),
-                   ("centralized", partition_centralized)):
+                   ("centralized", partition_centralized), ("proportional", partition_proportional)):
     PARTITIONS.add(_name, _fn)
 
 

@@ -1,0 +1,165 @@
+"""The tests' own strength: a mutation-testing run with cosmic-ray over the numerical core.
+
+    pip install cosmic-ray==8.7.0        # not a dependency of the project: this script is run by hand, not in CI
+    python bench/mutation.py                                   # every module below (hours on 2 cores)
+    python bench/mutation.py --modules engine/selection.py methods/fedgma.py --out runs/mutation
+
+Each module is mutated one plausible single bug at a time (an arithmetic or comparison operator swapped, a
+number changed, a condition negated, a boolean flipped, a loop run zero times, break/continue swapped) in a
+copy of the working tree (the checkout itself is never touched), and the tests that guard it (``MODULES``: fast,
+hand-computed tests, no end-to-end run) are run against each mutant.  A mutant the tests fail on is killed;
+one they pass is a survivor.  The score per module is killed / (killed + survived); timeouts count as killed
+(cosmic-ray's rule), mutants that do not even import ("incompetent") as neither.  Survivors are written to
+``OUT/<module>.md`` with their diffs: each needs a test, or a written reason why the change is not a bug a user
+would see (an equivalent mutant: ``x * 1.0`` for ``x``, a bound that cannot be reached, ...).
+
+The operators are cosmic-ray's core set less the replacements that make implausible bugs (bitwise and shift
+operators, ``%``, ``**``, ``//`` for arithmetic, ``is``/``in`` for comparisons) and the random variable
+replacers, so the count stays within reach: typically 50-300 mutants per module, each one test run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+# module (under rayfed_dg/) -> the pytest arguments of the tests that guard it (fast ones)
+MODULES: dict[str, list[str]] = {
+    "engine/aggregate.py": ["tests/test_aggregate.py", "-m", "not slow"],
+    "engine/server_opt.py": ["tests/test_server_opt.py", "-m", "not slow"],
+    "engine/selection.py": ["tests/test_selection.py", "-m", "not slow"],
+    "engine/pool.py": ["tests/test_pool.py", "-m", "not slow"],
+    "data/protocol.py": ["tests/test_partitions.py", "tests/test_splits.py", "tests/test_protocols.py", "-m",
+                         "not slow"],
+    "models/norms.py": ["tests/test_models.py", "tests/test_gperxan.py", "-m", "not slow"],
+    "models/style.py": ["tests/test_models.py", "tests/test_baselines.py", "-m", "not slow"],
+    "methods/fedsam.py": ["tests/test_benchmark_baselines.py", "-k", "sam", "-m", "not slow"],
+    "methods/fedgma.py": ["tests/test_benchmark_baselines.py", "-k", "gma", "-m", "not slow"],
+    "methods/fediir.py": ["tests/test_benchmark_baselines.py", "-k", "iir", "-m", "not slow"],
+    "methods/fedadg.py": ["tests/test_benchmark_baselines.py", "-k", "adg", "-m", "not slow"],
+    "methods/scaffold.py": ["tests/test_drift_methods.py", "-k", "scaffold", "-m", "not slow"],
+    "methods/feddyn.py": ["tests/test_drift_methods.py", "-k", "feddyn", "-m", "not slow"],
+    "methods/moon.py": ["tests/test_drift_methods.py", "-k", "moon", "-m", "not slow"],
+    "methods/fedprox.py": ["tests/test_baselines.py", "-k", "fedprox", "-m", "not slow"],
+    "methods/feddg_ga.py": ["tests/test_feddg_ga.py", "-m", "not slow"],
+    "methods/gperxan.py": ["tests/test_gperxan.py", "-m", "not slow"],
+    "methods/stablefdg.py": ["tests/test_stablefdg.py", "-m", "not slow"],
+    "methods/fedfd.py": ["tests/test_fedfd.py", "-m", "not slow"],
+}
+
+# cosmic-ray operator names (regular expressions) left out: implausible bugs and random replacers
+EXCLUDED = [
+    r"core/ReplaceBinaryOperator_.*_(BitOr|BitAnd|BitXor|LShift|RShift|Mod|Pow|FloorDiv)$",
+    r"core/ReplaceBinaryOperator_(BitOr|BitAnd|BitXor|LShift|RShift|Mod|Pow|FloorDiv)_.*",
+    r"core/ReplaceComparisonOperator_.*_(Is|IsNot|In|NotIn)$",
+    r"core/ReplaceComparisonOperator_(Is|IsNot|In|NotIn)_.*",
+    r"core/VariableReplacer", r"core/VariableInserter", r"core/RemoveDecorator", r"core/ExceptionReplacer",
+]
+
+
+def _copy_tree(dst: Path) -> None:
+    """The working tree as it is (uncommitted edits included), without what a run never reads."""
+    ignore = shutil.ignore_patterns(".git", "runs", "mutants", "site", "__pycache__", "*.egg-info", ".dev",
+                                    ".mypy_cache", ".ruff_cache", ".pytest_cache")
+    shutil.copytree(REPO, dst, ignore=ignore)
+
+
+def _config(module: str, tests: list[str], timeout: float) -> str:
+    command = " ".join([PY, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+                        *[f'"{t}"' if " " in t else t for t in tests]])
+    excluded = ", ".join(json.dumps(e) for e in EXCLUDED)
+    return (f'[cosmic-ray]\nmodule-path = "rayfed_dg/{module}"\ntimeout = {timeout}\nexcluded-modules = []\n'
+            f"test-command = {json.dumps(command)}\n\n[cosmic-ray.distributor]\nname = \"local\"\n\n"
+            f"[cosmic-ray.filters.operators-filter]\nexclude-operators = [{excluded}]\n")
+
+
+def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    # the copy's package, not the installed one, in the test runs and the Ray workers they start
+    return subprocess.run(args, cwd=cwd, env={**os.environ, "PYTHONPATH": str(cwd)}, capture_output=True, text=True)
+
+
+def mutate(module: str, work: Path, timeout: float) -> dict:
+    tests = MODULES[module]
+    name = module.replace("/", "_").removesuffix(".py")
+    cfg = work / f"{name}.toml"
+    session = work / f"{name}.sqlite"
+    cfg.write_text(_config(module, tests, timeout))
+    t0 = time.monotonic()
+    for step in (["cosmic-ray", "init", str(cfg), str(session)], ["cr-filter-operators", str(session), str(cfg)]):
+        r = _run(step, work)
+        if r.returncode:
+            raise SystemExit(f"mutation: {' '.join(step[:2])} failed for {module}: {r.stderr.strip()[-500:]}")
+    base = _run([PY, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests], work)
+    if base.returncode:  # a mutant "killed" by tests that fail anyway would inflate the score
+        raise SystemExit(f"mutation: the tests of {module} fail unmutated: {base.stdout.strip()[-500:]}")
+    r = _run(["cosmic-ray", "exec", str(cfg), str(session)], work)
+    if r.returncode:
+        raise SystemExit(f"mutation: cosmic-ray exec failed for {module}: {r.stderr.strip()[-500:]}")
+    dump = _run(["cosmic-ray", "dump", str(session)], work).stdout.splitlines()
+    rows = [json.loads(line) for line in dump if line.strip()]
+    killed, survived, incompetent, skipped, survivors = 0, 0, 0, 0, []
+    for item, result in rows:
+        if result is None or result.get("worker_outcome") == "skipped":
+            skipped += 1
+            continue
+        outcome = result.get("test_outcome")
+        if outcome == "survived":
+            survived += 1
+            m = item["mutations"][0]
+            survivors.append({"line": m["start_pos"][0], "operator": m["operator_name"],
+                              "occurrence": m["occurrence"], "diff": result.get("diff") or ""})
+        elif outcome == "incompetent":
+            incompetent += 1
+        else:
+            killed += 1
+    tested = killed + survived
+    return {"module": module, "mutants": tested + incompetent, "killed": killed, "survived": survived,
+            "incompetent": incompetent, "excluded": skipped, "score": killed / tested if tested else float("nan"),
+            "seconds": time.monotonic() - t0, "survivors": survivors}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--modules", nargs="+", default=list(MODULES), help="paths under rayfed_dg/ (default: all)")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds a mutant's test run may take")
+    ap.add_argument("--out", default="runs/mutation", help="folder for the survivors' reports")
+    a = ap.parse_args(argv)
+    unknown = [m for m in a.modules if m not in MODULES]
+    if unknown:
+        print(f"mutation: no tests are mapped for {', '.join(unknown)}; choose from: {', '.join(MODULES)}",
+              file=sys.stderr)
+        return 2
+    if shutil.which("cosmic-ray") is None:
+        print("mutation: cosmic-ray is not installed (pip install cosmic-ray==8.7.0)", file=sys.stderr)
+        return 2
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print("| module | mutants | killed | survived | incompetent | score | seconds |")
+    print("|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory(prefix="rfmut-") as tmp:
+        work = Path(tmp) / "tree"
+        _copy_tree(work)
+        for module in a.modules:
+            res = mutate(module, work, a.timeout)
+            print(f"| {module} | {res['mutants']} | {res['killed']} | {res['survived']} | {res['incompetent']} | "
+                  f"{res['score']:.3f} | {res['seconds']:.0f} |", flush=True)
+            report = out / (module.replace("/", "_").removesuffix(".py") + ".md")
+            lines = [f"# Surviving mutants of rayfed_dg/{module}: {res['survived']} of {res['mutants']}", ""]
+            for s in res["survivors"]:
+                lines += [f"## line {s['line']}: {s['operator']} (occurrence {s['occurrence']})", "", "```diff",
+                          s["diff"].rstrip(), "```", ""]
+            report.write_text("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
