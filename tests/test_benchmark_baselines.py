@@ -413,3 +413,17 @@ def test_defaults_are_the_reference_codes(name, defaults):
     # each default is its docstring's source's value: a changed one silently changes every table with the method
     p = build_method(tiny_cfg(f"method.name={name}"), 3).p
     assert {k: getattr(p, k) for k in defaults} == defaults
+
+
+def test_fedsam_accepts_bf16_refuses_a_non_positive_radius_and_skips_unused_parameters():
+    assert tiny_cfg("method.name=fedsam", "training.precision=bf16").training.precision == "bf16"
+    with pytest.raises(ConfigError, match="rho"):
+        tiny_cfg("method.name=fedsam", "method.rho=0")
+    # a parameter the loss never reaches has no gradient: it is neither perturbed nor stepped
+    method = build_method(tiny_cfg("method.name=fedsam", "training.momentum=0", "training.weight_decay=0"), 3)
+    model = nn.Sequential(_linear())
+    model.unused = nn.Parameter(torch.ones(3))
+    x, y = torch.tensor(X, dtype=torch.float32), torch.tensor(Y)
+    method.local_train(model, lambda: iter([(x, y)]), _ctx())
+    assert torch.equal(model.unused.detach(), torch.ones(3))
+    assert not torch.equal(model[0].weight.detach(), torch.tensor(W0, dtype=torch.float32))
