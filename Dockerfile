@@ -14,7 +14,7 @@ RUN pip install --no-cache-dir \
       "torch==2.14.1" \
       "torchvision==0.29.1" \
       "numpy>=1.26" \
-      "pyarrow>=14" \
+      "pyarrow>=16" \
       "pyyaml>=6" \
       "scikit-learn>=1.3" \
       "pydantic>=2.5" \

@@ -38,6 +38,7 @@ MODULES: dict[str, list[str]] = {
     "engine/server_opt.py": ["tests/test_server_opt.py", "-m", "not slow"],
     "engine/selection.py": ["tests/test_selection.py", "-m", "not slow"],
     "engine/pool.py": ["tests/test_pool.py", "-m", "not slow"],
+    "tuning.py": ["tests/test_tuning.py", "-m", "not slow"],  # the sweep's selection and collection
     "data/protocol.py": ["tests/test_partitions.py", "tests/test_splits.py", "tests/test_protocols.py", "-m",
                          "not slow"],
     "models/norms.py": ["tests/test_models.py", "tests/test_gperxan.py", "-m", "not slow"],

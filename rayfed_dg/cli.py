@@ -150,7 +150,7 @@ def _run(args) -> int:
         from rayfed_dg.engine.rundir import RunDir
 
         copy = RunDir(e.run_dir).mirror() if e.kept else None
-        print(f"rayfed-dg: {e}" + (f"\n  (or on another machine: rayfed-dg run --resume {copy.uri})" if copy else ""),
+        print(f"rayfed-dg: {e}" + (f"; or on another machine: rayfed-dg run --resume {copy.uri}" if copy else ""),
               file=sys.stderr)
         return 130
     where_to = "dry run: nothing kept (--run-dir DIR keeps its run directory)" if out.tmp is not None else \
@@ -168,11 +168,13 @@ def _fetch_run(uri: str) -> Path:
     """The run directory copied to ``uri`` (``output.sync_to``), downloaded
     to this machine's cache; the resumed run updates the same copy."""
     from rayfed_dg.data.folders import cache_dir
-    from rayfed_dg.engine.remote import download, open_uri
+    from rayfed_dg.engine.remote import download, local_files, open_uri
     from rayfed_dg.engine.rundir import RunDir
 
     local = cache_dir() / "runs" / open_uri(uri)[1].lstrip("/")
     copy = RunDir(download(uri, local)).mirror()
+    if copy is not None:  # the copy holds exactly what was downloaded: not sent back, and a rewrite is sent
+        copy.sent = local_files(local, copy.scratch)
     print(f"rayfed-dg: downloaded {uri} to {local}", file=sys.stderr)
     if copy is None or copy.uri != uri.rstrip("/"):
         print(f"rayfed-dg: warning: {uri} is a run whose output.sync_to names "

@@ -93,8 +93,13 @@ class Cut:
         self.ops.append((what, path))
 
     def open_output_stream(self, path):
-        self._op("put", path)
+        if not path.endswith(".tmp"):  # a folder copy's file appears when moved onto its name (below)
+            self._op("put", path)
         return self.fs.open_output_stream(path)
+
+    def move(self, src, dest):
+        self._op("put", dest)
+        self.fs.move(src, dest)
 
     def delete_file(self, path):
         self._op("delete", path)
@@ -168,6 +173,34 @@ def test_a_sync_cut_at_any_point_leaves_a_checkpoint_and_every_row_up_to_it(tmp_
 
 
 
+def test_a_resumed_copy_is_brought_up_to_date_where_a_file_changed_at_the_same_size(tmp_path):
+    """A resume rewrites files under the same names and often at the same size (a checkpoint of the round it
+    repeats): the first sync of a new process sends a file changed after the copy's was written, and after a
+    download (the run resumed from the copy) a rewrite is sent; a folder copy is written beside the name and
+    moved onto it."""
+    import pyarrow.fs as pafs
+
+    from rayfed_dg.engine.remote import Mirror, local_files
+
+    run, copy = tmp_path / "run", tmp_path / "copy"
+    run.mkdir()
+    (copy / "run").mkdir(parents=True)
+    (copy / "run" / "round_1.pt").write_bytes(b"BBBB")  # uploaded by the killed process
+    time.sleep(0.01)
+    (run / "round_1.pt").write_bytes(b"AAAA")  # rewritten after that upload, at the same size, then killed
+    Mirror(run, str(copy / "run"), lambda rel: False).sync()  # the run resumed from its own folder
+    assert (copy / "run" / "round_1.pt").read_bytes() == b"AAAA"
+    m = Mirror(run, str(copy / "run"), lambda rel: False)
+    m.sent = local_files(run, ())  # what --resume s3://... downloaded: not sent back
+    m.sync()
+    time.sleep(0.01)
+    (run / "round_1.pt").write_bytes(b"CCCC")  # the resumed run saves that round again
+    m.sync()
+    assert (copy / "run" / "round_1.pt").read_bytes() == b"CCCC"
+    assert sorted(p.name for p in (copy / "run").iterdir()) == ["round_1.pt"]  # no part file left
+    assert isinstance(m.fs, pafs.LocalFileSystem)
+
+
 # ---------------------------------------------------------------- bad input: one line, before anything is written
 
 @pytest.mark.cluster
@@ -196,8 +229,8 @@ def test_resuming_from_an_empty_uri_is_one_line_exit_2(s3, tmp_path, capsys, mon
     monkeypatch.setenv("RAYFED_DG_CACHE", str(tmp_path))
     assert main(["run", "--resume", f"s3://{BUCKET}/{tmp_path.name}/nothing"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"rayfed-dg: error: --resume s3://{BUCKET}/{tmp_path.name}/nothing: nothing there; give the run "
-                       "directory's copy, <output.sync_to>/<run name>"], err
+    assert err == [f"rayfed-dg: error: --resume s3://{BUCKET}/{tmp_path.name}/nothing: no run there (no run.json); "
+                       "give the run directory's copy, <output.sync_to>/<run name>"], err
 
 
 # ---------------------------------------------------------------- the rehearsal: a head lost, a run resumed from S3

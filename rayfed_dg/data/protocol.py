@@ -213,8 +213,8 @@ def partition_proportional(source_train, labels, num_clients: int, seed: int, **
     split (Guo et al., ICML 2023; its ``main.py``): every source domain gets
     one client, then each further client goes to the domain with the most
     training samples per client (ties: the first domain); a domain's k
-    clients hold floor(n / k) samples each, its n mod k leftover samples
-    drawn out (seeded) and unused, as in the reference's ``split_dataset_fl``."""
+    clients hold floor(n / k) samples each in a seeded order, the last one
+    also the n mod k left over, as the reference's ``split_dataset_fl``."""
     names = list(source_train)
     if num_clients < len(names):
         raise DataError(f"partition.num_clients={num_clients} is smaller than the {len(names)} source domains")
@@ -231,7 +231,7 @@ def partition_proportional(source_train, labels, num_clients: int, seed: int, **
             raise DataError(f"partition.num_clients={num_clients} gives source domain {d} {k} clients for its "
                             f"{len(idx)} training samples; lower num_clients")
         for i in range(int(k)):
-            clients.append(np.sort(idx[i * each:(i + 1) * each]))
+            clients.append(np.sort(idx[i * each:(i + 1) * each if i < k - 1 else len(idx)]))
             doms.append(d)
     return clients, doms
 

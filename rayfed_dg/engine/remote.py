@@ -41,15 +41,17 @@ def open_uri(uri: str) -> tuple[Any, str]:
                           "or a folder") from None
 
 
-def remote_files(fs: Any, base: str) -> dict[str, int]:
-    """{path relative to ``base``: size} of every file below ``base`` ({} when there is none)."""
+def remote_files(fs: Any, base: str) -> dict[str, tuple[int, int | None]]:
+    """{path relative to ``base``: (size, modification time in ns or None)} of every file below ``base`` ({}
+    when there is none)."""
     import pyarrow.fs as pafs
 
     sel = pafs.FileSelector(base, recursive=True, allow_not_found=True)
-    return {i.path[len(base) + 1:]: i.size for i in fs.get_file_info(sel) if i.type == pafs.FileType.File}
+    return {i.path[len(base) + 1:]: (i.size, i.mtime_ns) for i in fs.get_file_info(sel)
+            if i.type == pafs.FileType.File}
 
 
-def _local_files(root: Path, scratch: tuple[str, ...]) -> dict[str, tuple[int, int]]:
+def local_files(root: Path, scratch: tuple[str, ...]) -> dict[str, tuple[int, int]]:
     """{relative path: (size, mtime)} of the files a copy holds: none in a ``scratch`` folder, no temporary
     (``.NAME.tmp``)."""
     out = {}
@@ -69,8 +71,9 @@ def _local_files(root: Path, scratch: tuple[str, ...]) -> dict[str, tuple[int, i
 class Mirror:
     """The copy of the run directory ``local`` at ``uri``, kept by one
     process: it uploads what changed since its last sync (a file's size or
-    modification time), and on its first, what the copy lacks or holds at
-    another size (a resumed run's download is not sent back).  ``last(rel)``:
+    modification time), and on its first, what the copy lacks, holds at
+    another size, or wrote before the file last changed here (a resumed
+    run's download is marked sent by ``cli``: not sent back).  ``last(rel)``:
     whether the file says others are complete (uploaded last, deleted first);
     ``scratch``: folders never copied."""
 
@@ -104,10 +107,13 @@ class Mirror:
                               f"continue that run with --resume {self.uri}")
 
     def sync(self) -> None:
-        local = _local_files(self.local, self.scratch)
+        local = local_files(self.local, self.scratch)
         if self.sent is None:
+            # a file is up to date there when it has the same size and was written there after it was last
+            # changed here: a run resumed from its own folder rewrites files at the same size (a repeated round)
             there = remote_files(self.fs, self.base)
-            self.sent = {k: v for k, v in local.items() if there.get(k) == v[0]}
+            self.sent = {k: v for k, v in local.items()
+                         if k in there and there[k][0] == v[0] and (there[k][1] or -1) >= v[1]}
             gone = set(there) - set(local)
         else:
             gone = set(self.sent) - set(local)
@@ -126,9 +132,14 @@ class Mirror:
         dest = f"{self.base}/{rel}"
         if self.folders:
             self.fs.create_dir(dest.rsplit("/", 1)[0], recursive=True)
-        with src, self.fs.open_output_stream(dest) as out:
+        # an object store shows an object whole or not at all; a folder shows a file as it is written, so a
+        # file there is written beside its name and moved onto it
+        part = f"{dest.rsplit('/', 1)[0]}/.{dest.rsplit('/', 1)[1]}.tmp" if self.folders else dest
+        with src, self.fs.open_output_stream(part) as out:
             while chunk := src.read(1 << 23):
                 out.write(chunk)
+        if part != dest:
+            self.fs.move(part, dest)
         return True
 
 
@@ -139,8 +150,8 @@ def download(uri: str, dest: Path) -> Path:
         files = remote_files(fs, base)
     except OSError as e:
         raise ConfigError(f"--resume {uri}: cannot list it ({e}); check the URI and the credentials") from None
-    if not files:
-        raise ConfigError(f"--resume {uri}: nothing there; give the run directory's copy, "
+    if "run.json" not in files:  # a prefix of several runs (output.sync_to without the name) is not one
+        raise ConfigError(f"--resume {uri}: no run there (no run.json); give the run directory's copy, "
                           "<output.sync_to>/<run name>")
     shutil.rmtree(dest, ignore_errors=True)
     for rel in files:

@@ -172,7 +172,7 @@ def init_ray(cfg: ExperimentConfig) -> None:
         # read by the raylet ray.init starts (Ray's job manager sets it the same way); ignored when ray.init joins a
         # running cluster, which refuses a _system_config.  The address decided above, so Ray does not look again
         with env_set("RAY_worker_niceness", str(e.worker_niceness)):
-            ray.init(address=joins, **kwargs)
+            ray.init(address=joins or "local", **kwargs)  # "local": start one, never join what was not decided
     except (ConnectionError, AuthenticationError) as err:
         if joins is None:
             raise

@@ -9,8 +9,8 @@ below follow its public code (``pacs-ours/localTrain.py``, ``Nets.py``,
 Each client k aligns the distribution of its features z = F(x) to a
 reference distribution drawn from a generator G(y~, u) (u ~ U[0, 1)^noise_dim,
 y~ the one-hot label scaled by ``label_scale``), through its own
-discriminator D(y~, z) in (0, 1) (a fixed-norm linear projection of z to
-``rp_size``, concatenated with y~, an MLP and a sigmoid).  G is shared and
+discriminator D(y~, z) in (0, 1) (a bias-free linear projection of z to
+``rp_size``, concatenated with y~, an MLP and a sigmoid; all of it trained).  G is shared and
 averaged with F and the classifier C; D stays on its client, never uploaded.
 Each local step of a round, after the round's first ``warmup_fraction`` of
 steps (plain label-smoothed cross-entropy on F and C, the code's
@@ -75,8 +75,10 @@ class Generator(nn.Module):
 
 
 class Discriminator(nn.Module):
-    """D(y~, z): a bias-free projection of z (initial weight of Frobenius
-    norm 1) to rp_size, [proj, y~] -> Linear -> LeakyReLU -> Linear -> sigmoid."""
+    """D(y~, z): a bias-free projection of z to rp_size, [proj, y~] -> Linear
+    -> LeakyReLU -> Linear -> sigmoid; every Linear Kaiming-uniform.  (The
+    code divides the projection by its norm, then its ``initialize_params``
+    draws it again, Kaiming-uniform: what it starts from is the latter.)"""
 
     def __init__(self, num_classes: int, feature_dim: int, rp_size: int, hidden: int):
         super().__init__()
@@ -86,8 +88,6 @@ class Discriminator(nn.Module):
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.kaiming_uniform_(m.weight)
-        with torch.no_grad():
-            self.projection.weight.div_(torch.linalg.matrix_norm(self.projection.weight))
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         return self.net(torch.cat([self.projection(z.flatten(1)), y], 1))

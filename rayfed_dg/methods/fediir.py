@@ -90,6 +90,9 @@ class FedIIR(Method):
 
     def round_start(self, model, ctx):
         params = head_params(model)
+        if MEAN not in ctx.payload:  # no client has answered a prepare phase yet: the average starts at 0
+            ctx.scratch["g_bar"] = [torch.zeros_like(p) for p in params]
+            return
         mean = torch.as_tensor(np.asarray(ctx.payload[MEAN]), dtype=torch.float32, device=ctx.device)
         ctx.scratch["g_bar"] = [m.view_as(p) for m, p in zip(mean.split([p.numel() for p in params]), params)]
 
@@ -102,8 +105,11 @@ class FedIIR(Method):
     # ------------------------------------------------------------ server side
     def server_payloads(self, round, client_ids, server_state, rng, global_state, prepared):
         answered = sorted(c for c in prepared if GRAD_SUM in prepared[c])
-        if not answered:
-            return {}
+        if not answered:  # nothing new this round: the mean so far (0 before any)
+            prev = server_state.get(MEAN)
+            if prev is None:
+                return {}
+            return {c: {MEAN: prev.astype(np.float32)} for c in client_ids}
         total = sum(np.asarray(prepared[c][GRAD_SUM], np.float64) for c in answered)  # client-id order
         batches = sum(int(prepared[c][BATCHES][0]) for c in answered)
         new = total / max(batches, 1)

@@ -53,13 +53,14 @@ def sam_perturbation(grads: list[torch.Tensor | None], rho: float) -> list[torch
     return [None if g is None else g * scale for g in grads]
 
 
-def _frozen_statistics(model: nn.Module) -> list[tuple[nn.modules.batchnorm._BatchNorm, float | None]]:
+def _frozen_statistics(model: nn.Module) -> list[tuple[nn.modules.batchnorm._BatchNorm, float | None, torch.Tensor]]:
     """Set every BatchNorm's momentum to 0 (its running statistics unchanged
-    by a forward pass in training mode); returns what to restore."""
+    by a forward pass in training mode); returns what to restore, the batch
+    count too (a cumulative average, momentum None, divides by it)."""
     saved = []
     for m in model.modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
-            saved.append((m, m.momentum))
+            saved.append((m, m.momentum, m.num_batches_tracked.clone()))
             m.momentum = 0.0
     return saved
 
@@ -95,8 +96,9 @@ class FedSAM(Method):
         try:
             return F.cross_entropy(model(x), y)
         finally:
-            for m, momentum in saved:
+            for m, momentum, count in saved:
                 m.momentum = momentum
+                m.num_batches_tracked.copy_(count)
 
     def local_train(self, model, batches, ctx):
         opt = self.make_optimizer(model, ctx.round)
