@@ -207,7 +207,8 @@ class EngineConfig(_Strict):
     # small clients share one Ray task (about 1 ms of task overhead each otherwise; dispatch.py); off: one per task
     group_small_clients: bool = True
     # a worker whose process died gets this long to be restarted by Ray (a lost cloud node: minutes), counted from its
-    # loss and again from the last moment the autoscaler was seen launching a node that could host it
+    # loss and again from the last moment the autoscaler was seen launching a node: under autoscaler v1 one whose
+    # resources hold a worker, under v2 (what `ray up` starts) any pending node
     worker_restart_timeout_s: float = Field(300.0, gt=0.0)
     # while the autoscaler launches such a node, the wait for a lost worker (and for a pool whose every worker was lost)
     # goes on up to this long after the loss: a cold g5 node boots, installs and joins in 5-10 min (issue 41); 30 min

@@ -104,9 +104,8 @@ class LocalSlurm:
         self.addrs: dict[str, str] = {}  # node -> its address (several nodes: in its own network namespace)
         self.subnet = ""  # several nodes: 10.241.N, the bridge is .1 and node i is .(i+1)
         self.count = nodes
-        state = self.dir / "local-slurm.json"
-        if state.is_file():  # an instance started by `up` in another process
-            st = json.loads(state.read_text())
+        if self._state.is_file():  # an instance started by `up` in another process
+            st = json.loads(self._state.read_text())
             self.token, self.pids, self.nodes, self.addrs, self.subnet = \
                 st["token"], st["pids"], st["nodes"], st["addrs"], st["subnet"]
             self.count = len(self.nodes)
@@ -208,24 +207,27 @@ class LocalSlurm:
                       for n in self.nodes if self.gpus))
 
     def _network(self) -> None:
-        """The bridge on this machine and each node's namespace, joined to it by a veth pair."""
+        """The bridge on this machine and each node's namespace, joined to it by a veth pair.  Any step
+        refused (no CAP_NET_ADMIN, no veth or bridge support) deletes what was made and raises
+        ``NoNetworkNamespaces``."""
         net = self.subnet
         try:
             _ip("link", "add", self._bridge, "type", "bridge")
+            _ip("addr", "add", f"{net}.1/24", "dev", self._bridge)
+            _ip("link", "set", self._bridge, "up")
+            for i, node in enumerate(self.nodes, 1):
+                ns, host_end, node_end = self._netns(i), self._veth(i), f"rf{self.token[:6]}v{i}"
+                _ip("netns", "add", ns)
+                _ip("link", "add", host_end, "type", "veth", "peer", "name", node_end)
+                _ip("link", "set", node_end, "netns", ns)
+                _ip("link", "set", host_end, "master", self._bridge)
+                _ip("link", "set", host_end, "up")
+                _ip("-n", ns, "addr", "add", f"{self.addrs[node]}/24", "dev", node_end)
+                _ip("-n", ns, "link", "set", node_end, "up")
+                _ip("-n", ns, "link", "set", "lo", "up")
         except RuntimeError as e:
+            self._unnetwork()
             raise NoNetworkNamespaces(str(e)) from None
-        _ip("addr", "add", f"{net}.1/24", "dev", self._bridge)
-        _ip("link", "set", self._bridge, "up")
-        for i, node in enumerate(self.nodes, 1):
-            ns, host_end, node_end = self._netns(i), self._veth(i), f"rf{self.token[:6]}v{i}"
-            _ip("netns", "add", ns)
-            _ip("link", "add", host_end, "type", "veth", "peer", "name", node_end)
-            _ip("link", "set", node_end, "netns", ns)
-            _ip("link", "set", host_end, "master", self._bridge)
-            _ip("link", "set", host_end, "up")
-            _ip("-n", ns, "addr", "add", f"{self.addrs[node]}/24", "dev", node_end)
-            _ip("-n", ns, "link", "set", node_end, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
 
     def _unnetwork(self) -> None:
         """Delete what ``_network`` made (whatever of it exists)."""
@@ -241,6 +243,18 @@ class LocalSlurm:
         self._procs[name] = subprocess.Popen(cmd, env=self.env(), stdout=log, stderr=subprocess.STDOUT,
                                              stdin=subprocess.DEVNULL, start_new_session=True)
         self.pids[name] = self._procs[name].pid
+        self._save()
+
+    @property
+    def _state(self) -> Path:
+        return self.dir / "local-slurm.json"
+
+    def _save(self) -> None:
+        """What ``down`` needs to end this instance, written as soon as each part exists (the first daemon
+        comes before the namespaces, whose names follow from the token), so that a test killed hard
+        mid-start leaves nothing ``down`` cannot find."""
+        self._state.write_text(json.dumps({"token": self.token, "pids": self.pids, "nodes": self.nodes,
+                                           "addrs": self.addrs, "subnet": self.subnet}))
 
     def start(self, timeout: float = 60.0) -> None:
         self.write()
@@ -267,9 +281,6 @@ class LocalSlurm:
                           str(self.dir / "hosts"), node, *slurmd]
             self._spawn(f"slurmd-{node}", slurmd)
         self._wait(self._nodes_idle, timeout, "the nodes did not become idle")
-        (self.dir / "local-slurm.json").write_text(json.dumps({
-            "token": self.token, "pids": self.pids, "nodes": self.nodes, "addrs": self.addrs,
-            "subnet": self.subnet}))
 
     def _wait(self, ok, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
@@ -315,6 +326,7 @@ class LocalSlurm:
         self.pids.clear()
         if self.subnet:
             self._unnetwork()
+        self._state.unlink(missing_ok=True)  # its process ids may be anyone's from now on
 
     def processes(self) -> list[tuple[int, str]]:
         """(pid, command line) of every live process carrying this instance's mark (daemons, jobs, Ray)."""

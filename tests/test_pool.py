@@ -3,7 +3,10 @@ engine's error, after fetching the other jobs in flight, and never waits
 without bound for a job that hangs; the round's tail goes out in ever smaller
 groups, to idle workers only; the wait for a lost worker follows the
 autoscaler's launches (``give_up_at``, by hand; a pool whose only worker was
-lost waits for it while a launch is seen)."""
+lost waits for it while a launch is seen), read from canned autoscaler v1
+reports and v2 cluster statuses, and asked only when the autoscaler is
+followed (``server.follow_autoscaler``)."""
+import json
 import time
 
 import pytest
@@ -171,6 +174,83 @@ def test_the_wait_for_a_lost_worker_follows_the_autoscalers_launches():
     assert give_up_at(100, 300, 200, 250) == 400  # a bound below the plain wait never shortens it
 
 
+def _v1_report(**autoscaler_report) -> dict:
+    return {"time": 0.0, "autoscaler_report": {"active_nodes": {"head": 1}, "pending_nodes": [],
+                                               "pending_launches": {}, "failed_nodes": [], **autoscaler_report}}
+
+
+def test_a_v1_report_names_what_is_launched_when_it_holds_a_worker():
+    from rayfed_dg.engine.resources import launching_nodes
+
+    launch = _v1_report(pending_launches={"gpu_worker": 1, "cpu_worker": 0}, pending_resources={"CPU": 4, "GPU": 1})
+    assert launching_nodes(launch, 1.0, 0.25) == "1 x gpu_worker"  # a type asked none of is not named
+    # nodes booting or being set up: (ip, node type, status), beside a launch of the same type
+    booting = _v1_report(pending_nodes=[("10.0.0.7", "gpu_worker", "setting-up"), ("10.0.0.8", "gpu_worker", "waiting")],
+                         pending_launches={"gpu_worker": 1}, pending_resources={"CPU": 12, "GPU": 3})
+    assert launching_nodes(booting, 1.0, 0.25) == "3 x gpu_worker"
+    # what is pending cannot hold one worker: no CPU to spare, or no GPU
+    assert launching_nodes(launch, 5.0, 0.0) is None and launching_nodes(launch, 1.0, 2.0) is None
+    assert launching_nodes(_v1_report(pending_resources={"CPU": 4}), 1.0, 0.0) is None  # resources, no node
+    assert launching_nodes({}, 1.0, 0.0) is None and launching_nodes(_v1_report(), 1.0, 0.0) is None
+
+
+def _cluster_status(monkeypatch, status, kv: bytes | None = None) -> None:
+    """The connected cluster as ``autoscaler_launching`` reads it: v2's
+    ``status`` (a ``ClusterStatus``), or with ``status`` None, v1's report
+    ``kv`` in the GCS's key-value store."""
+    from types import SimpleNamespace
+
+    import ray
+    import ray.autoscaler.v2.sdk as sdk
+    import ray.autoscaler.v2.utils as utils
+    import ray.experimental.internal_kv as internal_kv
+
+    def get_cluster_status(address):
+        assert address == "10.0.0.1:6379"
+        return status
+
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: SimpleNamespace(gcs_address="10.0.0.1:6379"))
+    monkeypatch.setattr(utils, "is_autoscaler_v2", lambda fetch_from_server=False: status is not None)
+    monkeypatch.setattr(sdk, "get_cluster_status", get_cluster_status)
+    monkeypatch.setattr(internal_kv, "_internal_kv_get", lambda key: kv if key == "__autoscaling_status" else None)
+
+
+def test_autoscaler_v2_counts_every_pending_node_and_launch(monkeypatch):
+    from ray.autoscaler.v2.schema import ClusterStatus, LaunchRequest, NodeInfo
+
+    from rayfed_dg.engine.resources import autoscaler_launching
+
+    node = NodeInfo(instance_type_name="g5.xlarge", ray_node_type_name="gpu_worker", instance_id="i-1",
+                    ip_address="10.0.0.7")
+    launch = [LaunchRequest(instance_type_name=t, ray_node_type_name=r, count=n,
+                            state=LaunchRequest.Status.PENDING, request_ts_s=0)
+              for t, r, n in [("g5.xlarge", "gpu_worker", 2), ("m5.large", "cpu_worker", 1)]]
+    _cluster_status(monkeypatch, ClusterStatus(pending_nodes=[node], pending_launches=launch))
+    # v2 reports no node type's resources: a worker's size (4 GPUs here) does not filter
+    assert autoscaler_launching(1.0, 4.0) == "1 x cpu_worker, 3 x gpu_worker"
+    _cluster_status(monkeypatch, ClusterStatus(idle_nodes=[node]))
+    assert autoscaler_launching(1.0, 0.0) is None  # nothing pending
+    _cluster_status(monkeypatch, None, json.dumps(_v1_report(pending_launches={"gpu_worker": 1},
+                                                             pending_resources={"CPU": 4, "GPU": 1})).encode())
+    assert autoscaler_launching(1.0, 0.25) == "1 x gpu_worker" and autoscaler_launching(1.0, 2.0) is None
+    _cluster_status(monkeypatch, None)
+    assert autoscaler_launching(1.0, 0.0) is None  # no v1 report either: no autoscaler
+
+
+def test_the_server_gives_its_pool_the_autoscalers_launches_only_when_the_autoscaler_is_followed(monkeypatch):
+    from rayfed_dg.config import EngineConfig
+    from rayfed_dg.engine.server import follow_autoscaler
+
+    _cluster_status(monkeypatch, None, json.dumps(_v1_report(pending_launches={"gpu_worker": 1},
+                                                             pending_resources={"CPU": 4, "GPU": 1})).encode())
+    assert follow_autoscaler(EngineConfig(autoscaler="off")) is None
+    for mode in ("auto", "on"):
+        # the pool asks with the worker's own size (4 CPUs and a GPU are launched): 2 CPUs and a GPU fit, not the reverse
+        cfg = EngineConfig(autoscaler=mode, num_cpus_per_worker=2.0, num_gpus_per_worker=1.0)
+        assert follow_autoscaler(cfg)() == "1 x gpu_worker"
+        assert follow_autoscaler(cfg.model_copy(update={"num_cpus_per_worker": 1.0, "num_gpus_per_worker": 2.0}))() is None
+
+
 def test_a_pool_whose_only_worker_was_lost_waits_for_it_while_a_launch_is_seen(ray_session, tmp_path):
     """Its restart takes 4 s, the pool's plain wait 1.5 s: it stays only
     because the autoscaler is seen launching meanwhile; without one the run
@@ -206,7 +286,7 @@ def test_a_pool_whose_only_worker_was_lost_waits_for_it_while_a_launch_is_seen(r
 
     w = Slow.remote(str(tmp_path / "a"))
     try:
-        pool = WorkerPool([w], retries=2, restart_timeout_s=1.5, launching=launching)
+        pool = WorkerPool([w], retries=2, restart_timeout_s=1.5, replacement_timeout_s=30, launching=launching)
         got = {}
         t0 = time.monotonic()
         assert pool.map([0], lambda w, j, attempt: w.run.remote(j, attempt), got.__setitem__) == []

@@ -24,6 +24,7 @@ import re
 import secrets
 import shlex
 import shutil
+import signal
 import socket
 import tempfile
 import time
@@ -75,8 +76,23 @@ def slurm():
     finally:
         s.stop()
         left = s.processes()
+        _end(s)
         shutil.rmtree(folder, ignore_errors=True)
         assert left == [], f"processes of the local Slurm or its jobs outlived it: {left}"
+
+
+def _end(slurm: LocalSlurm) -> None:
+    """End by process id what of ``slurm``'s jobs outlived it (a failed test's Ray): SIGTERM, then SIGKILL
+    after 10 s to those still carrying its mark."""
+    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        for pid, _ in slurm.processes():
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace
+        while slurm.processes() and time.monotonic() < deadline:
+            time.sleep(0.2)
 
 
 def _job_env(slurm: LocalSlurm, **more: str) -> dict[str, str]:

@@ -6,7 +6,8 @@
 #                              address (head IP:PORT), cpus and gpus (per node), workers_per_node, gpus_per_worker
 #   run_driver RESUME_CMD CMD...
 #                              runs CMD on this (the head) node; a signal to the job (a time limit, scancel) ends it
-#                              and the job exits 130 printing RESUME_CMD; otherwise the job exits with CMD's code
+#                              and the job exits 130 printing RESUME_CMD (so does CMD's own 130 or 143); otherwise
+#                              the job exits with CMD's code
 #
 # Needs PORT, CPUS_PER_WORKER and say() from the script.  Every node's Ray runs inside its own srun step; at the
 # end (or on any failure) each of those srun processes gets SIGTERM by process id, workers first, and cancels its
@@ -104,16 +105,19 @@ run_driver() {
   driver=$!
   wait "${driver}" && rc=0 || rc=$?
   # 130: stopped before the end (Slurm's time limit sends SIGTERM to every process of the job: the driver ends at
-  # once, its checkpoints are what a resume continues from); tune.py and rayfed-dg run exit 130 on Ctrl-C too
+  # once, its checkpoints are what a resume continues from); tune.py and rayfed-dg run exit 130 on Ctrl-C too,
+  # and 143 is a driver a SIGTERM ended by itself
   if [[ ${signalled} == 1 ]]; then
     # said first: SIGKILL follows a time limit's SIGTERM after KillWait
     say "stopped before the end by a signal (a time limit, scancel); continue with: ${resume}"
     kill -INT "${driver}" 2>/dev/null || true
-    wait "${driver}" 2>/dev/null || true
+    # a further signal ends this wait, not the driver's saving: wait again while it runs
+    while kill -0 "${driver}" 2>/dev/null; do wait "${driver}" 2>/dev/null || true; done
     exit 130
-  elif [[ ${rc} == 130 ]]; then
+  elif [[ ${rc} == 130 || ${rc} == 143 ]]; then
     say "stopped before the end; continue with: ${resume}"
     exit 130
   fi
+  trap - TERM INT  # the driver is done: what follows is not a sweep or run to continue
   return "${rc}"
 }

@@ -10,7 +10,7 @@ A worker whose process died is not sent anything until Ray has restarted it
 (pinged every half second until it answers), waiting ``restart_timeout_s``,
 whatever the load: a restart is minutes on a lost cloud node, seconds on a
 busy laptop, and counting attempts cannot tell the two apart.  While the
-autoscaler launches a node that could host it (``launching``, asked every
+autoscaler launches a node (``launching``, ``resources.autoscaler_launching``; asked every
 ``LAUNCH_POLL_S`` while a worker is away, and at least twice within
 ``restart_timeout_s``), the wait follows it: it ends
 ``restart_timeout_s`` after the last time a launch was seen, and never later

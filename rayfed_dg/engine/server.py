@@ -60,7 +60,7 @@ from .devices import RoundPlan
 from .evaluation import evaluate_global
 from .federation import Federation
 from .phases import RoundWork, run_phases
-from .pool import WorkerPool
+from .pool import Launching, WorkerPool
 from .records import ClientRow, ClientTask, DropRow, Fold, Ledger, MetricRow, RoundResult, client_rows
 from .resources import autoscaler_launching
 from .stagehost import run_stages
@@ -70,6 +70,15 @@ def _rerun_done(cid: int, upd: ClientUpdate | None) -> None:
     """A lost fold's re-run came back; its update is the one already recorded."""
     if upd is None:
         raise EngineError(f"client {cid}'s partial sum was lost with its worker, and training it again failed")
+
+
+def follow_autoscaler(e) -> Launching | None:
+    """What the pool asks while it waits for a lost worker (it waits on while
+    the autoscaler launches a node, ``pool.give_up_at``): what is being
+    launched for a worker of ``e``'s size; nothing with ``engine.autoscaler``
+    off."""
+    return None if e.autoscaler == "off" else partial(autoscaler_launching, e.num_cpus_per_worker,
+                                                      e.num_gpus_per_worker)
 
 
 class Server:
@@ -106,10 +115,7 @@ class Server:
         self.fed = Federation(cfg, split, num_classes, federation)
         e = cfg.engine
         self.pool.retries, self.pool.restart_timeout_s = e.max_task_retries, e.worker_restart_timeout_s
-        # a lost worker is waited for as long as the autoscaler launches a node that could host it
-        self.pool.replacement_timeout_s = e.worker_replacement_timeout_s
-        self.pool.launching = None if e.autoscaler == "off" else partial(
-            autoscaler_launching, e.num_cpus_per_worker, e.num_gpus_per_worker)
+        self.pool.replacement_timeout_s, self.pool.launching = e.worker_replacement_timeout_s, follow_autoscaler(e)
         self.pool.retried = self.pool.reruns = 0
         self.global_ref = ray.put(self.fed.global_state)
         # asynchronous modes: the global model of each version still in flight, in the object store
