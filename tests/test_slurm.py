@@ -253,7 +253,7 @@ def test_a_run_stopped_by_sigterm_exits_130_and_its_printed_command_finishes_it(
                     reason="a sweep past a real 2-minute Slurm time limit, about 4 minutes: "
                            "RAYFED_DG_SLURM_TIME_LIMIT=1 runs it")
 def test_a_sweep_past_its_time_limit_resumes_to_a_complete_trials_table(slurm, tmp_path):
-    rounds = 60
+    rounds = 150  # past a 2-minute limit on an idle 2-core machine too (60 finished in 91 s)
     space = tiny_space(tmp_path / "tiny.yaml", f"training.rounds={rounds}", "evaluation.batch_size=512")
     env = _job_env(slurm, SPACE=str(space), STORAGE=str(tmp_path / "store"),
                    EXTRA="--target colour --set engine.gpus_declared_only=true")
