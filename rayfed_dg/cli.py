@@ -169,10 +169,10 @@ def _fetch_run(uri: str) -> Path:
     to this machine's cache; the resumed run updates the same copy."""
     from rayfed_dg.data.folders import cache_dir
     from rayfed_dg.engine.remote import download, local_files, open_uri
-    from rayfed_dg.engine.rundir import RunDir
+    from rayfed_dg.engine.rundir import RUN_RECORD, RunDir
 
     local = cache_dir() / "runs" / open_uri(uri)[1].lstrip("/")
-    copy = RunDir(download(uri, local)).mirror()
+    copy = RunDir(download(uri, local, RUN_RECORD)).mirror()
     if copy is not None:  # the copy holds exactly what was downloaded: not sent back, and a rewrite is sent
         copy.sent = local_files(local, copy.scratch)
     print(f"rayfed-dg: downloaded {uri} to {local}", file=sys.stderr)

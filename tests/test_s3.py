@@ -249,7 +249,7 @@ def test_a_run_copied_to_s3_resumes_from_there_on_a_new_head_bit_for_bit(s3, ray
     import rayfed_dg
     from rayfed_dg.engine.records import TABLES
     from rayfed_dg.engine.remote import download
-    from rayfed_dg.engine.rundir import RunDir
+    from rayfed_dg.engine.rundir import RUN_RECORD, RunDir
 
     prefix = f"{tmp_path.name}/runs"
     uri = f"s3://{BUCKET}/{prefix}"
@@ -286,7 +286,7 @@ def test_a_run_copied_to_s3_resumes_from_there_on_a_new_head_bit_for_bit(s3, ray
     sets = {k: yaml.safe_load(v) for k, v in (a.split("=", 1) for a in ARGS[ARGS.index("--set") + 1::2])}
     rayfed_dg.run(REPO / "configs" / "quickstart.yaml", sets, target="negative", run_dir=tmp_path / "clean",
                   progress=False)
-    final = RunDir(download(f"{uri}/exp", tmp_path / "final"))  # what S3 holds now
+    final = RunDir(download(f"{uri}/exp", tmp_path / "final", RUN_RECORD))  # what S3 holds now
     assert {"summary.json", "final_negative.pt", "best_negative.pt"} <= set(_keys(s3.client, f"{prefix}/exp/"))
     clean = RunDir(tmp_path / "clean")
     no_time = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} for r in rows]  # noqa: E731

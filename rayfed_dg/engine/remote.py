@@ -143,15 +143,16 @@ class Mirror:
         return True
 
 
-def download(uri: str, dest: Path) -> Path:
-    """The run directory at ``uri`` copied to ``dest`` (replacing what was there); returns ``dest``."""
+def download(uri: str, dest: Path, marker: str) -> Path:
+    """The run directory at ``uri`` copied to ``dest`` (replacing what was there); returns ``dest``.
+    ``marker``: the file every run directory holds (the run directory names it), refused where absent."""
     fs, base = open_uri(uri)
     try:
         files = remote_files(fs, base)
     except OSError as e:
         raise ConfigError(f"--resume {uri}: cannot list it ({e}); check the URI and the credentials") from None
-    if "run.json" not in files:  # a prefix of several runs (output.sync_to without the name) is not one
-        raise ConfigError(f"--resume {uri}: no run there (no run.json); give the run directory's copy, "
+    if marker not in files:  # a prefix of several runs (output.sync_to without the name) is not one
+        raise ConfigError(f"--resume {uri}: no run there (no {marker}); give the run directory's copy, "
                           "<output.sync_to>/<run name>")
     shutil.rmtree(dest, ignore_errors=True)
     for rel in files:
