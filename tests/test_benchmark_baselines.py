@@ -253,10 +253,10 @@ def test_fediir_prepare_sums_the_head_gradient_of_each_batch():
 def test_fediir_server_keeps_an_ema_of_the_mean_batch_gradient():
     method = build_method(tiny_cfg("method.name=fediir", "method.ema=0.9"), 4)
     state: dict = {}
-    prepared = {0: {"fediir_grad_sum": np.array([2.0, 4.0]), "fediir_batches": np.array([2])},
+    prepared = {0: {"fediir_grad_sum": np.array([2.0, 5.0]), "fediir_batches": np.array([2])},
                 3: {"fediir_grad_sum": np.array([1.0, -1.0]), "fediir_batches": np.array([1])}}
     out = method.server_payloads(1, [0, 3], state, None, {}, prepared)
-    first = 0.1 * np.array([3.0, 3.0]) / 3  # from 0: (1 - ema) * (sum of sums / batches)
+    first = 0.1 * np.array([3.0, 4.0]) / 3  # from 0: (1 - ema) * (sum of sums / batches)
     np.testing.assert_allclose(out[3]["fediir_grad_mean"], first)
     assert sorted(out) == [0, 3]
     out = method.server_payloads(2, [1], state, None, {}, {1: {"fediir_grad_sum": np.array([1.0, -0.5]),
@@ -439,3 +439,9 @@ def test_fediir_without_prepared_gradients_keeps_the_mean_so_far():
     model, ctx = _split_model(), _ctx()
     method.round_start(model, ctx)  # no payload: the average starts at 0
     assert all(float(g.abs().sum()) == 0.0 for g in ctx.scratch["g_bar"])
+
+
+def test_fediir_refuses_parameters_out_of_their_range():
+    for bad in ("method.penalty=-0.1", "method.ema=1.0", "method.ema=-0.1", "method.grad_batches=-1"):
+        with pytest.raises(ConfigError, match=bad.split("=")[0].split(".")[1]):
+            tiny_cfg("method.name=fediir", bad)
