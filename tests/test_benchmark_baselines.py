@@ -445,3 +445,11 @@ def test_fediir_refuses_parameters_out_of_their_range():
     for bad in ("method.penalty=-0.1", "method.ema=1.0", "method.ema=-0.1", "method.grad_batches=-1"):
         with pytest.raises(ConfigError, match=bad.split("=")[0].split(".")[1]):
             tiny_cfg("method.name=fediir", bad)
+
+
+def test_fediir_one_batch_in_all_is_its_own_mean_and_grad_batches_zero_means_every_sample():
+    method = build_method(tiny_cfg("method.name=fediir", "method.ema=0.5", "method.grad_batches=0"), 3)
+    assert method.p.grad_batches == 0
+    out = method.server_payloads(1, [0], {}, None, {}, {0: {"fediir_grad_sum": np.array([0.8, -0.4]),
+                                                            "fediir_batches": np.array([1])}})
+    np.testing.assert_allclose(out[0]["fediir_grad_mean"], [0.4, -0.2])  # (1 - ema) x the one batch's gradient
