@@ -161,18 +161,10 @@ class _Split(nn.Module):
     def __init__(self):
         super().__init__()
         self.body = nn.Linear(3, 3)
-        self.head = _linear_head()
+        self.head = _linear()
 
     def forward(self, x):
         return self.head(self.body(x))
-
-
-def _linear_head():
-    m = nn.Linear(3, 2)
-    with torch.no_grad():
-        m.weight.copy_(torch.tensor(W0, dtype=torch.float32))
-        m.bias.copy_(torch.tensor(B0, dtype=torch.float32))
-    return m
 
 
 V0 = np.array([[0.5, 0.1, -0.2], [0.0, 0.3, 0.4], [-0.3, 0.2, 0.1]])

@@ -58,6 +58,35 @@ def _run(args, timeout=600, **kw):
                           env=client_env(), **kw)
 
 
+def _wait_for_round_1(proc, run_dir, timeout: float) -> None:
+    """Until the run in ``run_dir`` has saved round 1's checkpoint (the node is killed after it)."""
+    first = run_dir / "checkpoints" / "colour" / "round_00001.json"
+    deadline = time.monotonic() + timeout
+    while not first.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before round 1 was saved"
+        time.sleep(0.2)
+
+
+def _kill_tree(raylet) -> None:
+    """A worker node lost: its raylet and everything it started, killed at once."""
+    import psutil
+
+    for p in raylet.children(recursive=True) + [raylet]:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _against_a_clean_run(common, tmp_path):
+    """(metrics rows of the run in tmp_path/lost, those of the same run on local Ray, the lost run's summary)."""
+    clean = _run([*common, "--set", "engine.num_cpus_per_worker=1", "--run-dir", str(tmp_path / "clean")])
+    assert clean.returncode == 0, clean.stderr[-2000:]
+    lost = pq.read_table(tmp_path / "lost" / "metrics.parquet").to_pylist()
+    clean_rows = pq.read_table(tmp_path / "clean" / "metrics.parquet").to_pylist()
+    return lost, clean_rows, json.loads((tmp_path / "lost" / "summary.json").read_text())["targets"]["colour"]
+
+
 def _gpus() -> float:
     r = _run(["-c", f"import ray; ray.init(address='{ADDRESS}', logging_level='ERROR'); "
                     "print(ray.cluster_resources().get('GPU', 0))"], timeout=120)
@@ -97,7 +126,6 @@ def test_sweep_scales_up_from_zero_on_fractional_gpus_and_matches_local_ray(clus
 
 
 def test_losing_a_worker_node_mid_run_gives_the_clean_result_with_retries(cluster, tmp_path):
-    import psutil
 
     # the engine's defaults (max_task_retries, worker_restart_timeout_s, checkpoint_every) on the module's cluster,
     # where fake nodes start in seconds and the sweep above may have left a spare node: the lost workers come back
@@ -106,31 +134,19 @@ def test_losing_a_worker_node_mid_run_gives_the_clean_result_with_retries(cluste
               "--set", "method.name=fedavg", "--set", "training.rounds=10"]
     proc = subprocess.Popen([sys.executable, *common, *ON_CLUSTER, "--run-dir", str(tmp_path / "lost")],
                             cwd=REPO, env=client_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    first = tmp_path / "lost" / "checkpoints" / "colour" / "round_00001.json"
-    deadline = time.monotonic() + 300
-    while not first.exists():
-        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before round 1 was saved"
-        time.sleep(0.2)
+    _wait_for_round_1(proc, tmp_path / "lost", 300)
     # the worker node that hosts most of the pool's workers: kill its raylet and everything it started.  Round
     # 1 waits for the autoscaler; later rounds take about a second each: find it and kill it at once
     hosts = [(sum(" ".join(ch.cmdline()).startswith("ray::Worker") for ch in p.children(recursive=True)), p)
              for p in cluster.worker_raylets()]
     n_workers, victim = max(hosts, key=lambda h: h[0])
     assert n_workers >= 1
-    for p in victim.children(recursive=True) + [victim]:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
+    _kill_tree(victim)
     killed_at = time.monotonic()
     out, err = proc.communicate(timeout=600)
     print(f"\nthe run ended {time.monotonic() - killed_at:.1f} s after the node was killed")
     assert proc.returncode == 0, err[-3000:]
-    clean = _run([*common, "--set", "engine.num_cpus_per_worker=1", "--run-dir", str(tmp_path / "clean")])
-    assert clean.returncode == 0, clean.stderr[-2000:]
-    lost = pq.read_table(tmp_path / "lost" / "metrics.parquet").to_pylist()
-    clean_rows = pq.read_table(tmp_path / "clean" / "metrics.parquet").to_pylist()
-    summary = json.loads((tmp_path / "lost" / "summary.json").read_text())["targets"]["colour"]
+    lost, clean_rows, summary = _against_a_clean_run(common, tmp_path)
     print(f"node killed: its raylet and {n_workers} workers; tasks retried {summary['tasks_retried']}, "
           f"re-run uncharged {summary['tasks_rerun']}; mean seconds per round (node killed): "
           f"{summary['mean_seconds_per_round']:.1f}")
@@ -162,37 +178,24 @@ def _lose_the_node_and_compare(cluster: LocalCluster, tmp_path, sets: list[str])
     """Run 10 rounds on ``cluster``, kill its worker node (its raylet and
     every worker on it) once round 1 is saved, and check the run's metrics
     against a clean local run's; returns the run's stderr."""
-    import psutil
 
     common = ["-m", "rayfed_dg", "run", "configs/quickstart.yaml", "--target", "colour", *TINY, "--no-progress",
               "--set", "method.name=fedavg", "--set", "training.rounds=10"]
     on = [a.replace(ADDRESS, cluster.address) for a in ON_CLUSTER]
     proc = subprocess.Popen([sys.executable, *common, *on, *sets, "--run-dir", str(tmp_path / "lost")],
                             cwd=REPO, env=client_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    first = tmp_path / "lost" / "checkpoints" / "colour" / "round_00001.json"
-    deadline = time.monotonic() + 900
-    while not first.exists():
-        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before round 1 was saved"
-        time.sleep(0.2)
+    _wait_for_round_1(proc, tmp_path / "lost", 900)
     # the one worker node holds the whole pool: no spare node, so every worker waits for its replacement.  Later
     # rounds take about a second each: kill it at once
     (victim,) = cluster.worker_raylets()
     n_workers = sum(" ".join(ch.cmdline()).startswith("ray::Worker") for ch in victim.children(recursive=True))
     assert n_workers >= 1
-    for p in victim.children(recursive=True) + [victim]:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
+    _kill_tree(victim)
     killed_at = time.monotonic()
     out, err = proc.communicate(timeout=3600)
     waited = time.monotonic() - killed_at
     assert proc.returncode == 0, err[-3000:]
-    clean = _run([*common, "--set", "engine.num_cpus_per_worker=1", "--run-dir", str(tmp_path / "clean")])
-    assert clean.returncode == 0, clean.stderr[-2000:]
-    lost = pq.read_table(tmp_path / "lost" / "metrics.parquet").to_pylist()
-    clean_rows = pq.read_table(tmp_path / "clean" / "metrics.parquet").to_pylist()
-    summary = json.loads((tmp_path / "lost" / "summary.json").read_text())["targets"]["colour"]
+    lost, clean_rows, summary = _against_a_clean_run(common, tmp_path)
     print(f"\nthe run ended {waited:.1f} s after the node (its raylet and {n_workers} workers) was killed; tasks "
           f"retried {summary['tasks_retried']}, re-run uncharged {summary['tasks_rerun']}")
     for line in err.splitlines():
