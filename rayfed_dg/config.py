@@ -414,6 +414,33 @@ class DevicesConfig(_Strict):
         return self
 
 
+class UpdatePrivacyConfig(_Strict):
+    """Client-level DP for model updates (DP-FedAvg, McMahan et al., ICLR 2018): each client's update is clipped
+    to an L2 norm on the client, Gaussian noise of std noise_multiplier x clip is added to the sum on the server."""
+    clip: float | None = Field(None, gt=0.0)  # L2 bound of one client's update (its weights minus the broadcast)
+    noise_multiplier: float = Field(0.0, ge=0.0)  # z: the noise on the sum has std z x clip
+    adaptive: bool = False  # Andrew et al. (NeurIPS 2021): the clip follows a quantile of the update norms
+    target_quantile: float = Field(0.5, gt=0.0, lt=1.0)  # adaptive: gamma, the share of updates left unclipped
+    clip_lr: float = Field(0.2, gt=0.0)  # adaptive: eta_C of the geometric clip update
+    count_noise_multiplier: float | None = Field(None, ge=0.0)  # adaptive: sigma_b; None: clients per round / 20
+
+
+class PayloadPrivacyConfig(_Strict):
+    """DP for a statistic a method shares (a ledger payload group): each record clipped to an L2 norm where the
+    payload leaves the client, then Gaussian noise of std noise_multiplier x clip added to it there."""
+    clip: float = Field(gt=0.0)  # L2 bound of one record (one row of the payload)
+    noise_multiplier: float = Field(ge=0.0)  # z: each record's noise has std z x clip
+
+
+class PrivacyConfig(_Strict):
+    """Differential privacy of what leaves a client (off unless set); docs/privacy.md."""
+    delta: float = Field(1e-5, gt=0.0, lt=1.0)  # the delta at which epsilon is reported
+    target_epsilon: float | None = Field(None, gt=0.0)  # total budget: a run that would exceed it stops (or refuses)
+    accountant: Literal["rdp", "pld"] = "rdp"  # dp-accounting's Renyi-DP or privacy-loss-distribution accountant
+    updates: UpdatePrivacyConfig | None = None  # DP-FedAvg on the model updates
+    payloads: dict[str, PayloadPrivacyConfig] = {}  # by payload group (the ledger's name after "payload:")
+
+
 class ExperimentConfig(_Strict):
     data: DataConfig = DataConfig()
     partition: PartitionConfig = PartitionConfig()
@@ -425,6 +452,7 @@ class ExperimentConfig(_Strict):
     evaluation: EvaluationConfig = EvaluationConfig()
     output: OutputConfig = OutputConfig()
     devices: DevicesConfig = DevicesConfig()  # the device model on a virtual clock (off by default)
+    privacy: PrivacyConfig | None = None  # differential privacy of updates and shared statistics (off by default)
     # data stages run before round 1, in this order, keyed by stage name
     stages: dict[str, StageConfig | None] = {}
     # optional: run several methods with everything else equal, one table row each
@@ -466,7 +494,8 @@ class ExperimentConfig(_Strict):
                 del tree["server"][k]
         if self.training.local_steps is not None:  # local_epochs has no effect then: the dump names only what applies
             del tree["training"]["local_epochs"]
-        for section, key in (("output", "wandb"), ("output", "mlflow"), (None, "plugins")):  # unset: not written
+        unset = (("output", "wandb"), ("output", "mlflow"), (None, "plugins"), (None, "privacy"))
+        for section, key in unset:  # not written when unset
             node = tree if section is None else tree[section]
             if not node[key]:
                 del node[key]

@@ -34,6 +34,8 @@ class Stream(IntEnum):
     DEVICE_MARKOV = 17  # the online/offline chain: its start, then each step's move
     DEVICE_DROPOUT = 18  # whether a device's training drops out before uploading (per client and draw)
     ASYNC_SAMPLE = 20  # who takes a free training slot in an asynchronous server mode (engine/asynchronous.py)
+    DP_UPDATES = 21  # the Gaussian noise added to the sum of clipped updates (DP-FedAvg), per round
+    DP_PAYLOAD = 22  # the Gaussian noise on a client's shared statistics, per (round, client, group)
 
 
 def _words(parts) -> list[int]:
