@@ -66,6 +66,7 @@ class GPerXAN(Method):
         norm: Literal["xan", "bn", "ibn"] = "xan"  # xan: gPerXAN; bn, ibn: the paper's gFedAvg ablations
         personalize: bool = True  # PerXAN: BN side of XAN stays local
         placement: str = "auto"  # see models/norms.py; auto = the paper's per backbone
+        bn_weight: float = Field(0.5, gt=0.0, lt=1.0)  # XAN's w_bn at initialisation (0.5: the reference code's)
 
     def build_model(self, num_classes):
         model = super().build_model(num_classes)  # pretrained BN weights are loaded before surgery
@@ -74,7 +75,7 @@ class GPerXAN(Method):
             placement = self.p.placement
             if placement == "auto":
                 placement = auto_placement(table, self.model_cfg.arch)
-            apply_norm(model, placement, self.p.norm)
+            apply_norm(model, placement, self.p.norm, self.p.bn_weight)
         return model
 
     def local_keys(self, model):

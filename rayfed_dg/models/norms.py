@@ -48,6 +48,7 @@ backbone without any, such as ConvNeXt's LayerNorms) is an error.
 """
 from __future__ import annotations
 
+import math
 import re
 import sys
 
@@ -68,13 +69,20 @@ class XAN(nn.Module):
     0.5) and a softmax, so the weights stay positive and sum to 1.  The IN
     branch uses per-sample statistics in training and in evaluation (no
     running statistics); the BN branch is an ordinary BatchNorm2d.
+
+    ``bn_weight`` is w_bn at initialisation (0.5: the reference code's):
+    logit_in stays 1 and logit_bn = 1 + ln(w_bn / (1 - w_bn)), so 0.5 gives
+    the reference code's parameters exactly.  Near 1, a XAN built from a
+    pretrained BatchNorm computes nearly the BatchNorm's output at round 0.
     """
 
-    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.1):
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.1, bn_weight: float = 0.5):
         super().__init__()
+        if not 0.0 < bn_weight < 1.0:
+            raise ValueError(f"XAN bn_weight {bn_weight} must lie strictly between 0 and 1")
         self.bn = nn.BatchNorm2d(num_features, eps=eps, momentum=momentum)
         self.inorm = nn.InstanceNorm2d(num_features, eps=eps, affine=True, track_running_stats=False)
-        self.logit_bn = nn.Parameter(torch.ones(1))
+        self.logit_bn = nn.Parameter(torch.full((1,), 1.0 + math.log(bn_weight / (1.0 - bn_weight))))
         self.logit_in = nn.Parameter(torch.ones(1))
 
     def weights(self) -> torch.Tensor:
@@ -85,10 +93,10 @@ class XAN(nn.Module):
         return w[0] * self.bn(x) + w[1] * self.inorm(x)
 
     @classmethod
-    def from_bn(cls, bn: nn.BatchNorm2d) -> XAN:
+    def from_bn(cls, bn: nn.BatchNorm2d, bn_weight: float = 0.5) -> XAN:
         """Both branches start from ``bn``: the BN branch takes its affine
         parameters and running statistics, the IN branch its affine ones."""
-        m = cls(bn.num_features, bn.eps, bn.momentum if bn.momentum is not None else 0.1)
+        m = cls(bn.num_features, bn.eps, bn.momentum if bn.momentum is not None else 0.1, bn_weight)
         with torch.no_grad():
             m.bn.load_state_dict(bn.state_dict())
             if bn.affine:
@@ -245,14 +253,15 @@ def placement_names(model: nn.Module, placement: str) -> list[str]:
     raise ValueError(f"unknown placement {placement!r}; use all, blocks:K, stages:K, dense1 or first_bn:stages:K")
 
 
-def apply_norm(model: nn.Module, placement: str, kind: str) -> list[str]:
+def apply_norm(model: nn.Module, placement: str, kind: str, xan_bn_weight: float = 0.5) -> list[str]:
     """Replace the BatchNorm2d layers named by ``placement`` with ``kind``
-    (``xan``, ``ibn`` or ``dson``), each initialised from the BN it replaces."""
+    (``xan``, ``ibn`` or ``dson``), each initialised from the BN it replaces
+    (a XAN with ``w_bn = xan_bn_weight``)."""
     names = set(placement_names(model, placement))
     if not names:
         raise ValueError(f"placement {placement} selects no BatchNorm layer of this backbone: {kind} replaces "
                          "BatchNorm layers")
-    make = {"xan": XAN.from_bn, "ibn": IBN.from_bn, "dson": DSON.from_bn}[kind]
+    make = {"xan": lambda bn: XAN.from_bn(bn, xan_bn_weight), "ibn": IBN.from_bn, "dson": DSON.from_bn}[kind]
     return replace_norm(model, lambda n, old: make(old) if n in names else None, (nn.BatchNorm2d,))
 
 
