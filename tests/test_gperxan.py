@@ -55,6 +55,32 @@ def test_xan_from_pretrained_bn_keeps_its_values():
     assert torch.equal(i.inorm.weight, bn.weight[:2]) and torch.equal(i.bn.running_mean, bn.running_mean[2:])
 
 
+def test_xan_bn_weight_sets_the_initial_mix_and_reaches_the_method():
+    bn = nn.BatchNorm2d(4)
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 1.5)
+        bn.bias.uniform_(-0.5, 0.5)
+        bn.running_mean.uniform_(-1, 1)
+        bn.running_var.uniform_(1, 2)
+    ref = XAN.from_bn(bn)  # the reference code's start: both logits 1, bit for bit
+    assert float(ref.logit_bn) == 1.0 and float(ref.logit_in) == 1.0
+    near = XAN.from_bn(bn, 0.9)
+    # softmax(1 + ln 9, 1) = (9, 1) / 10
+    assert float(near.logit_in) == 1.0 and abs(float(near.logit_bn) - (1 + np.log(9.0))) < 1e-6
+    assert torch.allclose(near.weights(), torch.tensor([0.9, 0.1]), atol=1e-6)
+    x = torch.randn(2, 4, 5, 5)
+    bn.eval(), near.eval()
+    # w_bn = 0.9: the output is 0.9 of the pretrained BatchNorm's plus 0.1 of the instance-normalised branch
+    inorm = (x - x.mean((2, 3), keepdim=True)) / torch.sqrt(x.var((2, 3), unbiased=False, keepdim=True) + 1e-5)
+    by_hand = 0.9 * bn(x) + 0.1 * (bn.weight.view(1, -1, 1, 1) * inorm + bn.bias.view(1, -1, 1, 1))
+    assert torch.allclose(near(x), by_hand, atol=1e-5)
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        XAN(4, bn_weight=1.0)
+    method = build_method(tiny_cfg("method.name=gperxan", "method.bn_weight=0.75"), 2)
+    xans = [m for m in method.build_model(10).modules() if isinstance(m, XAN)]
+    assert xans and all(torch.allclose(m.weights(), torch.tensor([0.75, 0.25]), atol=1e-6) for m in xans)
+
+
 def test_placements_name_the_documented_layers():
     r50 = build_backbone("resnet50", 7)
     # the default reading (issue 17.1): a "block" is a ResNet stage
