@@ -10,8 +10,9 @@ import pytest
 from conftest import tiny_cfg
 
 from rayfed_dg.config import PrivacyConfig
-from rayfed_dg.engine.dp_payloads import check_payload_groups, privatize, release, released_payload_groups
+from rayfed_dg.engine.dp_payloads import privatize, release
 from rayfed_dg.errors import ConfigError
+from rayfed_dg.methods.payloads import check_payload_groups, released_payload_groups
 
 
 def _privacy(**groups) -> PrivacyConfig:

@@ -331,7 +331,7 @@ class Method:
     # False: each ``ClientUpdate.update`` reaches ``assemble_global`` and ``after_round`` whole
     folds_on_workers: bool = True
     # the payloads its clients upload (``upload_payload``, ``round_prepare``), by name: what one record is,
-    # "image" | "client" | "exact" (the hook map's note; engine/dp_payloads.py RECORDS)
+    # "image" | "client" | "exact" (the hook map's note; methods/payloads.py RECORDS)
     shared_payloads: dict[str, str] = {}
 
     def __init__(self, params: Any, model_cfg, training_cfg, num_clients: int):

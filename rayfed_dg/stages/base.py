@@ -96,7 +96,7 @@ class Stage:
     name = "base"
     Params: type[BaseModel] = NoParams
     # the payload groups its client phases release (``releases=``), by group: what one record is,
-    # "image" | "client" | "exact" (engine/dp_payloads.py RECORDS)
+    # "image" | "client" | "exact" (methods/payloads.py RECORDS)
     shared_payloads: dict[str, str] = {}
 
     def __init__(self, params: Any):
