@@ -41,8 +41,9 @@ class LocalStageServer:
     def training_set(self, c):
         return self.clients[c]
 
-    def map(self, phase, args):
-        return {c: self.runner.run_stage(self.index, phase.__name__, c, self.clients[c], a) for c, a in args.items()}
+    def map(self, phase, args, releases=None):
+        return {c: self.runner.run_stage(self.index, phase.__name__, c, self.clients[c], a, releases)
+                for c, a in args.items()}
 
     def set_training_set(self, client_id, keep, images, labels):
         raise NotImplementedError("stages that replace training sets (CCST) are timed by bench/ccst_cost.py")

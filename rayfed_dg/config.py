@@ -428,7 +428,7 @@ class UpdatePrivacyConfig(_Strict):
 class PayloadPrivacyConfig(_Strict):
     """DP for a statistic a method shares (a ledger payload group): each record clipped to an L2 norm where the
     payload leaves the client, then Gaussian noise of std noise_multiplier x clip added to it there."""
-    clip: float = Field(gt=0.0)  # L2 bound of one record (one row of the payload)
+    clip: float = Field(gt=0.0)  # L2 bound of one record: a row (an image's statistic) or the client's whole array
     noise_multiplier: float = Field(ge=0.0)  # z: each record's noise has std z x clip
 
 
@@ -438,7 +438,7 @@ class PrivacyConfig(_Strict):
     target_epsilon: float | None = Field(None, gt=0.0)  # total budget: a run that would exceed it stops (or refuses)
     accountant: Literal["rdp", "pld"] = "rdp"  # dp-accounting's Renyi-DP or privacy-loss-distribution accountant
     updates: UpdatePrivacyConfig | None = None  # DP-FedAvg on the model updates
-    payloads: dict[str, PayloadPrivacyConfig] = {}  # by payload group (the ledger's name after "payload:")
+    payloads: dict[str, PayloadPrivacyConfig] = {}  # by payload group (the ledger's after "payload:" / "prepare:")
 
 
 class ExperimentConfig(_Strict):

@@ -58,7 +58,7 @@ class _FakeStageServer:
     def training_set(self, c):
         return self.clients[c]
 
-    def map(self, phase, args):
+    def map(self, phase, args, releases=None):
         assert phase.__self__ is self.stage  # a client phase is the stage's own method
         return {c: phase(self.view, c, self.clients[c], **a) for c, a in args.items()}
 

@@ -43,13 +43,17 @@ class StageHost:
     def training_set(self, client_id: int) -> np.ndarray:
         return self.training_sets.get(client_id, self._fed.training_set(client_id))[0]
 
-    def map(self, phase: ClientPhase, args: dict[int, dict]) -> dict[int, object]:
+    def map(self, phase: ClientPhase, args: dict[int, dict], releases: str | None = None) -> dict[int, object]:
         if getattr(phase, "__self__", None) is not self._stage:
             raise TypeError(f"stage {self._stage.name}: map takes one of its own client phases (a method of the "
                             f"stage, e.g. self.client_style), not {phase!r}")
+        if releases is not None and releases not in self._stage.shared_payloads:
+            raise TypeError(f"stage {self._stage.name}: {phase.__name__} releases {releases!r}, which its "
+                            "shared_payloads does not declare")
         name = phase.__name__  # each worker runs the same method of its own copy of the stage
         return self._pool.map_all(sorted(args), lambda w, cid, attempt: w.run_stage_in.remote(
-            self._fed.id, self._index, name, cid, self.training_set(cid), args[cid]), f"data stage phase {name}")
+            self._fed.id, self._index, name, cid, self.training_set(cid), args[cid], releases),
+            f"data stage phase {name}")
 
     def set_training_set(self, client_id: int, keep: np.ndarray, images: np.ndarray, labels: np.ndarray) -> None:
         self.training_sets[client_id] = (keep, ray.put({"images": images, "labels": labels}))

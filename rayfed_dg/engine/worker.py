@@ -12,6 +12,11 @@ blocking), or, with the dataset resident on the device
 (``engine.data_on_device``), gathered there by index; then augmented and
 normalised on the device.  Both give the same bits: the augmentation draws
 on the CPU generator whatever the device (data/augment.py).
+
+Every payload leaves a client through ``_release`` (engine/dp_payloads.py):
+a method's ``upload_payload`` and ``round_prepare`` results and a data
+stage's released client phases, clipped and noised here when
+``privacy.payloads`` names their group.
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ from rayfed_dg.seeding import Stream, numpy_rng, seed_int, seed_torch, torch_gen
 from rayfed_dg.stages import StageClient, build_stages
 
 from .aggregate import BinnedSum, Partial
+from .dp_payloads import release
 from .faults import OWN_FAULTS, DivergedError, InjectedFault, JobFailed
 from .records import ClientTask, Fold
 
@@ -257,6 +263,11 @@ class ClientRunner:
         """``training.precision`` on this device, fresh (a new fp16 scaler) per task."""
         return Precision(self.cfg.training.precision, self.device.type)
 
+    def _release(self, payload: dict[str, np.ndarray], declared: dict[str, str], round: int, client: int,
+                 owner: str) -> dict[str, np.ndarray]:
+        """What of ``payload`` leaves the client: ``privacy.payloads``' groups clipped and noised here."""
+        return release(payload, declared, self.cfg.privacy, self.cfg.training.seed, round, client, owner)
+
     @staticmethod
     def _resolve(stage_data: dict) -> dict:
         """Data stages' shared arrays: ObjectRefs (in an actor) read zero-copy, or plain dicts (in tests)."""
@@ -269,7 +280,8 @@ class ClientRunner:
     def prepare(self, task: ClientTask, global_state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The method's per-round client phase, before any client trains."""
         ctx = self._client(task, global_state, Stream.PREPARE)
-        return {k: np.asarray(v) for k, v in self.method.round_prepare(self.model, ctx).items()}
+        out = {k: np.asarray(v) for k, v in self.method.round_prepare(self.model, ctx).items()}
+        return self._release(out, self.method.shared_payloads, task.round, task.client, f"method {self.method.name}")
 
     def train(self, task: ClientTask, global_state: dict[str, np.ndarray], views: bool = False) -> ClientUpdate:
         """One client's local training.  ``views``: the update holds views of
@@ -307,7 +319,8 @@ class ClientRunner:
             client=cid,
             num_samples=len(task.indices) + (0 if extra is None else len(extra["labels"])),
             update={}, private=to_numpy_state(sd, sorted(self.private_keys)),
-            payload=self.method.upload_payload(self.model, ctx),
+            payload=self._release(self.method.upload_payload(self.model, ctx), self.method.shared_payloads, rnd, cid,
+                                  f"method {self.method.name}"),
             train_loss=loss, seconds=time.perf_counter() - t0, stats=dict(res.stats), steps=res.steps,
             samples_stepped=res.samples, sizes={k: sd[k].nelement() * sd[k].element_size() for k in self.upload_keys})
         if task.fold is None:
@@ -367,12 +380,18 @@ class ClientRunner:
             correct += int((logits.argmax(1) == y).sum())
         return correct, loss_sum, len(indices)
 
-    def run_stage(self, stage: int, phase: str, client_id: int, indices: np.ndarray, args: dict):
+    def run_stage(self, stage: int, phase: str, client_id: int, indices: np.ndarray, args: dict,
+                  releases: str | None = None):
         """A data stage's client half: its client phase ``phase`` (the name
-        of the ``stage``-th configured stage's method that ``StageHost.map`` was handed)."""
+        of the ``stage``-th configured stage's method that ``StageHost.map`` was handed);
+        ``releases``: the payload group its result leaves the client as (round 0)."""
         view = StageClient(images=self.images, labels=self.labels, device=self.device, threads=self.threads,
                            seed=self.cfg.training.seed, resolution=self.cfg.data.resolution)
-        return getattr(self.stages[stage], phase)(view, client_id, indices, **args)
+        st = self.stages[stage]
+        out = getattr(st, phase)(view, client_id, indices, **args)
+        if releases is None:
+            return out
+        return self._release({releases: out}, st.shared_payloads, 0, client_id, f"stage {st.name}")[releases]
 
 
 class Worker(ClientRunner):

@@ -18,6 +18,7 @@ and round per task.
 | ``stages_needed`` | (attribute) the data stages it reads, ``ctx.stage_data`` (ELCFS) | driver, once |
 | ``phases`` | (attribute or property) the optional round phases it needs (below) | server, each round |
 | ``folds_on_workers`` | (attribute or property) uploads are read only as their average (below) | server, each round |
+| ``shared_payloads`` | (attribute) each payload it uploads -> what one record is (below) | driver, workers |
 | ``__init__`` | params, model and training config, ``num_clients`` (the partition's) | everywhere |
 | ``build_model`` | number of classes -> the network, identical everywhere | server, workers |
 | ``local_keys`` | model -> state kept per client, never broadcast | server, workers |
@@ -43,6 +44,15 @@ into one partial sum and the server adds one per worker
 (payloads, stats and ``global_eval`` are all there).  A method that reads
 clients' uploaded tensors there sets it False and gets them whole (COPA:
 each client's own head; CSAC's layer-wise weights).
+
+A payload leaves a client only if ``shared_payloads`` declares it: its
+name (the key ``upload_payload`` or ``round_prepare`` returns, the ledger's
+group after ``payload:`` / ``prepare:``) and what one record of it is,
+``"image"`` (each row one image's statistic), ``"client"`` (the whole array
+one statistic of the client's data) or ``"exact"`` (integers, never
+noised).  The worker clips and noises the groups that ``privacy.payloads``
+names before they leave (``engine/dp_payloads.py``); an undeclared payload
+stops the run.
 
 ``local_train`` owns the whole local loop; to keep one count of local
 steps it runs the shared loop, ``train_steps``, with its own loss and
@@ -320,6 +330,9 @@ class Method:
     # the server reads the uploads only through their weighted average, so workers may sum them (the hook map);
     # False: each ``ClientUpdate.update`` reaches ``assemble_global`` and ``after_round`` whole
     folds_on_workers: bool = True
+    # the payloads its clients upload (``upload_payload``, ``round_prepare``), by name: what one record is,
+    # "image" | "client" | "exact" (the hook map's note; methods/payloads.py RECORDS)
+    shared_payloads: dict[str, str] = {}
 
     def __init__(self, params: Any, model_cfg, training_cfg, num_clients: int):
         self.p = params

@@ -65,6 +65,7 @@ def ga_update(weights: np.ndarray, gaps: np.ndarray, d: float) -> np.ndarray:
 class FedDGGA(Method):
     name = "feddg_ga"
     phases = (Phase.EVALUATE_ON_CLIENTS, Phase.PERSONAL_EVAL)
+    shared_payloads = {"ga_local": "client"}  # one float: its model's loss (accuracy) on its validation set
 
     class Params(BaseModel):
         model_config = ConfigDict(extra="forbid")

@@ -52,6 +52,7 @@ def gma_mask(sign_sum: np.ndarray, clients: int, tau: float) -> np.ndarray:
 @register_method
 class FedGMA(Method):
     name = "fedgma"
+    shared_payloads = {SIGN: "exact"}  # int8 signs: no Gaussian mechanism (randomized response would be)
 
     class Params(BaseModel):
         model_config = ConfigDict(extra="forbid")

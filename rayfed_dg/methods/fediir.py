@@ -57,6 +57,8 @@ def head_params(model) -> list[torch.nn.Parameter]:
 class FedIIR(Method):
     name = "fediir"
     phases = (Phase.PREPARE, Phase.PERSONAL_EVAL)
+    # the summed head gradient is a statistic of all the client's batches; their count is an integer
+    shared_payloads = {GRAD_SUM: "client", BATCHES: "exact"}
 
     class Params(BaseModel):
         model_config = ConfigDict(extra="forbid")

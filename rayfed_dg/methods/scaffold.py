@@ -107,6 +107,7 @@ class Scaffold(Method):
     name = "scaffold"
     # c_i only steers the local steps: a client's own model predicts as the global one
     phases = ()
+    shared_payloads = {DC: "client"}  # Delta c_i: a model-sized vector of the client's gradients
 
     class Params(BaseModel):
         model_config = ConfigDict(extra="forbid")

@@ -73,6 +73,7 @@ from .base import Method, Phase, register_method
 @register_method
 class StableFDG(Method):
     name = "stablefdg"
+    shared_payloads = {"style": "client"}  # Phi_n: 4C moments over all the client's (capped) samples
 
     class Params(BaseModel):
         model_config = ConfigDict(extra="forbid")

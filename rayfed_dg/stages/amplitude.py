@@ -61,6 +61,7 @@ def bank_sample(n: int, fraction: float, seed: int, client_id: int) -> np.ndarra
 @register_stage
 class Amplitude(Stage):
     name = "amplitude"
+    shared_payloads = {"amplitude_spectra": "image"}  # one row per shared image: its (3, H, W) amplitude spectrum
 
     class Params(BaseModel):
         model_config = ConfigDict(extra="forbid")
@@ -81,7 +82,7 @@ class Amplitude(Stage):
         t0 = time.perf_counter()
         n = server.num_clients
         self.check_clients(n)
-        spectra, bank, owners = gather_bank(server, self.client_spectra)
+        spectra, bank, owners = gather_bank(server, self.client_spectra, "amplitude_spectra")
         server.share(SHARED, {"bank": bank, "owners": owners})
         row = bank[0].nbytes
         for c in range(n):

@@ -23,6 +23,12 @@ A stage has two halves:
   phase by the method itself, ``server.map(self.client_style, args)``: a
   misspelt phase fails where it is written (and in mypy), not in a worker.
 
+A client phase whose result leaves the client as a payload is mapped with
+``releases=<group>`` (``gather_bank`` does): the worker clips and noises it
+there when ``privacy.payloads`` names the group (``engine/dp_payloads.py``).
+The stage declares each such group and what one record of it is in
+``shared_payloads`` (as a method does, ``methods/base.py``).
+
 A stage is deterministic and safe to repeat (it is simply run again on
 resume), so its randomness comes from ``seeding.Stream.STAGE``.
 """
@@ -66,7 +72,8 @@ class StageServer(Protocol):
 
     def training_set(self, client_id: int) -> np.ndarray: ...
 
-    def map(self, phase: ClientPhase, args: dict[int, dict[str, Any]]) -> dict[int, Any]: ...
+    def map(self, phase: ClientPhase, args: dict[int, dict[str, Any]], releases: str | None = None) -> dict[int, Any]:
+        """``phase`` on each client of ``args``; ``releases``: its result leaves the client as that payload group."""
 
     def set_training_set(self, client_id: int, keep: np.ndarray, images: np.ndarray, labels: np.ndarray) -> None: ...
 
@@ -75,10 +82,11 @@ class StageServer(Protocol):
     def ledger(self, client_id: int, direction: str, group: str, nbytes: int, tensors: int = 1) -> None: ...
 
 
-def gather_bank(server: StageServer, phase: ClientPhase) -> tuple[dict[int, np.ndarray], np.ndarray, np.ndarray]:
-    """Run the client phase ``phase`` on every client and stack the arrays it returns
-    into one bank: (per client, bank, owner of each bank row)."""
-    per = server.map(phase, {c: {} for c in range(server.num_clients)})
+def gather_bank(server: StageServer, phase: ClientPhase,
+                releases: str) -> tuple[dict[int, np.ndarray], np.ndarray, np.ndarray]:
+    """Run the client phase ``phase`` on every client, whose arrays leave it as the payload group
+    ``releases``, and stack them into one bank: (per client, bank, owner of each bank row)."""
+    per = server.map(phase, {c: {} for c in range(server.num_clients)}, releases=releases)
     bank = np.concatenate([per[c] for c in range(server.num_clients)])
     owners = np.concatenate([np.full(len(per[c]), c, np.int64) for c in range(server.num_clients)])
     return per, bank, owners
@@ -87,6 +95,9 @@ def gather_bank(server: StageServer, phase: ClientPhase) -> tuple[dict[int, np.n
 class Stage:
     name = "base"
     Params: type[BaseModel] = NoParams
+    # the payload groups its client phases release (``releases=``), by group: what one record is,
+    # "image" | "client" | "exact" (methods/payloads.py RECORDS)
+    shared_payloads: dict[str, str] = {}
 
     def __init__(self, params: Any):
         self.p = params

@@ -155,10 +155,13 @@ def augment_client(backend, p: CCSTParams, images: np.ndarray, labels: np.ndarra
 class CCST(Stage):
     name = "ccst"
     Params = CCSTParams
+    shared_payloads = {"ccst_style": "client"}  # overall: one style of the client's images (up to 256)
 
     def __init__(self, params: CCSTParams):
         super().__init__(params)
         self._backend: Any = None
+        if params.style == "single":  # J rows, each the style of one distinct image
+            self.shared_payloads = {"ccst_style": "image"}
 
     def check_clients(self, num_clients: int) -> None:
         if self.p.k > num_clients:
@@ -192,7 +195,7 @@ class CCST(Stage):
         t0 = time.perf_counter()
         n = server.num_clients
         self.check_clients(n)
-        styles, bank, owners = gather_bank(server, self.client_style)
+        styles, bank, owners = gather_bank(server, self.client_style, "ccst_style")
         t_style = time.perf_counter() - t0
         info: dict[str, Any] = {"hits": 0, "misses": 0, "images_stylized": 0, "originals_kept": 0,
                                 "stylized_copies": 0}
