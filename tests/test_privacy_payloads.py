@@ -73,9 +73,11 @@ def test_groups_not_configured_leave_the_client_untouched():
     assert not np.array_equal(out["a"], x["a"])
 
 
-def test_a_payload_its_owner_does_not_declare_is_refused():
+def test_a_payload_its_owner_does_not_declare_is_refused_under_privacy():
     with pytest.raises(TypeError, match="method m sends the payload 'x' that its shared_payloads does not declare"):
-        release({"x": np.ones(2)}, {}, None, 0, 1, 0, "method m")
+        release({"x": np.ones(2)}, {}, _privacy(), 0, 1, 0, "method m")
+    x = np.ones(2)  # without privacy a plugin that predates the declarations still runs, its payload untouched
+    assert release({"x": x}, {}, None, 0, 1, 0, "method m")["x"] is x
 
 
 def test_integer_and_unknown_payload_groups_are_refused_in_one_line():

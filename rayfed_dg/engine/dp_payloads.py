@@ -15,8 +15,9 @@ gets N(0, (z C)^2) noise drawn from
 ``numpy_rng(seed, Stream.DP_PAYLOAD, round, client, crc32(group))``: the same
 noise whatever the worker count, the task order or a retry.  What a record
 is, each method and stage declares beside the payload (``shared_payloads``,
-group -> one of ``methods.payloads.RECORDS``); a payload it does not declare
-is refused, so the groups a run can release are known before it starts.
+group -> one of ``methods.payloads.RECORDS``); with ``privacy:`` set, a
+payload it does not declare stops the run, so the groups a run can release
+are known before it starts.
 """
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def release(payload: Mapping[str, np.ndarray], declared: Mapping[str, str], priv
     """What leaves ``client``: ``payload`` with each group that ``privacy.payloads`` names clipped and
     noised (the others untouched, the very arrays).  ``declared``: the owner's ``shared_payloads``."""
     undeclared = sorted(set(payload) - set(declared))
-    if undeclared:
+    if undeclared and privacy is not None:  # without privacy, a plugin written before declarations still runs
         raise TypeError(f"{owner} sends the payload {undeclared[0]!r} that its shared_payloads does not declare; "
                         f"add {undeclared[0]!r}: one of {', '.join(RECORDS)} (what one record is)")
     configured = {} if privacy is None else privacy.payloads

@@ -45,14 +45,14 @@ into one partial sum and the server adds one per worker
 clients' uploaded tensors there sets it False and gets them whole (COPA:
 each client's own head; CSAC's layer-wise weights).
 
-A payload leaves a client only if ``shared_payloads`` declares it: its
+A method declares each payload in ``shared_payloads``: its
 name (the key ``upload_payload`` or ``round_prepare`` returns, the ledger's
 group after ``payload:`` / ``prepare:``) and what one record of it is,
 ``"image"`` (each row one image's statistic), ``"client"`` (the whole array
 one statistic of the client's data) or ``"exact"`` (integers, never
 noised).  The worker clips and noises the groups that ``privacy.payloads``
-names before they leave (``engine/dp_payloads.py``); an undeclared payload
-stops the run.
+names before they leave (``engine/dp_payloads.py``); with ``privacy:``
+set, an undeclared payload stops the run (without it, it leaves as it is).
 
 ``local_train`` owns the whole local loop; to keep one count of local
 steps it runs the shared loop, ``train_steps``, with its own loss and
