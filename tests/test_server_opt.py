@@ -67,6 +67,51 @@ def test_adaptive_optimizers_two_rounds_by_hand(kind, v1, v2):
     assert opt.keys == ["w"] and opt.steps == 2
 
 
+def test_first_moment_weighs_delta_by_one_minus_beta1_and_yogi_keeps_v_where_it_equals_delta_squared():
+    """beta1 = 0.6 (not 0.5, where beta1 = 1 - beta1 would hide a swap): m_1 = 0.4 Delta.  FedYogi's
+    v - (1 - beta2) Delta^2 sign(v - Delta^2) leaves v unchanged where v = Delta^2 exactly (sign 0)."""
+    x0 = {"w": np.array([0.0, 0.0])}
+    for kind in ("fedadam", "fedyogi", "fedadagrad"):
+        opt = ServerOptimizer(kind, 0.1, 0.6, 0.75, 0.5, x0, ["w"])
+        opt.step(x0, {"w": np.array([0.5, -2.0])})  # Delta^2 = [0.25, 4]: the first equals v_{-1} = tau^2
+        np.testing.assert_allclose(opt.m["w"], [0.2, -0.8], rtol=1e-15)
+        if kind == "fedyogi":
+            np.testing.assert_array_equal(opt.v["w"], [0.25, 0.25 + 0.25 * 4.0])
+
+
+def test_a_checkpoint_of_another_optimizer_or_other_tensors_is_refused():
+    x0 = {"w": np.array([1.0]), "b": np.array([2.0])}
+    opt = ServerOptimizer("fedadam", 0.1, 0.9, 0.99, 1e-3, x0, ["w", "b"])
+    opt.step(x0, {"w": np.array([2.0]), "b": np.array([1.0])})
+    state = opt.state_dict()
+    same = ServerOptimizer("fedadam", 0.1, 0.9, 0.99, 1e-3, x0, ["w", "b"])
+    same.load_state_dict(state)
+    assert same.steps == 1 and same.m["w"][0] == opt.m["w"][0] and same.v["b"][0] == opt.v["b"][0]
+    for other in (ServerOptimizer("fedyogi", 0.1, 0.9, 0.99, 1e-3, x0, ["w", "b"]),
+                  ServerOptimizer("fedadagrad", 0.1, 0.9, 0.99, 1e-3, x0, ["w", "b"]),
+                  ServerOptimizer("fedadam", 0.1, 0.9, 0.99, 1e-3, x0, ["w"]),
+                  ServerOptimizer("fedadam", 0.1, 0.9, 0.99, 1e-3, x0, ["b"])):
+        with pytest.raises(ValueError, match="does not match"):
+            other.load_state_dict(state)
+    adam_more_v = dict(state, v={"w": state["v"]["w"]})  # m over both tensors, v over one: refused too
+    with pytest.raises(ValueError, match="does not match"):
+        same.load_state_dict(adam_more_v)
+    with pytest.raises(ValueError, match="does not match"):
+        same.load_state_dict(dict(state, m={"w": state["m"]["w"]}))
+    for extra in ("m", "v"):  # a tensor this run does not have, in one of the two moments
+        with pytest.raises(ValueError, match="does not match"):
+            same.load_state_dict(dict(state, **{extra: {**state[extra], "c": np.zeros(1)}}))
+    avgm = ServerOptimizer("fedavgm", 0.1, 0.9, 0.99, 1e-3, x0, ["w", "b"])
+    with pytest.raises(ValueError, match="does not match"):  # an adaptive state into FedAvgM (v: {} there)
+        avgm.load_state_dict(state)
+
+
+def test_stepped_keys_name_both_names_of_a_tied_parameter():
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    net[1].weight = net[0].weight  # tied: one tensor, two state-dict keys, each averaged and stepped
+    assert stepped_keys(net, set()) == ["0.bias", "0.weight", "1.bias", "1.weight"]
+
+
 def test_fedavgm_two_rounds_by_hand():
     """Hsu et al.'s buffer without dampening, m = beta m + Delta, and x += eta m (eta 0.5, beta 0.5)."""
     x0 = {"w": np.array([1.0, 2.0])}
