@@ -238,7 +238,7 @@ def test_dp_fedavg_end_to_end_by_hand_same_bits_on_one_or_two_workers_and_after_
         s1 = ray.get(server.get_state.remote())
         clips.append(ray.get(server.run_round.remote()).dp_clip)
         runs[workers] = g0, s1, ray.get(server.get_state.remote(None, False))["global_state"], clips
-    (g0, s1, g2, clips), (_, s1b, g2b, clipsb) = runs[1], runs[2]
+    (g0, s1, g2, clips), (_, _, g2b, clipsb) = runs[1], runs[2]
     assert clips == clipsb and clips[0] == 0.3 and s1["dp_clip"] == clips[1] != 0.3
     for k in g2:
         np.testing.assert_array_equal(g2[k], g2b[k])
