@@ -19,7 +19,7 @@ from rayfed_dg.engine import ClientRunner, run_federation
 from rayfed_dg.engine.accountant import UPDATES, Accountant, releases
 from rayfed_dg.engine.dp import UpdateDP, check_privacy, clip_update, refusal, update_noise
 from rayfed_dg.engine.rundir import RunDir
-from rayfed_dg.methods import get_method_class
+from rayfed_dg.methods import Method, get_method_class
 from rayfed_dg.reporting import privacy_table
 from rayfed_dg.seeding import Stream, numpy_rng
 
@@ -176,6 +176,12 @@ def test_methods_whose_aggregation_is_not_a_weighted_mean_refuse_dp():
     assert "aggregation_weights" in why["feddg_ga"] and "aggregation_weights" in why["scaffold"]
     assert all(why.values())
 
+    class ReadsResults(Method):  # a hook no built-in method overrides alone
+        def after_round(self, round, results, server_state):
+            server_state["seen"] = len(results)
+
+    assert refusal(ReadsResults) == "reads the clients' results on the server (after_round)"
+
 
 def bad_inputs():
     dp = ["--set", "privacy.updates.clip=1.0", "--set", "privacy.updates.noise_multiplier=1.0"]
@@ -183,7 +189,7 @@ def bad_inputs():
         "privacy.updates: Value error, privacy.updates needs a clip norm"
     yield [QS, *TINY, *dp, "--set", "privacy.delta=0.4"], \
         "privacy.delta=0.4 is not below 1 / 3 (the clients, the unit of privacy of the updates)"
-    yield [QS, *TINY, "--set", "privacy.payloads={style: {clip: 1, noise_multiplier: 1}}", "--set",
+    yield [QS, *TINY, "--set", "privacy.payloads={ccst_style: {clip: 1, noise_multiplier: 1}}", "--set",
            "privacy.delta=0.01"], "privacy.delta=0.01 is not below 1 / 1073 (the training samples"
     yield [QS, *TINY, *dp, "--set", "method.name=scaffold"], \
         "privacy.updates: method scaffold weighs clients from their data or its own state (aggregation_weights)"
@@ -214,6 +220,15 @@ def test_check_privacy_refuses_what_a_config_alone_cannot_show():
     with pytest.raises(ConfigError, match=r"would spend epsilon 7\.077"):
         check_privacy(cfg.model_copy(update={"privacy": cfg.privacy.model_copy(update={"target_epsilon": 7.0})}),
                       3, 3, 1000)
+
+
+def test_calibrate_prints_the_multiplier_that_spends_the_target(capsys):
+    assert main(["privacy", "calibrate", QS, *TINY, "--epsilon", "4"]) == 0
+    out = capsys.readouterr()
+    key, _, z = out.out.strip().partition("=")
+    assert key == "privacy.updates.noise_multiplier" and "over 8 rounds of 3 of 3 clients" in out.err
+    acc = Accountant(_privacy(float(z)), 3, 3)
+    assert acc.epsilon(acc.counts(8, {})) == pytest.approx(4.0, abs=2e-3)  # z to 4 decimals, tol 1e-4
 
 
 # ------------------------------------------------------------------ end to end (tiny digits runs)

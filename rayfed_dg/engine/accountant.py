@@ -121,10 +121,10 @@ class Accountant:
             one = dp.SampledWithoutReplacementDpEvent(self.n, self.m, one)
         return dp.SelfComposedDpEvent(one, count)
 
-    def _fresh(self):
+    def _fresh(self, kind: str | None = None):
         from dp_accounting import pld, rdp
 
-        return pld.PLDAccountant(self.relation) if self.p.accountant == "pld" else \
+        return pld.PLDAccountant(self.relation) if (kind or self.p.accountant) == "pld" else \
             rdp.RdpAccountant(neighboring_relation=self.relation)
 
     def epsilon(self, counts: Mapping[str, int], groups: Iterable[str] | None = None) -> float:
@@ -157,5 +157,9 @@ class Accountant:
             return dp.SelfComposedDpEvent(dp.SampledWithoutReplacementDpEvent(self.n, self.m, one)
                                           if self.sampled else one, rounds)
 
-        return float(dp.calibrate_dp_mechanism(self._fresh, event, epsilon, self.p.delta,
-                                               dp.LowerEndpointAndGuess(1e-3, 1.0), tol=1e-4))
+        z = dp.calibrate_dp_mechanism(lambda: self._fresh("rdp"), event, epsilon, self.p.delta,
+                                      dp.LowerEndpointAndGuess(1e-3, 1.0), tol=1e-4)
+        if self.p.accountant == "pld":  # tighter: below RDP's z (PLD's grid of a tiny z would not fit in memory)
+            z = dp.calibrate_dp_mechanism(self._fresh, event, epsilon, self.p.delta,
+                                          dp.ExplicitBracketInterval(z / 2, z), tol=1e-4)
+        return float(z)
