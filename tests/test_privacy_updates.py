@@ -149,7 +149,7 @@ def test_releases_count_each_groups_worst_client_per_round():
     rows = [row(0, 0, "payload:style"), row(0, 1, "payload:style"), row(0, 1, "payload:bank", "down"),
             row(1, 0, "prepare:style"), row(1, 0, "payload:style"), row(1, 1, "payload:style"),
             row(1, 2, "shared"), row(1, 2, "payload:other"), row(2, 1, "payload:style", "down")]
-    assert releases(rows, ["style", "bank"]) == {"style": 3}  # round 0: 1; round 1: client 0 twice; downs are free
+    assert releases(rows) == {"style": 3, "other": 1}  # round 0: 1; round 1: client 0 twice; downs are free
 
 
 def test_groups_compose_into_the_total():
@@ -167,6 +167,20 @@ def test_groups_compose_into_the_total():
 
 
 # ------------------------------------------------------------------ bad input
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+def test_what_leaves_a_client_without_noise_makes_epsilon_infinite(accountant):
+    acc = Accountant(_privacy(1.0, accountant, payloads={"style": {"clip": 1.0, "noise_multiplier": 2.0}}), 3, 3)
+    by = {r.group: r for r in acc.rows(2, acc.counts(2, {"style": 2, "amplitude": 1}), 1.0)}
+    assert list(by) == [UPDATES, "amplitude", "style", "total"]  # released but not configured: counted all the same
+    assert by["amplitude"].noise_multiplier == 0 and by["amplitude"].clip is None
+    assert math.isinf(by["amplitude"].epsilon) and math.isinf(by["total"].epsilon)
+    assert math.isfinite(by[UPDATES].epsilon) and math.isfinite(by["style"].epsilon)
+    payloads_only = Accountant(PrivacyConfig(accountant=accountant, payloads={"style": {"clip": 1.0,
+                                                                                   "noise_multiplier": 2.0}}), 3, 3)
+    by = {r.group: r for r in payloads_only.rows(1, payloads_only.counts(1, {"style": 1}), None)}
+    assert math.isinf(by[UPDATES].epsilon) and math.isinf(by["total"].epsilon) and math.isfinite(by["style"].epsilon)
+
 
 def test_methods_whose_aggregation_is_not_a_weighted_mean_refuse_dp():
     for name in ("fedavg", "fedprox", "fedbn", "silobn", "gperxan", "stablefdg", "fediir", "mixstyle"):
@@ -200,6 +214,8 @@ def bad_inputs():
         "privacy.updates.count_noise_multiplier: 2 sigma_b = 0.3 must exceed noise_multiplier 1"
     yield [QS, *TINY, *dp, "--set", "privacy.target_epsilon=1"], \
         "privacy.target_epsilon=1: the 8 rounds of updates alone would spend epsilon"
+    yield [QS, *TINY, "--set", "privacy.target_epsilon=4"], \
+        "privacy.target_epsilon=4: the model updates leave the clients without noise (no privacy.updates)"
 
 
 def test_each_bad_privacy_input_is_one_line_naming_its_key_exit_2_and_writes_nothing(tmp_path, capsys):
@@ -211,7 +227,7 @@ def test_each_bad_privacy_input_is_one_line_naming_its_key_exit_2_and_writes_not
         assert code == 2 and len(err) == 1 and expect in err[0], (argv, err)
         assert not run_dir.exists()
         seen += 1
-    assert seen == 8
+    assert seen == 9
 
 
 def test_check_privacy_refuses_what_a_config_alone_cannot_show():

@@ -31,6 +31,12 @@ What is composed (docs/privacy.md):
   through everything released (a record is one client's: it moves that
   client's update and its own rows).
 
+What leaves the clients without noise counts too, as a non-private
+mechanism (epsilon infinite): the model updates without ``privacy.updates``,
+and a payload group the ledger shows released that ``privacy.payloads``
+does not name.  So the total is finite only when everything released was
+noised.
+
 RDP (the default) is the accountant that supports the engine's sampling
 without replacement; PLD is tighter for the Gaussian mechanisms without
 sampling (every client each round), e.g. 23.3 against RDP's 24.8 for 15
@@ -63,15 +69,14 @@ def payload_group(ledger_group: str) -> str | None:
     return name if sep and prefix in ("payload", "prepare") else None
 
 
-def releases(rows: Iterable[Mapping], groups: Iterable[str]) -> Counter[str]:
-    """Releases of each of ``groups`` in ledger ``rows`` (any rounds): per
+def releases(rows: Iterable[Mapping]) -> Counter[str]:
+    """Releases of each payload group in ledger ``rows`` (any rounds): per
     round, the most releases of the group by one client (rows going up),
     summed over the rounds."""
-    wanted = set(groups)
     per: Counter[tuple[int, str, int]] = Counter()
     for row in rows:
         g = payload_group(row["group"])
-        if g in wanted and row["direction"] == "up":
+        if g is not None and row["direction"] == "up":
             per[int(row["round"]), g, int(row["client"])] += 1
     most: dict[tuple[int, str], int] = {}
     for (rnd, g, _), n in per.items():
@@ -95,7 +100,6 @@ class Accountant:
         self.relation = dp.NeighboringRelation.REPLACE_ONE if self.sampled else \
             dp.NeighboringRelation.ADD_OR_REMOVE_ONE
         self.sensitivity = 2.0 if self.sampled else 1.0  # in clips: replacing a record moves a clipped sum by 2 clips
-        self.groups = ([UPDATES] if privacy.updates is not None else []) + sorted(privacy.payloads)
 
     def check(self) -> None:
         """Refuse what the chosen accountant cannot account for the engine's sampling."""
@@ -105,8 +109,11 @@ class Accountant:
                               "or every client each round (training.clients_per_round: null)")
 
     def noise_multiplier(self, group: str) -> float:
-        return self.p.updates.noise_multiplier if group == UPDATES and self.p.updates is not None \
-            else self.p.payloads[group].noise_multiplier
+        """The group's z; 0 for what leaves the clients without noise (updates without ``privacy.updates``, a
+        payload group ``privacy.payloads`` does not name): never private, epsilon infinite."""
+        if group == UPDATES:
+            return self.p.updates.noise_multiplier if self.p.updates is not None else 0.0
+        return self.p.payloads[group].noise_multiplier if group in self.p.payloads else 0.0
 
     def _event(self, group: str, count: int):
         import dp_accounting as dp
@@ -128,24 +135,26 @@ class Accountant:
             rdp.RdpAccountant(neighboring_relation=self.relation)
 
     def epsilon(self, counts: Mapping[str, int], groups: Iterable[str] | None = None) -> float:
-        """Epsilon at ``privacy.delta`` of ``groups`` (default: all) composed, each run ``counts[group]`` times."""
+        """Epsilon at ``privacy.delta`` of ``groups`` (default: all of ``counts``) composed, each run
+        ``counts[group]`` times."""
         import dp_accounting as dp
 
-        events = [self._event(g, int(counts.get(g, 0))) for g in (self.groups if groups is None else groups)]
+        events = [self._event(g, int(counts.get(g, 0))) for g in (counts if groups is None else groups)]
         acc = self._fresh()
         acc.compose(dp.ComposedDpEvent(events))
         return float(acc.get_epsilon(self.p.delta))
 
     def counts(self, rounds: int, released: Mapping[str, int]) -> dict[str, int]:
-        """Mechanisms run after ``rounds`` update rounds and ``released`` payload releases."""
-        return {g: rounds if g == UPDATES else int(released.get(g, 0)) for g in self.groups}
+        """Mechanisms run after ``rounds`` update rounds and ``released`` payload releases, by group: the
+        updates, then every payload group configured or released."""
+        return {UPDATES: rounds, **{g: int(released.get(g, 0)) for g in sorted(set(self.p.payloads) | set(released))}}
 
     def rows(self, round: int, counts: Mapping[str, int], clip: float | None) -> list[PrivacyRow]:
         """Each group's epsilon after ``round``, then the total's; ``clip``: the round's update clip."""
         d = self.p.delta
-        out = [PrivacyRow(round, g, int(counts[g]), self.noise_multiplier(g),
-                          clip if g == UPDATES else self.p.payloads[g].clip, self.epsilon(counts, [g]), d)
-               for g in self.groups]
+        out = [PrivacyRow(round, g, int(n), self.noise_multiplier(g), clip if g == UPDATES else
+                          self.p.payloads[g].clip if g in self.p.payloads else None, self.epsilon(counts, [g]), d)
+               for g, n in counts.items()]
         return out + [PrivacyRow(round, TOTAL, sum(counts.values()), None, None, self.epsilon(counts), d)]
 
     def calibrate(self, rounds: int, epsilon: float) -> float:

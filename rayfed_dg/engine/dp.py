@@ -173,7 +173,10 @@ def check_privacy(cfg: ExperimentConfig, num_clients: int, per_round: int, train
     acc = Accountant(p, num_clients, per_round)
     acc.check()
     if p.target_epsilon is not None:
-        eps = acc.epsilon(acc.counts(cfg.training.rounds, {}), [UPDATES] if u is not None else [])
+        if u is None:
+            raise ConfigError(f"privacy.target_epsilon={p.target_epsilon:g}: the model updates leave the clients "
+                              "without noise (no privacy.updates), so epsilon is unbounded; add privacy.updates")
+        eps = acc.epsilon(acc.counts(cfg.training.rounds, {}), [UPDATES])
         if eps > p.target_epsilon:
             raise ConfigError(f"privacy.target_epsilon={p.target_epsilon:g}: the {cfg.training.rounds} rounds of "
                               f"updates alone would spend epsilon {eps:.4g} at delta {p.delta:g}; raise "

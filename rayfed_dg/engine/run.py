@@ -249,10 +249,9 @@ class FederationRun:
                 self.run_dir.write_round(target, 0, rows)
         self.res.setup_info = setup["info"]
         if self.accountant is not None:  # the releases so far (a resumed run's from its ledger); the next round's check
-            self.released = releases(self.res.ledger, self.accountant.groups)
+            self.released = releases(self.res.ledger)
             last = [row for row in self.res.ledger if row["round"] == self.res.rounds_done]
-            self._check_budget(self.res.rounds_done,
-                               releases(last, self.accountant.groups) if self.res.rounds_done else Counter())
+            self._check_budget(self.res.rounds_done, releases(last) if self.res.rounds_done else Counter())
         if self.run_dir is not None:  # queued before the first round
             server.spill_to.remote(str(self.run_dir.client_state(target)))
         self.callbacks = _callbacks(self.cfg, target, self.res, self.run_dir, self.bar, self.on_round,
@@ -276,7 +275,7 @@ class FederationRun:
     def _account(self, out: RoundResult, ledger: list[dict]) -> list[dict]:
         """The round's privacy rows (``accountant.py``), and the check before the next round."""
         assert self.accountant is not None
-        now = releases(ledger, self.accountant.groups)
+        now = releases(ledger)
         self.released += now
         rows = self.accountant.rows(out.round, self.accountant.counts(out.round, self.released), out.dp_clip)
         self.res.epsilon = {row.group: row.epsilon for row in rows}
