@@ -324,11 +324,16 @@ def test_a_target_epsilon_stops_before_the_round_that_would_exceed_it(ray_sessio
     again = run_federation(cfg, split, None, None, tiny_ds.num_classes, run_dir=run_dir, progress=False,
                            host=engine_host(tiny_ds, 1))
     assert again.rounds_done == 2 and again.stopped == res.stopped
-    # a run without privacy writes no privacy table
-    plain = tmp_path / "plain"
-    run_federation(tiny_cfg("training.rounds=1", "training.local_steps=1"), split, None, None, tiny_ds.num_classes,
-                   run_dir=plain, progress=False, host=engine_host(tiny_ds, 1))
-    assert not RunDir(plain).has_table("privacy") and RunDir(run_dir).has_table("privacy")
+    # a run without privacy writes no privacy table; a privacy section without a mechanism changes no number
+    # and records its updates as unprotected
+    out = {}
+    for name, extra in (("plain", ()), ("accounted", ("privacy.delta=1e-6",))):
+        out[name] = run_federation(tiny_cfg("training.rounds=1", "training.local_steps=1", *extra), split, None, None,
+                                   tiny_ds.num_classes, run_dir=tmp_path / name, progress=False,
+                                   host=engine_host(tiny_ds, 1))
+    assert not RunDir(tmp_path / "plain").has_table("privacy") and "epsilon" not in out["plain"].summary()
+    assert out["plain"].metrics == out["accounted"].metrics and out["plain"].ledger == out["accounted"].ledger
+    assert out["accounted"].epsilon == {UPDATES: math.inf, "total": math.inf}
 
 
 def test_report_shows_the_epsilon_each_run_spent(tmp_path):
