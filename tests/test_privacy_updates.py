@@ -170,14 +170,14 @@ def test_groups_compose_into_the_total():
 
 @pytest.mark.parametrize("accountant", ["rdp", "pld"])
 def test_what_leaves_a_client_without_noise_makes_epsilon_infinite(accountant):
-    acc = Accountant(_privacy(1.0, accountant, payloads={"style": {"clip": 1.0, "noise_multiplier": 2.0}}), 3, 3)
+    acc = Accountant(_privacy(3.0, accountant, payloads={"style": {"clip": 1.0, "noise_multiplier": 3.0}}), 3, 3)
     by = {r.group: r for r in acc.rows(2, acc.counts(2, {"style": 2, "amplitude": 1}), 1.0)}
     assert list(by) == [UPDATES, "amplitude", "style", "total"]  # released but not configured: counted all the same
     assert by["amplitude"].noise_multiplier == 0 and by["amplitude"].clip is None
     assert math.isinf(by["amplitude"].epsilon) and math.isinf(by["total"].epsilon)
     assert math.isfinite(by[UPDATES].epsilon) and math.isfinite(by["style"].epsilon)
     payloads_only = Accountant(PrivacyConfig(accountant=accountant, payloads={"style": {"clip": 1.0,
-                                                                                   "noise_multiplier": 2.0}}), 3, 3)
+                                                                                   "noise_multiplier": 3.0}}), 3, 3)
     by = {r.group: r for r in payloads_only.rows(1, payloads_only.counts(1, {"style": 1}), None)}
     assert math.isinf(by[UPDATES].epsilon) and math.isinf(by["total"].epsilon) and math.isfinite(by["style"].epsilon)
 
