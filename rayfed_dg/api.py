@@ -27,12 +27,13 @@ from typing import Any
 
 __all__ = ["RunResult", "load", "run"]
 
-TABLES = ("metrics", "clients", "ledger")
+TABLES = ("metrics", "clients", "ledger", "privacy")
 
 
 @dataclass
 class RunResult:
-    """A finished run.  ``metrics``, ``clients`` and ``ledger`` are the run
+    """A finished run.  ``metrics``, ``clients``, ``ledger`` and ``privacy``
+    (epsilon per round and group; empty without a ``privacy:`` section) are the run
     directory's tables (pandas DataFrames, or pyarrow Tables without pandas)
     over every row (method) and seed, in the order they ran, with two
     leading columns ``label`` and ``seed``; past those, each sub-run's rows
@@ -44,6 +45,7 @@ class RunResult:
     metrics: Any
     clients: Any
     ledger: Any
+    privacy: Any
     summary: list[dict[str, str]]
     _markdown: str = field(default="", repr=False)
 

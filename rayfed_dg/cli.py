@@ -91,6 +91,16 @@ def _build_parser() -> argparse.ArgumentParser:
     col.add_argument("sweep_dirs", nargs="+", help="sweep folders, as tune.py prints them (runs/tune/NAME)")
     col.add_argument("--format", choices=("md", "csv", "latex", "text"), default="md")
     _debug_flag(col)
+    priv = sub.add_parser("privacy", help="differential privacy: the noise a run needs for a target epsilon")
+    _debug_flag(priv)
+    psub = priv.add_subparsers(dest="privacy_command", required=True)
+    cal = psub.add_parser("calibrate", help="the update noise multiplier z at which the config's rounds spend "
+                                            "--epsilon at privacy.delta (its clients, clients per round, accountant)")
+    cal.add_argument("config")
+    cal.add_argument("--epsilon", type=float, required=True, help="the target epsilon")
+    cal.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    cal.add_argument("--target", default=None, help="target domain whose partition counts (default: the first)")
+    _debug_flag(cal)
     plot = sub.add_parser("plot", help="figures of runs: learning curves, per-client loss, t-SNE / PCA of features")
     plot.add_argument("run_dirs", nargs="+", help="run directories (as for report)")
     plot.add_argument("--kind", choices=("curves", "clients", "tsne", "pca"), default="curves")
@@ -219,6 +229,10 @@ def _report(args) -> int:
     if clock is not None:
         print()
         _print_table(rep.CLOCK_CAPTION, clock, args.format)
+    private = rep.privacy_table(dirs, args.format) if args.format != "csv" else None
+    if private is not None:
+        print()
+        _print_table(rep.PRIVACY_CAPTION, private, args.format)
     return 0
 
 
@@ -248,6 +262,30 @@ def _plot(args) -> int:
     return 0
 
 
+def _privacy(args) -> int:
+    """``privacy calibrate``: z for the model updates alone (payload releases are known only by running)."""
+    from rayfed_dg.config import ConfigError, PrivacyConfig, UpdatePrivacyConfig, load_config
+    from rayfed_dg.engine.accountant import Accountant
+    from rayfed_dg.engine.plan import clients_per_round, load_data, resolve_targets, split_for
+
+    if not args.epsilon > 0:
+        raise ConfigError(f"--epsilon {args.epsilon:g}: give a positive epsilon, e.g. --epsilon 4")
+    cfg = load_config(args.config, args.overrides)
+    ds = load_data(cfg)
+    split = split_for(cfg, ds, resolve_targets(ds, args.target or "all", cfg.data.heldout_val_domain)[0])
+    p = cfg.privacy or PrivacyConfig()
+    if p.updates is None:
+        p = p.model_copy(update={"updates": UpdatePrivacyConfig(clip=1.0)})
+    n, m, rounds = split.num_clients, clients_per_round(cfg, split), cfg.training.rounds
+    acc = Accountant(p, n, m)
+    acc.check()
+    z = acc.calibrate(rounds, args.epsilon)
+    print(f"privacy.updates.noise_multiplier={z:.4f}")
+    print(f"rayfed-dg: epsilon {args.epsilon:g} at delta {p.delta:g} ({p.accountant}) over {rounds} rounds of {m} of "
+          f"{n} clients, for the model updates alone (shared statistics add their own)", file=sys.stderr)
+    return 0
+
+
 def _data(args) -> int:
     from rayfed_dg.data.fetch import describe, fetch
     from rayfed_dg.data.sources import DATA_ENV, data_root
@@ -273,6 +311,8 @@ def _dispatch(args) -> int:
         return _report(args)
     if args.command == "plot":
         return _plot(args)
+    if args.command == "privacy":
+        return _privacy(args)
     if args.command == "collect":
         return _collect(args)
     if args.command == "evaluate":

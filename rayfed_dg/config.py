@@ -416,13 +416,28 @@ class DevicesConfig(_Strict):
 
 class UpdatePrivacyConfig(_Strict):
     """Client-level DP for model updates (DP-FedAvg, McMahan et al., ICLR 2018): each client's update is clipped
-    to an L2 norm on the client, Gaussian noise of std noise_multiplier x clip is added to the sum on the server."""
-    clip: float | None = Field(None, gt=0.0)  # L2 bound of one client's update (its weights minus the broadcast)
-    noise_multiplier: float = Field(0.0, ge=0.0)  # z: the noise on the sum has std z x clip
+    to an L2 norm on the client, Gaussian noise of std noise_multiplier x clip is added to the sum on the server
+    (engine/dp.py, docs/privacy.md)."""
+    # L2 bound of one client's update (its uploaded float tensors minus the broadcast, as one vector); with adaptive:
+    # the first round's
+    clip: float | None = Field(None, gt=0.0)
+    noise_multiplier: float = Field(0.0, ge=0.0)  # z: the noise on the sum has std z x clip (0: clipping only, no DP)
     adaptive: bool = False  # Andrew et al. (NeurIPS 2021): the clip follows a quantile of the update norms
     target_quantile: float = Field(0.5, gt=0.0, lt=1.0)  # adaptive: gamma, the share of updates left unclipped
     clip_lr: float = Field(0.2, gt=0.0)  # adaptive: eta_C of the geometric clip update
     count_noise_multiplier: float | None = Field(None, ge=0.0)  # adaptive: sigma_b; None: clients per round / 20
+
+    @model_validator(mode="after")
+    def _clip_named(self) -> UpdatePrivacyConfig:
+        if self.clip is None:
+            raise ValueError(f"privacy.updates needs a clip norm (noise_multiplier {self.noise_multiplier:g} is a "
+                             "multiple of it): set privacy.updates.clip, e.g. 1.0 (docs/privacy.md)")
+        adaptive_only = [k for k in ("target_quantile", "clip_lr", "count_noise_multiplier")
+                         if not self.adaptive and getattr(self, k) != type(self).model_fields[k].default]
+        if adaptive_only:
+            raise ValueError(f"privacy.updates.{adaptive_only[0]} applies to adaptive clipping only; set "
+                             "privacy.updates.adaptive: true, or drop it")
+        return self
 
 
 class PayloadPrivacyConfig(_Strict):

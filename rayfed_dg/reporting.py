@@ -2,8 +2,9 @@
 Fig. 7), and the results table over seeds with DomainBed's three
 model-selection rules (``rayfed-dg report``), and, for runs on the device
 model's virtual clock, accuracy at equal simulated time and each domain's
-participation (``clock_table``).  Run directories are read through
-``engine.rundir.RunDir``."""
+participation (``clock_table``), and for runs with a ``privacy:`` section
+the epsilon each spent (``privacy_table``).  Run directories are read
+through ``engine.rundir.RunDir``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -554,3 +555,35 @@ def clock_table(run_dirs: list[Path], fmt: str = "md") -> str | None:
     header = ["method", "target", "seeds", f"at T = {horizon:.6g} s", "at the end", "source val at T",
               "end (simulated s)"] + domains
     return render_table(header, out, fmt)
+
+
+# ------------------------------------------------------------------ privacy
+
+PRIVACY_CAPTION = ("Privacy (privacy: section, docs/privacy.md): epsilon at delta spent by the end of each run, per "
+                   "group (model updates, each shared statistic) and in total, the largest over seeds; rounds: the "
+                   "rounds run (fewer than training.rounds where privacy.target_epsilon stopped it)")
+
+
+def privacy_table(run_dirs: list[Path], fmt: str = "md") -> str | None:
+    """Per method and target, the last round's epsilon of each group of the
+    ``privacy`` table (``engine/accountant.py``), the largest over seeds;
+    None when no run had a privacy section."""
+    per: dict[tuple[str, str], list[list[dict]]] = {}
+    for label, runs in collect_runs(run_dirs).items():
+        for run in runs:
+            rd = RunDir(run.path)
+            rows = rd.read_rows("privacy") if rd.has_table("privacy") else []
+            for t in dict.fromkeys(r["target"] for r in rows):
+                per.setdefault((label, t), []).append([r for r in rows if r["target"] == t])
+    if not per:
+        return None
+    groups = sorted({r["group"] for seeds in per.values() for rows in seeds for r in rows},
+                    key=lambda g: (g == "total", g != "updates", g))
+    out = []
+    for (label, target), seeds in per.items():
+        last = [{r["group"]: r for r in rows if r["round"] == max(x["round"] for x in rows)} for rows in seeds]
+        cells = [f"{max(s[g]['epsilon'] for s in last if g in s):.4g}" if any(g in s for s in last) else "-"
+                 for g in groups]
+        out.append([label, target, len(seeds), max(max(r["round"] for r in rows) for rows in seeds),
+                    f"{seeds[0][0]['delta']:g}"] + cells)
+    return render_table(["method", "target", "seeds", "rounds", "delta"] + groups, out, fmt)

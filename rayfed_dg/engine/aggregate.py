@@ -309,6 +309,12 @@ class Reducer:
     def complete(self) -> bool:
         return not self.missing
 
+    def sums(self, keys: Iterable[str]) -> dict[str, np.ndarray]:
+        """The weighted sums of ``keys`` in float64, not divided (DP-FedAvg
+        noises the sum, ``dp.py``)."""
+        assert self.complete, "not every client has been folded in"
+        return {k: self.sum.total(k).numpy() for k in keys}
+
     def result(self, like: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Weighted means, renormalised over the clients that returned, cast
         to the dtype of ``like``; keys nobody uploaded keep ``like``'s value."""

@@ -28,6 +28,11 @@ method reads them, ``Method.folds_on_workers``):
    average minus x_t;
 3. the method sets the keys it declares in ``assembles`` (``assemble_global``,
    given the average and x_t); setting any other key is an error.
+
+With DP-FedAvg (``privacy.updates``, ``dp.py``) every client weighs 1, the
+workers fold clipped updates instead of weights, and step 1 takes, for the
+float keys uploaded, x_t plus the noised sum over m (``UpdateDP.release``);
+the clip of the next round follows (adaptive clipping).
 """
 from __future__ import annotations
 
@@ -48,6 +53,7 @@ from . import asynchronous as aio
 from .aggregate import Reducer
 from .clientstore import ClientStore
 from .devices import DeviceModel, RoundPlan, model_bytes, plan_round, planned_steps
+from .dp import UpdateDP, float_keys
 from .plan import clients_per_round
 from .records import ClientTask, Fold
 from .server_opt import ServerOptimizer, stepped_keys
@@ -88,6 +94,10 @@ class Federation:
         # current one), since each client trains from the version it downloaded
         self.async_clock = self._async_clock() if cfg.server.mode != "sync" else None
         self.versions: dict[int, dict[str, np.ndarray]] = {0: self.global_state} if self.async_clock is not None else {}
+        u = cfg.privacy.updates if cfg.privacy is not None else None
+        uploaded = set(sd) - self.method.private_keys(model)
+        self.dp = None if u is None else UpdateDP(u, cfg.training.seed, clients_per_round(cfg, split),
+                                                  float_keys(sd, uploaded))
 
     # ------------------------------------------------------------ data stages
     def add_stage_outputs(self, training_sets: dict[int, tuple[np.ndarray, Any]], shared: dict[str, Any]) -> None:
@@ -134,6 +144,8 @@ class Federation:
                           d.wait_s)
 
     def reducer(self, sampled: list[int]) -> Reducer:
+        if self.dp is not None:  # the fixed-denominator estimator: every client weighs 1 (dp.py)
+            return Reducer(sampled, dict.fromkeys(sampled, 1.0))
         sizes = self.sizes[sampled]
         return Reducer(sampled, dict(zip(sampled, self.method.aggregation_weights(
             sampled, sizes, self.server_state))))
@@ -152,11 +164,15 @@ class Federation:
         indices, extra = self.training_set(cid)
         return ClientTask(client=cid, round=r, indices=indices, local_state=self.store.get(cid), payload=payload,
                           extra=extra, val_indices=self.client_val(cid), fault_p=self.cfg.engine.fault_probability,
-                          stage_data=dict(self.stage_data), attempt=attempt, fold=fold)
+                          stage_data=dict(self.stage_data), attempt=attempt, fold=fold,
+                          dp_clip=None if self.dp is None else self.dp.clip)
 
     def aggregate(self, r: int, reducer: Reducer, results: list[ClientUpdate]) -> None:
         """The new global model (the module docstring's three steps)."""
         x_t, average = self.global_state, reducer.result(self.global_state)
+        if self.dp is not None:
+            average.update(self.dp.release(r, reducer.sums(self.dp.keys), x_t))
+            self.dp.adapt(r, sum(bool(u.unclipped) for u in results), len(results))
         new = average if self.server_opt is None else self.server_opt.step(x_t, average)
         own = self.method.assemble_global(r, results, average, x_t, self.server_state)
         if not own.keys() <= self.assembled:
@@ -232,6 +248,7 @@ class Federation:
         return {"round": self.round, "global_state": self.global_state, **store, "server_state": self.server_state,
                 "clock": self.clock,
                 **({"server_optimizer": self.server_opt.state_dict()} if self.server_opt is not None else {}),
+                **({"dp_clip": self.dp.clip} if self.dp is not None else {}),
                 **({"async": {"clock": self.async_clock.state_dict(),  # the current version is global_state
                               "versions": {v: st for v, st in self.versions.items() if v != self.round}}}
                    if self.async_clock is not None else {})}
@@ -249,6 +266,8 @@ class Federation:
         self.clock = float(state.get("clock", 0.0))  # checkpoints written before the clock have none
         if self.server_opt is not None:  # a config with a server optimizer resumes only its own runs (check_resume_dir)
             self.server_opt.load_state_dict(state["server_optimizer"])
+        if self.dp is not None:  # likewise DP-FedAvg: the clip adaptive clipping reached
+            self.dp.clip = float(state["dp_clip"])
         if self.async_clock is not None:  # likewise an asynchronous mode
             self.async_clock.load_state_dict(state["async"]["clock"])
             self.versions = {**state["async"]["versions"], self.round: self.global_state}

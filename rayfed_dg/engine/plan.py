@@ -10,6 +10,7 @@ from rayfed_dg.errors import ConfigError, DataError, ModelError
 
 from .asynchronous import check_async
 from .devices import check_devices, model_bytes
+from .dp import check_privacy
 from .resources import ensure_workers, init_ray
 
 
@@ -127,8 +128,9 @@ def resolve_variants(cfg: ExperimentConfig, ds: DomainDataset,
 
 def preflight(cfg: ExperimentConfig, splits: list[FederatedSplit], num_classes: int) -> None:
     """Fail before anything is written: the model builds (weights found, the
-    method accepts the backbone), the stages can run, and the worker pool
-    fits the Ray cluster."""
+    method accepts the backbone), the stages can run, the privacy section
+    can be honoured (``dp.check_privacy``), and the worker pool fits the Ray
+    cluster."""
 
     from rayfed_dg.methods import build_method
     from rayfed_dg.stages import build_stages
@@ -147,6 +149,7 @@ def preflight(cfg: ExperimentConfig, splits: list[FederatedSplit], num_classes: 
         stage.preflight()
     for s in splits:
         check_async(cfg, s.num_clients)
+        check_privacy(cfg, s.num_clients, clients_per_round(cfg, s), int(s.client_sizes().sum()))
     init_ray(cfg)
     for s in splits:
         ensure_workers(cfg.engine, clients_per_round(cfg, s))

@@ -2,7 +2,7 @@
 
 ``ClientTask``   what a worker needs to run one client in one round;
 ``Fold``         where it folds the client's upload (``aggregate.py``)
-``MetricRow``, ``ClientRow``, ``LedgerRow``, ``DropRow``  one row of a
+``MetricRow``, ``ClientRow``, ``LedgerRow``, ``DropRow``, ``PrivacyRow``  one row of a
                  round's records, typed from where they are made to the
                  writer: ``table_rows`` is the one place they become the
                  run directory's table rows (``.row()``, plus the target)
@@ -60,6 +60,7 @@ class ClientTask:
     attempt: int = 0  # retries of this task so far (faults are seeded per attempt)
     fault_p: float = 0.0
     fold: Fold | None = None  # None: the whole upload travels back (a method that reads it, tests)
+    dp_clip: float | None = None  # DP-FedAvg (``dp.py``): the round's clip of the update, None without it
 
 
 class Split(StrEnum):
@@ -122,6 +123,18 @@ class LedgerRow(_Row):
 
 
 @dataclass
+class PrivacyRow(_Row):
+    """Epsilon of one group after a round (``accountant.py``), with what it composed."""
+    round: int
+    group: str  # "updates", a payload group, or "total"
+    releases: int  # mechanisms composed so far (updates: rounds; a payload group: its worst client's releases)
+    noise_multiplier: float | None  # the group's z (None for the total)
+    clip: float | None  # the round's update clip (adaptive clipping moves it), a payload group's clip
+    epsilon: float
+    delta: float
+
+
+@dataclass
 class DropRow(_Row):
     """A sampled client whose training failed for good in a round."""
     round: int
@@ -144,6 +157,7 @@ class RoundResult:
     tasks_rerun: int = 0  # over the run so far: re-runs after a shared worker died (scheduling, like seconds)
     seconds_clients: float = 0.0  # the clients' phase: first dispatch to last update in (its makespan)
     sim_time: float | None = None  # the virtual clock when the round's aggregation happened (None: no clock)
+    dp_clip: float | None = None  # DP-FedAvg: the clip of the round's updates (None without privacy.updates)
 
 
 class Ledger:
@@ -199,6 +213,9 @@ TABLES: dict[str, list[tuple[str, str]]] = {
                 ("bytes_up", "int64"), ("bytes_down", "int64"), ("retried", "int64"), ("dropped", "bool"),
                 ("drop_reason", "string"), ("sim_start", "float64"), ("sim_finish", "float64"),
                 ("deadline_met", "bool"), ("staleness", "int64")],
+    # only with privacy: (accountant.py): epsilon per group and in total after each round
+    "privacy": [("target", "string"), ("round", "int64"), ("group", "string"), ("releases", "int64"),
+                ("noise_multiplier", "float64"), ("clip", "float64"), ("epsilon", "float64"), ("delta", "float64")],
 }
 
 

@@ -17,6 +17,8 @@ names (no duplicate rows).
 from __future__ import annotations
 
 import shutil
+import sys
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -29,6 +31,7 @@ from rayfed_dg.config import ConfigError, ExperimentConfig
 from rayfed_dg.data import FederatedSplit
 from rayfed_dg.utils import render_table
 
+from .accountant import Accountant, releases
 from .host import EngineHost
 from .plan import clients_per_round
 from .records import RoundResult, Split, split_mean, stage_rows, table_rows
@@ -53,6 +56,8 @@ class TargetResult:
     tasks_retried: int = 0
     tasks_rerun: int = 0
     setup_info: dict = field(default_factory=dict)
+    epsilon: dict[str, float] | None = None  # with privacy: epsilon per group and in total after the last round
+    stopped: str | None = None  # why the run ended before training.rounds (privacy.target_epsilon), in one line
 
     def add_round(self, out: RoundResult, rows: dict[str, list[dict]]) -> bool:
         """Fold one round's records in (``rows``: its table rows,
@@ -87,7 +92,8 @@ class TargetResult:
                 # uncharged re-runs after a worker that other tasks shared died: depends on timing, like seconds
                 "tasks_rerun": self.tasks_rerun,
                 "setup": self.setup_info,
-                "mean_seconds_per_round": float(np.mean(self.seconds_per_round)) if self.seconds_per_round else None}
+                "mean_seconds_per_round": float(np.mean(self.seconds_per_round)) if self.seconds_per_round else None,
+                **({"epsilon": self.epsilon, "stopped": self.stopped} if self.epsilon is not None else {})}
 
 
 # ------------------------------------------------------------------ callbacks
@@ -132,7 +138,7 @@ class RunDirWriter:
         self.cfg, self.run_dir, self.target = cfg, run_dir, target
 
     def on_round(self, out, res, new_best, server_state):
-        o, r, last = self.cfg.output, out.round, out.round == self.cfg.training.rounds
+        o, r, last = self.cfg.output, out.round, out.round == self.cfg.training.rounds or res.stopped is not None
         best = new_best and o.save_best_checkpoint
         ckpt = bool(o.checkpoint_every) and (r % o.checkpoint_every == 0 or last)
         if not (best or last or ckpt):
@@ -221,7 +227,11 @@ class FederationRun:
         self.cfg, self.split, self.run_dir, self.bar = cfg, split, run_dir, bar
         self.on_round, self.stop_after, self.tensorboard = on_round, stop_after, tensorboard
         self.res, self.state = _resume(run_dir, split.target)
-        self.finished = self.res.rounds_done >= cfg.training.rounds  # a resumed run may have nothing left
+        # a resumed run may have nothing left (or have stopped at its privacy budget)
+        self.finished = self.res.rounds_done >= cfg.training.rounds or self.res.stopped is not None
+        self.accountant = None if cfg.privacy is None else \
+            Accountant(cfg.privacy, split.num_clients, clients_per_round(cfg, split))
+        self.released: Counter[str] = Counter()  # payload releases so far, by group (accountant.releases)
         self.server: Any = None
         self.callbacks: list[Any] = []
 
@@ -238,6 +248,10 @@ class FederationRun:
             if self.run_dir is not None:
                 self.run_dir.write_round(target, 0, rows)
         self.res.setup_info = setup["info"]
+        if self.accountant is not None:  # the releases so far (a resumed run's from its ledger); the next round's check
+            self.released = releases(self.res.ledger)
+            last = [row for row in self.res.ledger if row["round"] == self.res.rounds_done]
+            self._check_budget(self.res.rounds_done, releases(last) if self.res.rounds_done else Counter())
         if self.run_dir is not None:  # queued before the first round
             server.spill_to.remote(str(self.run_dir.client_state(target)))
         self.callbacks = _callbacks(self.cfg, target, self.res, self.run_dir, self.bar, self.on_round,
@@ -247,14 +261,40 @@ class FederationRun:
         """Fold in a finished round: its table rows made once and written,
         then the callbacks (the server is idle: the next round is not sent yet)."""
         rows = table_rows(self.split.target, out)  # the one place a round's typed rows become table rows
+        if self.accountant is not None:
+            rows["privacy"] = self._account(out, rows["ledger"])
         new_best = self.res.add_round(out, rows)
         if self.run_dir is not None:  # before the callbacks: no checkpoint covers a round whose rows are not on disk
             self.run_dir.write_round(self.split.target, out.round, rows)
         for cb in self.callbacks:
             cb.on_round(out, self.res, new_best, lambda pieces=None, clients=True: ray.get(
                 self.server.get_state.remote(pieces, clients)))
-        self.finished = out.round >= self.cfg.training.rounds or (
+        self.finished = out.round >= self.cfg.training.rounds or self.res.stopped is not None or (
             self.stop_after is not None and out.round >= self.stop_after)
+
+    def _account(self, out: RoundResult, ledger: list[dict]) -> list[dict]:
+        """The round's privacy rows (``accountant.py``), and the check before the next round."""
+        assert self.accountant is not None
+        now = releases(ledger)
+        self.released += now
+        rows = self.accountant.rows(out.round, self.accountant.counts(out.round, self.released), out.dp_clip)
+        self.res.epsilon = {row.group: row.epsilon for row in rows}
+        self._check_budget(out.round, now)
+        return [dict(row.row(), target=self.split.target) for row in rows]
+
+    def _check_budget(self, done: int, last: Counter[str]) -> None:
+        """Stop before round ``done`` + 1 if it would take the total epsilon
+        past ``privacy.target_epsilon``, forecasting its releases as ``last``
+        (the previous round's)."""
+        p, acc = self.cfg.privacy, self.accountant
+        if p is None or acc is None or p.target_epsilon is None or done >= self.cfg.training.rounds:
+            return
+        eps = acc.epsilon(acc.counts(done + 1, self.released + last))
+        if eps > p.target_epsilon:
+            self.res.stopped = (f"privacy.target_epsilon={p.target_epsilon:g}: stopped before round {done + 1} of "
+                                f"{self.cfg.training.rounds}, which would spend epsilon {eps:.4g} at delta {p.delta:g}")
+            self.finished = True
+            print(f"rayfed-dg: target {self.split.target}: {self.res.stopped}", file=sys.stderr)
 
     def close(self) -> None:
         for cb in self.callbacks:

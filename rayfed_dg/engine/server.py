@@ -202,6 +202,7 @@ class Server:
             for cid in sorted(plan.reasons):
                 ledger.add_state(cid, "down", bcast_sizes)
             fed.clock = plan.close
+        clip = None if fed.dp is None else fed.dp.clip  # this round's: aggregating sets the next one's
         fed.aggregate(r, reducer, results)
         work.global_ref = self.global_ref = ray.put(fed.global_state)
         run_phases(Slot.AFTER_AGGREGATION, work)
@@ -215,7 +216,7 @@ class Server:
             train_loss=float(np.mean([u.train_loss for u in results])), tasks_retried=self.pool.retried,
             tasks_rerun=self.pool.reruns,
             seconds_train=seconds_train, seconds_total=time.perf_counter() - t0, seconds_clients=seconds_clients,
-            sim_time=None if plan is None else plan.close)
+            sim_time=None if plan is None else plan.close, dp_clip=clip)
 
     def _evaluates(self, r: int) -> bool:
         every = self.fed.cfg.evaluation.every

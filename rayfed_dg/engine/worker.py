@@ -39,6 +39,7 @@ from rayfed_dg.seeding import Stream, numpy_rng, seed_int, seed_torch, torch_gen
 from rayfed_dg.stages import StageClient, build_stages
 
 from .aggregate import BinnedSum, Partial
+from .dp import clip_update
 from .dp_payloads import release
 from .faults import OWN_FAULTS, DivergedError, InjectedFault, JobFailed
 from .records import ClientTask, Fold
@@ -323,10 +324,14 @@ class ClientRunner:
                                   f"method {self.method.name}"),
             train_loss=loss, seconds=time.perf_counter() - t0, stats=dict(res.stats), steps=res.steps,
             samples_stepped=res.samples, sizes={k: sd[k].nelement() * sd[k].element_size() for k in self.upload_keys})
+        upload = {k: sd[k] for k in self.upload_keys}
+        if task.dp_clip is not None:  # DP-FedAvg folds the clipped update instead (the server refuses it unfolded)
+            upload, norm = clip_update(upload, global_state, task.dp_clip)
+            out.unclipped = norm <= task.dp_clip
         if task.fold is None:
             out.update = to_numpy_state(sd, self.upload_keys, copy=not views)
         else:  # last, once nothing can fail: a task that raised folded nothing, and a retry folds once
-            self.fold(task.fold, cid, {k: sd[k] for k in self.upload_keys})
+            self.fold(task.fold, cid, upload)
             out.update = to_numpy_state(sd, [k for k in self.upload_keys if k in self.local_keys])  # the client store's
         return out
 

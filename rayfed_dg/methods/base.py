@@ -267,6 +267,7 @@ class ClientUpdate:
     samples_stepped: int = 0  # ``LocalResult.samples``
     global_eval: GlobalEval | None = None  # set in ``Phase.EVALUATE_ON_CLIENTS``
     sizes: dict[str, int] = field(default_factory=dict)  # bytes of each uploaded tensor, folded or not (the ledger)
+    unclipped: bool | None = None  # DP-FedAvg: whether the update's norm was within the clip (engine/dp.py)
 
 
 @torch.no_grad()

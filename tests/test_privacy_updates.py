@@ -1,0 +1,353 @@
+"""DP-FedAvg with adaptive clipping (engine/dp.py) and the privacy accountant
+(engine/accountant.py): clipping, the noise's std, the accountant against
+closed forms, adaptive clipping by hand, the target epsilon's refusal and
+stop, each bad input, and end to end on tiny digits runs: the global model
+is the broadcast plus the noised sum of clipped updates over m, the same
+bits on 1 or 2 workers and after a resume."""
+import math
+
+import numpy as np
+import pytest
+import torch
+from conftest import REPO, tiny_cfg
+from scipy import optimize, stats
+
+from rayfed_dg.cli import main
+from rayfed_dg.config import ConfigError, PrivacyConfig, UpdatePrivacyConfig
+from rayfed_dg.data import leave_one_domain_out
+from rayfed_dg.engine import ClientRunner, run_federation
+from rayfed_dg.engine.accountant import UPDATES, Accountant, releases
+from rayfed_dg.engine.dp import UpdateDP, check_privacy, clip_update, refusal, update_noise
+from rayfed_dg.engine.rundir import RunDir
+from rayfed_dg.methods import Method, get_method_class
+from rayfed_dg.reporting import privacy_table
+from rayfed_dg.seeding import Stream, numpy_rng
+
+QS = str(REPO / "configs" / "quickstart.yaml")
+TINY = ["--set", "compare=null", "--set", "data.resolution=16", "--set", "model.width=8"]
+
+
+# ------------------------------------------------------------------ clipping and noise
+
+def test_clipping_bounds_the_update_and_leaves_a_short_one_unchanged():
+    broadcast = {"w": np.zeros((3, 4), np.float32), "b": np.ones(5, np.float32), "n": np.array(7)}
+    upload = {"w": torch.ones(3, 4), "b": torch.full((5,), 3.0), "n": torch.tensor(9)}
+    clipped, norm = clip_update(upload, broadcast, 2.0)
+    assert set(clipped) == {"w", "b"}  # the integer buffer is not part of the update
+    assert norm == pytest.approx(math.sqrt(12 * 1.0 + 5 * 2.0 ** 2))  # the update, not the upload: b moved by 2
+    flat = np.concatenate([clipped[k].numpy().ravel() for k in ("b", "w")])
+    assert np.linalg.norm(flat) == pytest.approx(2.0, rel=1e-12)
+    np.testing.assert_allclose(clipped["w"].numpy(), 2.0 / math.sqrt(32.0))  # scaled as one vector
+    short, _ = clip_update(upload, broadcast, 10.0)
+    np.testing.assert_array_equal(short["w"].numpy(), np.ones((3, 4)))
+    np.testing.assert_array_equal(short["b"].numpy(), np.full(5, 2.0))
+
+
+def _variance_interval(n: int, p: float = 1e-6) -> tuple[float, float]:
+    """Where sum(x^2) / n / sigma^2 falls with probability 1 - p for n draws of N(0, sigma^2): chi-square(n) / n."""
+    return stats.chi2.ppf(p / 2, n) / n, stats.chi2.ppf(1 - p / 2, n) / n
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_the_noise_on_the_sum_has_std_noise_multiplier_times_clip(adaptive):
+    n, clip, z = 200_000, 0.5, 1.3
+    u = UpdatePrivacyConfig(clip=clip, noise_multiplier=z, adaptive=adaptive,
+                            **({"count_noise_multiplier": 1.0} if adaptive else {}))
+    dp = UpdateDP(u, seed=4, per_round=1, keys=["a"])
+    noise = dp.release(1, {"a": np.zeros(n)}, {"a": np.zeros(n)})["a"]  # m = 1: the new value is the noise
+    # adaptive: Andrew et al.'s z_Delta = (z^-2 - (2 sigma_b)^-2)^(-1/2), here (1.3^-2 - 2^-2)^(-1/2)
+    std = clip * (z if not adaptive else (z ** -2 - 0.25) ** -0.5)
+    lo, hi = _variance_interval(n)
+    assert lo < float(np.mean(noise ** 2)) / std ** 2 < hi
+    assert abs(float(np.mean(noise))) < stats.norm.ppf(1 - 1e-6 / 2) * std / math.sqrt(n)
+
+
+def test_the_new_global_is_the_broadcast_plus_the_noised_sum_over_m():
+    u = UpdatePrivacyConfig(clip=0.7, noise_multiplier=0.9)
+    rng = np.random.default_rng(1)
+    prev = {"b": rng.normal(size=4).astype(np.float32), "a": rng.normal(size=(2, 3)).astype(np.float32)}
+    sums = {"a": rng.normal(size=(2, 3)), "b": rng.normal(size=4)}
+    out = UpdateDP(u, seed=7, per_round=3, keys=["a", "b"]).release(5, sums, prev)
+    draw = numpy_rng(7, Stream.DP_UPDATES, 5)  # keys in sorted order, from the round's stream
+    for k in ("a", "b"):
+        noise = draw.normal(0.0, 0.9 * 0.7, size=prev[k].shape)
+        expect = (prev[k].astype(np.float64) + (sums[k] + noise) / 3).astype(np.float32)
+        np.testing.assert_array_equal(out[k], expect)
+        assert out[k].dtype == np.float32
+
+
+def test_adaptive_clipping_by_hand_on_two_rounds():
+    u = UpdatePrivacyConfig(clip=1.0, noise_multiplier=0.5, adaptive=True, target_quantile=0.5, clip_lr=0.2,
+                            count_noise_multiplier=0.5)
+    dp = UpdateDP(u, seed=3, per_round=4, keys=[])
+    # round 1: 3 of the 4 updates within the clip; round 2: 1 of the 3 that returned (one client failed)
+    xi1 = numpy_rng(3, Stream.DP_UPDATES, 1, 1).normal(0.0, 0.5)
+    xi2 = numpy_rng(3, Stream.DP_UPDATES, 2, 1).normal(0.0, 0.5)
+    b1 = ((1 - .5) * 3 + (0 - .5) * 1 + xi1) / 4 + 0.5  # sum of centred bits plus noise, over m, plus 1/2
+    c1 = 1.0 * math.exp(-0.2 * (b1 - 0.5))
+    b2 = ((1 - .5) * 1 + (0 - .5) * 2 + xi2) / 4 + 0.5
+    c2 = c1 * math.exp(-0.2 * (b2 - 0.5))
+    dp.adapt(1, unclipped=3, returned=4)
+    assert dp.clip == pytest.approx(c1, rel=1e-14)
+    dp.adapt(2, unclipped=1, returned=3)
+    assert dp.clip == pytest.approx(c2, rel=1e-14)
+    assert c1 < 1.0 < c1 / c2 + 0.3 and abs(xi1) < 2 and abs(xi2) < 2  # mostly within the clip: it shrank, then grew
+    assert update_noise(u, 4) == pytest.approx((0.5 ** -2 - 1.0 ** -2) ** -0.5)
+
+
+# ------------------------------------------------------------------ the accountant
+
+def _privacy(z: float, accountant: str = "rdp", **kw) -> PrivacyConfig:
+    return PrivacyConfig(accountant=accountant, updates=UpdatePrivacyConfig(clip=1.0, noise_multiplier=z), **kw)
+
+
+def test_pld_equals_the_gaussian_mechanisms_closed_form():
+    # R Gaussian mechanisms of multiplier z are mu-GDP with mu = sqrt(R) / z (Dong, Roth and Su, 2022, Cor. 3.3), and
+    # mu-GDP is (eps, delta)-DP exactly where delta = Phi(-eps / mu + mu / 2) - e^eps Phi(-eps / mu - mu / 2)
+    # (Balle and Wang, ICML 2018, Thm. 8)
+    z, rounds, delta = 3.0, 5, 1e-5
+    mu = math.sqrt(rounds) / z
+    exact = optimize.brentq(lambda e: stats.norm.cdf(-e / mu + mu / 2) - math.exp(e) * stats.norm.cdf(-e / mu - mu / 2)
+                            - delta, 1e-3, 50, xtol=1e-12)
+    acc = Accountant(_privacy(z, "pld", delta=delta), num_clients=2, per_round=2)  # every client: no sampling
+    eps = acc.epsilon(acc.counts(rounds, {}))
+    assert eps == pytest.approx(exact, rel=1e-6)  # PLD's discretisation (1e-4) errs upward only
+    assert eps >= exact - 1e-9
+
+
+def test_rdp_of_unsampled_rounds_is_the_gaussian_rdp_converted_by_hand():
+    from dp_accounting.rdp.rdp_privacy_accountant import DEFAULT_RDP_ORDERS
+
+    z, rounds, delta = 1.5, 15, 1e-5
+    # RDP of R Gaussians: R a / (2 z^2); to (eps, delta) by Canonne, Kamath and Steinke's conversion
+    best = min(rounds * a / (2 * z * z) + math.log1p(-1 / a) - math.log(delta * a) / (a - 1)
+               for a in DEFAULT_RDP_ORDERS if a > 1.01)
+    acc = Accountant(_privacy(z, delta=delta), num_clients=3, per_round=3)
+    assert acc.epsilon(acc.counts(rounds, {})) == pytest.approx(best, rel=1e-12)
+
+
+def test_sampling_without_replacement_is_wang_et_als_bound_at_half_the_multiplier():
+    import dp_accounting as dp
+
+    # Abadi et al.'s setting (q = 0.01, 10,000 steps, delta 1e-5) at z = 8: replacing a client moves the clipped
+    # sum by 2 clips, so the event's multiplier over its sensitivity is 4
+    acc = Accountant(_privacy(8.0), num_clients=100, per_round=1)
+    eps = acc.epsilon(acc.counts(10_000, {}))
+    ref = dp.rdp.RdpAccountant(neighboring_relation=dp.NeighboringRelation.REPLACE_ONE)
+    ref.compose(dp.SampledWithoutReplacementDpEvent(100, 1, dp.GaussianDpEvent(4.0)), 10_000)
+    assert eps == pytest.approx(ref.get_epsilon(1e-5), rel=1e-12)
+    assert eps == pytest.approx(2.2211, abs=1e-4)
+    unsampled = Accountant(_privacy(8.0), num_clients=100, per_round=1)
+    unsampled.sampled = False  # what the same rounds would cost without amplification
+    assert eps < unsampled.epsilon(unsampled.counts(10_000, {})) / 10
+
+
+def test_releases_count_each_groups_worst_client_per_round():
+    def row(r, c, group, direction="up"):
+        return {"round": r, "client": c, "group": group, "direction": direction}
+
+    rows = [row(0, 0, "payload:style"), row(0, 1, "payload:style"), row(0, 1, "payload:bank", "down"),
+            row(1, 0, "prepare:style"), row(1, 0, "payload:style"), row(1, 1, "payload:style"),
+            row(1, 2, "shared"), row(1, 2, "payload:other"), row(2, 1, "payload:style", "down")]
+    assert releases(rows) == {"style": 3, "other": 1}  # round 0: 1; round 1: client 0 twice; downs are free
+
+
+def test_groups_compose_into_the_total():
+    p = _privacy(1.0, payloads={"style": {"clip": 1.0, "noise_multiplier": 2.0}})
+    acc = Accountant(p, num_clients=3, per_round=3)
+    counts = acc.counts(4, {"style": 6})
+    assert counts == {UPDATES: 4, "style": 6}
+    rows = acc.rows(4, counts, 0.5)
+    by = {r.group: r for r in rows}
+    assert [r.group for r in rows] == [UPDATES, "style", "total"]
+    assert by[UPDATES].clip == 0.5 and by["style"].clip == 1.0 and by["total"].releases == 10
+    # 4 Gaussians of z = 1 and 6 of z = 2 are one Gaussian of z^-2 = 4 + 6/4 (RDP adds)
+    assert by["total"].epsilon == pytest.approx(Accountant(_privacy((4 + 1.5) ** -0.5), 3, 3).epsilon({UPDATES: 1}))
+    assert by["total"].epsilon > max(by[UPDATES].epsilon, by["style"].epsilon)
+
+
+# ------------------------------------------------------------------ bad input
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+def test_what_leaves_a_client_without_noise_makes_epsilon_infinite(accountant):
+    acc = Accountant(_privacy(3.0, accountant, payloads={"style": {"clip": 1.0, "noise_multiplier": 3.0}}), 3, 3)
+    by = {r.group: r for r in acc.rows(2, acc.counts(2, {"style": 2, "amplitude": 1}), 1.0)}
+    assert list(by) == [UPDATES, "amplitude", "style", "total"]  # released but not configured: counted all the same
+    assert by["amplitude"].noise_multiplier == 0 and by["amplitude"].clip is None
+    assert math.isinf(by["amplitude"].epsilon) and math.isinf(by["total"].epsilon)
+    assert math.isfinite(by[UPDATES].epsilon) and math.isfinite(by["style"].epsilon)
+    payloads_only = Accountant(PrivacyConfig(accountant=accountant, payloads={"style": {"clip": 1.0,
+                                                                                   "noise_multiplier": 3.0}}), 3, 3)
+    by = {r.group: r for r in payloads_only.rows(1, payloads_only.counts(1, {"style": 1}), None)}
+    assert math.isinf(by[UPDATES].epsilon) and math.isinf(by["total"].epsilon) and math.isfinite(by["style"].epsilon)
+
+
+def test_methods_whose_aggregation_is_not_a_weighted_mean_refuse_dp():
+    for name in ("fedavg", "fedprox", "fedbn", "silobn", "gperxan", "stablefdg", "fediir", "mixstyle"):
+        assert refusal(get_method_class(name)) is None, name
+    why = {n: refusal(get_method_class(n)) for n in ("copa", "csac", "feddyn", "fedgma", "feddg_ga", "scaffold")}
+    assert "folds_on_workers" in why["csac"] and "assemble_global" in why["fedgma"]
+    assert "aggregation_weights" in why["feddg_ga"] and "aggregation_weights" in why["scaffold"]
+    assert all(why.values())
+
+    class ReadsResults(Method):  # a hook no built-in method overrides alone
+        def after_round(self, round, results, server_state):
+            server_state["seen"] = len(results)
+
+    assert refusal(ReadsResults) == "reads the clients' results on the server (after_round)"
+
+
+def bad_inputs():
+    dp = ["--set", "privacy.updates.clip=1.0", "--set", "privacy.updates.noise_multiplier=1.0"]
+    yield [QS, *TINY, "--set", "privacy.updates.noise_multiplier=1.0"], \
+        "privacy.updates: Value error, privacy.updates needs a clip norm"
+    yield [QS, *TINY, *dp, "--set", "privacy.delta=0.4"], \
+        "privacy.delta=0.4 is not below 1 / 3 (the clients, the unit of privacy of the updates)"
+    yield [QS, *TINY, "--set", "privacy.payloads={ccst_style: {clip: 1, noise_multiplier: 1}}", "--set",
+           "privacy.delta=0.01"], "privacy.delta=0.01 is not below 1 / 1073 (the training samples"
+    yield [QS, *TINY, *dp, "--set", "method.name=scaffold"], \
+        "privacy.updates: method scaffold weighs clients from their data or its own state (aggregation_weights)"
+    yield [QS, *TINY, *dp, "--set", "server.mode=fedbuff"], "privacy.updates: server.mode picks the aggregated clients"
+    yield [QS, *TINY, *dp, "--set", "privacy.accountant=pld", "--set", "training.clients_per_round=2"], \
+        "privacy.accountant: pld accounts Poisson sampling only"
+    yield [QS, *TINY, *dp, "--set", "privacy.updates.adaptive=true"], \
+        "privacy.updates.count_noise_multiplier: 2 sigma_b = 0.3 must exceed noise_multiplier 1"
+    yield [QS, *TINY, *dp, "--set", "privacy.target_epsilon=1"], \
+        "privacy.target_epsilon=1: the 8 rounds of updates alone would spend epsilon"
+    yield [QS, *TINY, "--set", "privacy.target_epsilon=4"], \
+        "privacy.target_epsilon=4: the model updates leave the clients without noise (no privacy.updates)"
+
+
+def test_each_bad_privacy_input_is_one_line_naming_its_key_exit_2_and_writes_nothing(tmp_path, capsys):
+    seen = 0
+    for argv, expect in bad_inputs():
+        run_dir = tmp_path / f"run-{seen}"
+        code = main(["run", *argv, "--run-dir", str(run_dir), "--no-progress"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and expect in err[0], (argv, err)
+        assert not run_dir.exists()
+        seen += 1
+    assert seen == 9
+
+
+def test_check_privacy_refuses_what_a_config_alone_cannot_show():
+    cfg = tiny_cfg("privacy.updates.clip=1", "privacy.updates.noise_multiplier=1", "privacy.target_epsilon=8")
+    check_privacy(cfg, num_clients=3, per_round=3, train_samples=1000)  # 2 rounds at z = 1: 7.08 <= 8
+    with pytest.raises(ConfigError, match=r"would spend epsilon 7\.077"):
+        check_privacy(cfg.model_copy(update={"privacy": cfg.privacy.model_copy(update={"target_epsilon": 7.0})}),
+                      3, 3, 1000)
+
+
+def test_calibrate_prints_the_multiplier_that_spends_the_target(capsys):
+    assert main(["privacy", "calibrate", QS, *TINY, "--epsilon", "4"]) == 0
+    out = capsys.readouterr()
+    key, _, z = out.out.strip().partition("=")
+    assert key == "privacy.updates.noise_multiplier" and "over 8 rounds of 3 of 3 clients" in out.err
+    acc = Accountant(_privacy(float(z)), 3, 3)
+    assert acc.epsilon(acc.counts(8, {})) == pytest.approx(4.0, abs=2e-3)  # z to 4 decimals, tol 1e-4
+
+
+# ------------------------------------------------------------------ end to end (tiny digits runs)
+
+def _clipped_by_hand(update: dict, g0: dict, keys: list[str], clip: float) -> tuple[dict, bool]:
+    delta = {k: update[k].astype(np.float64) - g0[k].astype(np.float64) for k in keys}
+    norm = math.sqrt(sum(float(np.sum(d * d)) for d in delta.values()))
+    return {k: d * min(1.0, clip / norm) for k, d in delta.items()}, norm <= clip
+
+
+def test_dp_fedavg_end_to_end_by_hand_same_bits_on_one_or_two_workers_and_after_a_resume(ray_session, tiny_ds,
+                                                                                       engine_host):
+    ray = ray_session
+    cfg = tiny_cfg("training.local_steps=2", "privacy.updates.clip=0.3", "privacy.updates.noise_multiplier=0.8",
+                   "privacy.updates.adaptive=true", "privacy.updates.count_noise_multiplier=1.0")
+    split = leave_one_domain_out(tiny_ds, "texture", cfg.data.val_fraction, cfg.data.split_seed)
+    runs = {}
+    for workers in (1, 2):
+        server = engine_host(tiny_ds, workers).open(cfg, split, tiny_ds.num_classes)
+        g0 = ray.get(server.get_state.remote())["global_state"]
+        clips = [ray.get(server.run_round.remote()).dp_clip]
+        s1 = ray.get(server.get_state.remote())
+        clips.append(ray.get(server.run_round.remote()).dp_clip)
+        runs[workers] = g0, s1, ray.get(server.get_state.remote(None, False))["global_state"], clips
+    (g0, s1, g2, clips), (_, _, g2b, clipsb) = runs[1], runs[2]
+    assert clips == clipsb and clips[0] == 0.3 and s1["dp_clip"] == clips[1] != 0.3
+    for k in g2:
+        np.testing.assert_array_equal(g2[k], g2b[k])
+    # round 1 by hand: each client's update clipped, the noise of std z_Delta x clip on the sum, over m = 3
+    runner = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, tiny_ds.num_classes, split.num_clients)
+    keys = sorted(k for k, v in g0.items() if np.issubdtype(v.dtype, np.floating))
+    parts = [_clipped_by_hand(runner.run_client(c, 1, split.clients[c], g0).update, g0, keys, 0.3)
+             for c in range(split.num_clients)]
+    z_delta = (0.8 ** -2 - 2.0 ** -2) ** -0.5
+    noise = numpy_rng(cfg.training.seed, Stream.DP_UPDATES, 1)
+    for k in keys:
+        total = sum(p[0][k] for p in parts) + noise.normal(0.0, z_delta * 0.3, size=g0[k].shape)
+        np.testing.assert_allclose(s1["global_state"][k], (g0[k] + total / 3).astype(np.float32), rtol=1e-6,
+                                   atol=1e-7)
+    tracked = [k for k in g0 if k.endswith("num_batches_tracked")]
+    assert tracked and all(s1["global_state"][k] == g0[k] for k in tracked)  # integer buffers are not released
+    unclipped = sum(p[1] for p in parts)
+    xi = numpy_rng(cfg.training.seed, Stream.DP_UPDATES, 1, 1).normal(0.0, 1.0)
+    assert clips[1] == pytest.approx(0.3 * math.exp(-0.2 * ((unclipped - 1.5 + xi) / 3 + 0.5 - 0.5)), rel=1e-12)
+    # a federation resumed from round 1's state ends round 2 with the same bits (the clip came with the state)
+    server = engine_host(tiny_ds, 1).open(cfg, split, tiny_ds.num_classes)
+    ray.get(server.set_state.remote(s1))
+    assert ray.get(server.run_round.remote()).dp_clip == clips[1]
+    g2r = ray.get(server.get_state.remote(None, False))["global_state"]
+    for k in g2:
+        np.testing.assert_array_equal(g2[k], g2r[k])
+
+
+def test_a_target_epsilon_stops_before_the_round_that_would_exceed_it(ray_session, tiny_ds, engine_host, tmp_path,
+                                                                     capsys):
+    z = 2.0
+    acc = Accountant(_privacy(z), 3, 3)
+    eps2, eps3 = (acc.epsilon(acc.counts(r, {})) for r in (2, 3))
+    target = (eps2 + eps3) / 2
+    sets = ("training.rounds=4", "training.local_steps=1", "privacy.updates.clip=1", f"privacy.updates.noise_multiplier={z}",
+            f"privacy.target_epsilon={target}")
+    cfg = tiny_cfg(*sets)
+    split = leave_one_domain_out(tiny_ds, "texture", cfg.data.val_fraction, cfg.data.split_seed)
+    run_dir = tmp_path / "run"
+    res = run_federation(cfg, split, None, None, tiny_ds.num_classes, run_dir=run_dir, progress=False,
+                         host=engine_host(tiny_ds, 1))
+    line = f"privacy.target_epsilon={target:g}: stopped before round 3 of 4, which would spend epsilon {eps3:.4g}"
+    assert res.rounds_done == 2 and res.stopped.startswith(line)
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"rayfed-dg: target texture: {res.stopped}"
+    assert res.epsilon == {UPDATES: pytest.approx(eps2, rel=1e-12), "total": pytest.approx(eps2, rel=1e-12)}
+    rows = RunDir(run_dir).read_rows("privacy")
+    assert [(r["round"], r["group"], r["releases"]) for r in rows] == \
+        [(1, "updates", 1), (1, "total", 1), (2, "updates", 2), (2, "total", 2)]
+    assert RunDir(run_dir).weights("final", "texture").is_file()  # what was done is kept
+    assert RunDir(run_dir).saved_rounds("texture")[-1] == 2
+    # resumed, it stops again at once: the stop is part of the checkpoint
+    again = run_federation(cfg, split, None, None, tiny_ds.num_classes, run_dir=run_dir, progress=False,
+                           host=engine_host(tiny_ds, 1))
+    assert again.rounds_done == 2 and again.stopped == res.stopped
+    # a run without privacy writes no privacy table; a privacy section without a mechanism changes no number
+    # and records its updates as unprotected
+    out = {}
+    for name, extra in (("plain", ()), ("accounted", ("privacy.delta=1e-6",))):
+        out[name] = run_federation(tiny_cfg("training.rounds=1", "training.local_steps=1", *extra), split, None, None,
+                                   tiny_ds.num_classes, run_dir=tmp_path / name, progress=False,
+                                   host=engine_host(tiny_ds, 1))
+    assert not RunDir(tmp_path / "plain").has_table("privacy") and "epsilon" not in out["plain"].summary()
+    assert out["plain"].metrics == out["accounted"].metrics and out["plain"].ledger == out["accounted"].ledger
+    assert out["accounted"].epsilon == {UPDATES: math.inf, "total": math.inf}
+
+
+def test_report_shows_the_epsilon_each_run_spent(tmp_path):
+    from rayfed_dg.engine.records import PrivacyRow
+
+    def run(folder, eps):
+        rd = RunDir(tmp_path / folder)
+        rd.path.mkdir()
+        (rd.path / "summary.json").write_text('{"targets": {"mono": {}}, "label": "fedavg", "method": "fedavg"}')
+        for r, e in ((1, eps / 2), (2, eps)):
+            rd.write_rows("privacy", "mono", r, [dict(PrivacyRow(r, g, r, 1.0, 1.0, e, 1e-5).row(), target="mono")
+                                                 for g in ("updates", "total")])
+    run("seed0", 3.0)
+    run("seed1", 4.0)
+    table = privacy_table([tmp_path / "seed0", tmp_path / "seed1"], "md").splitlines()
+    assert table[0] == "| method | target | seeds | rounds | delta | updates | total |"
+    assert table[2] == "| fedavg | mono | 2 | 2 | 1e-05 | 4 | 4 |"  # the last round's, the largest over seeds
