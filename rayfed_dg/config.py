@@ -754,6 +754,9 @@ def validate(tree: dict, source: str = "<config>") -> ExperimentConfig:
         mcls.check(cfg)
         for scls in stage_classes:
             scls.check(cfg)
+        from rayfed_dg.methods.payloads import check_payload_groups
+
+        check_payload_groups(cfg)
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
     return cfg
