@@ -13,6 +13,7 @@ run directory (``engine/rundir.py``) and ``reporting``.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -280,7 +281,7 @@ def _privacy(args) -> int:
     acc = Accountant(p, n, m)
     acc.check()
     z = acc.calibrate(rounds, args.epsilon)
-    print(f"privacy.updates.noise_multiplier={z:.4f}")
+    print(f"privacy.updates.noise_multiplier={math.ceil(z * 1e4) / 1e4:.4f}")  # rounded up: never past epsilon
     print(f"rayfed-dg: epsilon {args.epsilon:g} at delta {p.delta:g} ({p.accountant}) over {rounds} rounds of {m} of "
           f"{n} clients, for the model updates alone (shared statistics add their own)", file=sys.stderr)
     return 0

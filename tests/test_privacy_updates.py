@@ -18,6 +18,7 @@ from rayfed_dg.data import leave_one_domain_out
 from rayfed_dg.engine import ClientRunner, run_federation
 from rayfed_dg.engine.accountant import UPDATES, Accountant, releases
 from rayfed_dg.engine.dp import UpdateDP, check_privacy, clip_update, refusal, update_noise
+from rayfed_dg.engine.faults import DivergedError
 from rayfed_dg.engine.rundir import RunDir
 from rayfed_dg.methods import Method, get_method_class
 from rayfed_dg.reporting import privacy_table
@@ -41,6 +42,9 @@ def test_clipping_bounds_the_update_and_leaves_a_short_one_unchanged():
     short, _ = clip_update(upload, broadcast, 10.0)
     np.testing.assert_array_equal(short["w"].numpy(), np.ones((3, 4)))
     np.testing.assert_array_equal(short["b"].numpy(), np.full(5, 2.0))
+    # a diverged update cannot be clipped (min(1, C / nan) would be 1): the run stops as for a NaN loss
+    with pytest.raises(DivergedError, match="non-finite norm"):
+        clip_update({**upload, "w": torch.full((3, 4), float("nan"))}, broadcast, 2.0)
 
 
 def _variance_interval(n: int, p: float = 1e-6) -> tuple[float, float]:
@@ -166,6 +170,47 @@ def test_groups_compose_into_the_total():
     assert by["total"].epsilon > max(by[UPDATES].epsilon, by["style"].epsilon)
 
 
+def test_the_total_with_image_rows_protects_an_image_so_client_level_mechanisms_enter_at_half_z():
+    """Every client each round (ADD_OR_REMOVE_ONE): one image moves its client's clipped update, and a
+    ``client`` record, by up to 2 clips, its own ``image`` row by 1 clip.  RDP of Gaussians adds as z^-2."""
+    p = _privacy(2.0, payloads={"amplitude_spectra": {"clip": 1.0, "noise_multiplier": 3.0},
+                                "style": {"clip": 1.0, "noise_multiplier": 4.0}})
+    records = {"amplitude_spectra": "image", "style": "client"}
+    acc = Accountant(p, 3, 3, records)
+
+    def gaussians(inv_sq: float) -> float:
+        return Accountant(_privacy(inv_sq ** -0.5), 3, 3).epsilon({UPDATES: 1})
+
+    by = {r.group: r for r in acc.rows(5, acc.counts(5, {"amplitude_spectra": 1, "style": 5}), 1.0)}
+    # each group at its own unit: updates and style per client (z), the spectra per image (z)
+    assert by[UPDATES].epsilon == pytest.approx(gaussians(5 / 2.0 ** 2), rel=1e-9)
+    assert by["style"].epsilon == pytest.approx(gaussians(5 / 4.0 ** 2), rel=1e-9)
+    # the total per image: 5 updates at z/2 = 1, 5 styles at z/2 = 2, one spectrum at z = 3
+    assert by["total"].epsilon == pytest.approx(gaussians(5 / 1.0 ** 2 + 5 / 2.0 ** 2 + 1 / 3.0 ** 2), rel=1e-9)
+    # without an image row released the total stays per client: 5 at z = 2, 5 at z = 4
+    client = {r.group: r for r in acc.rows(5, acc.counts(5, {"style": 5}), 1.0)}
+    assert client["total"].epsilon == pytest.approx(gaussians(5 / 2.0 ** 2 + 5 / 4.0 ** 2), rel=1e-9)
+
+
+def test_the_first_rounds_forecast_counts_the_methods_noised_payloads(tiny_ds):
+    """Before round 1 no round has released anything yet: the forecast takes one release of each payload the
+    method shares and the config noises, so a budget that round 1's style would exceed stops before it."""
+    from rayfed_dg.engine.run import FederationRun
+
+    acc = Accountant(_privacy(2.0, payloads={"style": {"clip": 1.0, "noise_multiplier": 1.0}}), 3, 3)
+    updates_only, with_style = acc.epsilon({UPDATES: 1}), acc.epsilon({UPDATES: 1, "style": 1})
+    cfg = tiny_cfg("method.name=stablefdg", "privacy.updates.clip=1", "privacy.updates.noise_multiplier=2",
+                   "privacy.payloads={style: {clip: 1, noise_multiplier: 1}}",
+                   f"privacy.target_epsilon={(updates_only + with_style) / 2}")
+    split = leave_one_domain_out(tiny_ds, "texture", cfg.data.val_fraction, cfg.data.split_seed)
+    run = FederationRun(cfg, split, None)
+    assert run.per_round == {"style": 1}
+    run._check_budget(0, run._forecast([]))
+    assert run.finished and run.res.stopped.startswith(
+        f"privacy.target_epsilon={(updates_only + with_style) / 2:g}: stopped before round 1 of 2, which would "
+        f"spend epsilon {with_style:.4g}")
+
+
 # ------------------------------------------------------------------ bad input
 
 @pytest.mark.parametrize("accountant", ["rdp", "pld"])
@@ -216,6 +261,9 @@ def bad_inputs():
         "privacy.target_epsilon=1: the 8 rounds of updates alone would spend epsilon"
     yield [QS, *TINY, "--set", "privacy.target_epsilon=4"], \
         "privacy.target_epsilon=4: the model updates leave the clients without noise (no privacy.updates)"
+    # a statistic the run shares without noise would leave before any budget check could stop it
+    yield [QS, *TINY, *dp, "--set", "privacy.target_epsilon=100", "--set", "method.name=stablefdg"], \
+        "privacy.target_epsilon=100: this run shares 'style' without noise"
 
 
 def test_each_bad_privacy_input_is_one_line_naming_its_key_exit_2_and_writes_nothing(tmp_path, capsys):
@@ -227,7 +275,7 @@ def test_each_bad_privacy_input_is_one_line_naming_its_key_exit_2_and_writes_not
         assert code == 2 and len(err) == 1 and expect in err[0], (argv, err)
         assert not run_dir.exists()
         seen += 1
-    assert seen == 9
+    assert seen == 10
 
 
 def test_check_privacy_refuses_what_a_config_alone_cannot_show():
@@ -239,12 +287,14 @@ def test_check_privacy_refuses_what_a_config_alone_cannot_show():
 
 
 def test_calibrate_prints_the_multiplier_that_spends_the_target(capsys):
-    assert main(["privacy", "calibrate", QS, *TINY, "--epsilon", "4"]) == 0
+    # epsilon 6 (z = 2.302414...): rounding to the nearest 4th decimal would go down, past the target
+    assert main(["privacy", "calibrate", QS, *TINY, "--epsilon", "6"]) == 0
     out = capsys.readouterr()
     key, _, z = out.out.strip().partition("=")
     assert key == "privacy.updates.noise_multiplier" and "over 8 rounds of 3 of 3 clients" in out.err
     acc = Accountant(_privacy(float(z)), 3, 3)
-    assert acc.epsilon(acc.counts(8, {})) == pytest.approx(4.0, abs=2e-3)  # z to 4 decimals, tol 1e-4
+    # z rounded up to 4 decimals: at most the target, within the search's tolerance
+    assert z == "2.3025" and 6.0 - 2e-3 <= acc.epsilon(acc.counts(8, {})) <= 6.0
 
 
 # ------------------------------------------------------------------ end to end (tiny digits runs)

@@ -27,9 +27,16 @@ What is composed (docs/privacy.md):
   added by the client itself, so no sampling amplifies it.  Its unit is one
   record (one row of the payload, clipped on its own); under REPLACE_ONE
   (when the updates need it) the multiplier is halved likewise.
-* the total: all of them composed, which bounds what one record reveals
-  through everything released (a record is one client's: it moves that
-  client's update and its own rows).
+* the total: all of them composed, at the finest unit among the groups
+  released.  When every group's record is a client (the updates, payloads
+  of ``client`` records), the total protects a client.  When an ``image``
+  group (one row per image: CCST ``single``, amplitude spectra) is
+  released too, the total protects one image: adding or removing an image
+  moves its client's clipped update, or a ``client`` record, by up to
+  2 x clip (from one clipped vector to another), so under ADD_OR_REMOVE_ONE
+  those mechanisms enter the total at z / 2, and the image rows at z.  Each
+  group's own epsilon stays at its own unit.  Under REPLACE_ONE every
+  mechanism is already at z / 2, right at either unit.
 
 What leaves the clients without noise counts too, as a non-private
 mechanism (epsilon infinite): the model updates without ``privacy.updates``,
@@ -91,10 +98,12 @@ class Accountant:
     """Epsilon of a federation of ``num_clients`` clients, ``per_round`` of
     them sampled each round, under ``privacy``."""
 
-    def __init__(self, privacy: PrivacyConfig, num_clients: int, per_round: int):
+    def __init__(self, privacy: PrivacyConfig, num_clients: int, per_round: int,
+                 records: Mapping[str, str] | None = None):
         import dp_accounting as dp
 
         self.p, self.n, self.m = privacy, num_clients, per_round
+        self.records = dict(records or {})  # payload group -> what one record is (methods/payloads.py RECORDS)
         self.sampled = privacy.updates is not None and per_round < num_clients
         # REPLACE_ONE is the only relation dp-accounting composes sampling without replacement under
         self.relation = dp.NeighboringRelation.REPLACE_ONE if self.sampled else \
@@ -115,7 +124,7 @@ class Accountant:
             return self.p.updates.noise_multiplier if self.p.updates is not None else 0.0
         return self.p.payloads[group].noise_multiplier if group in self.p.payloads else 0.0
 
-    def _event(self, group: str, count: int):
+    def _event(self, group: str, count: int, per_image: bool = False):
         import dp_accounting as dp
 
         z = self.noise_multiplier(group)
@@ -123,7 +132,10 @@ class Accountant:
             return dp.NoOpDpEvent()
         if z == 0:
             return dp.NonPrivateDpEvent()
-        one = dp.GaussianDpEvent(z / self.sensitivity)
+        sensitivity = self.sensitivity
+        if per_image and self.records.get(group) != "image":  # one image moves a client-level vector by 2 clips
+            sensitivity = 2.0
+        one = dp.GaussianDpEvent(z / sensitivity)
         if group == UPDATES and self.sampled:
             one = dp.SampledWithoutReplacementDpEvent(self.n, self.m, one)
         return dp.SelfComposedDpEvent(one, count)
@@ -139,7 +151,10 @@ class Accountant:
         ``counts[group]`` times."""
         import dp_accounting as dp
 
-        events = [self._event(g, int(counts.get(g, 0))) for g in (counts if groups is None else groups)]
+        names = list(counts if groups is None else groups)
+        # the total of a run that released image rows protects an image (the module docstring)
+        per_image = len(names) > 1 and any(self.records.get(g) == "image" and counts.get(g, 0) for g in names)
+        events = [self._event(g, int(counts.get(g, 0)), per_image) for g in names]
         acc = self._fresh()
         acc.compose(dp.ComposedDpEvent(events))
         return float(acc.get_epsilon(self.p.delta))

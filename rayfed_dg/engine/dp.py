@@ -52,6 +52,8 @@ from rayfed_dg.methods import Method
 from rayfed_dg.privacy import clip_l2, gaussian
 from rayfed_dg.seeding import Stream, numpy_rng
 
+from .faults import DivergedError
+
 # the hooks whose override makes a method's new global model more than the weighted mean of the uploads
 _NOT_A_MEAN = {
     "aggregation_weights": "weighs clients from their data or its own state",
@@ -102,6 +104,8 @@ def clip_update(upload: Mapping[str, torch.Tensor], broadcast: Mapping[str, np.n
     delta = {k: upload[k].detach().cpu().numpy().astype(np.float64) - np.asarray(broadcast[k], np.float64)
              for k in float_keys(upload, upload)}
     clipped, norm = clip_l2(delta, clip)
+    if not math.isfinite(norm):  # min(1, clip / nan) is 1: a NaN update would pass unclipped into the noised sum
+        raise DivergedError(f"the client's update has a non-finite norm ({norm}): it cannot be clipped")
     return {k: torch.from_numpy(v) for k, v in clipped.items()}, norm
 
 
@@ -170,9 +174,17 @@ def check_privacy(cfg: ExperimentConfig, num_clients: int, per_round: int, train
     if p.payloads and p.delta >= 1 / train_samples:
         raise ConfigError(f"privacy.delta={p.delta:g} is not below 1 / {train_samples} (the training samples, whose "
                           "records the payloads carry): lower it, e.g. 1e-6")
-    acc = Accountant(p, num_clients, per_round)
+    from rayfed_dg.methods.payloads import released_payload_groups
+
+    released = released_payload_groups(cfg)
+    acc = Accountant(p, num_clients, per_round, released)
     acc.check()
     if p.target_epsilon is not None:
+        clean = sorted(g for g in released if g not in p.payloads or released[g] == "exact")
+        if clean:  # it would leave before the budget could stop anything: refused, not stopped at
+            raise ConfigError(f"privacy.target_epsilon={p.target_epsilon:g}: this run shares {clean[0]!r} without "
+                              f"noise, so epsilon is unbounded from the first release; add privacy.payloads."
+                              f"{clean[0]} (clip, noise_multiplier) or drop target_epsilon")
         if u is None:
             raise ConfigError(f"privacy.target_epsilon={p.target_epsilon:g}: the model updates leave the clients "
                               "without noise (no privacy.updates), so epsilon is unbounded; add privacy.updates")

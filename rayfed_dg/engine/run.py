@@ -29,6 +29,8 @@ import ray
 
 from rayfed_dg.config import ConfigError, ExperimentConfig
 from rayfed_dg.data import FederatedSplit
+from rayfed_dg.methods import build_method
+from rayfed_dg.methods.payloads import released_payload_groups
 from rayfed_dg.utils import render_table
 
 from .accountant import Accountant, releases
@@ -230,7 +232,10 @@ class FederationRun:
         # a resumed run may have nothing left (or have stopped at its privacy budget)
         self.finished = self.res.rounds_done >= cfg.training.rounds or self.res.stopped is not None
         self.accountant = None if cfg.privacy is None else \
-            Accountant(cfg.privacy, split.num_clients, clients_per_round(cfg, split))
+            Accountant(cfg.privacy, split.num_clients, clients_per_round(cfg, split), released_payload_groups(cfg))
+        # the method's payloads configured for noise: the first round's forecast (one release each, per round)
+        self.per_round: Counter[str] = Counter() if cfg.privacy is None else Counter(
+            {g: 1 for g in build_method(cfg, split.num_clients).shared_payloads if g in cfg.privacy.payloads})
         self.released: Counter[str] = Counter()  # payload releases so far, by group (accountant.releases)
         self.server: Any = None
         self.callbacks: list[Any] = []
@@ -251,7 +256,7 @@ class FederationRun:
         if self.accountant is not None:  # the releases so far (a resumed run's from its ledger); the next round's check
             self.released = releases(self.res.ledger)
             last = [row for row in self.res.ledger if row["round"] == self.res.rounds_done]
-            self._check_budget(self.res.rounds_done, releases(last) if self.res.rounds_done else Counter())
+            self._check_budget(self.res.rounds_done, self._forecast(last))
         if self.run_dir is not None:  # queued before the first round
             server.spill_to.remote(str(self.run_dir.client_state(target)))
         self.callbacks = _callbacks(self.cfg, target, self.res, self.run_dir, self.bar, self.on_round,
@@ -281,6 +286,11 @@ class FederationRun:
         self.res.epsilon = {row.group: row.epsilon for row in rows}
         self._check_budget(out.round, now)
         return [dict(row.row(), target=self.split.target) for row in rows]
+
+    def _forecast(self, last_rows: list[dict]) -> Counter[str]:
+        """The next round's payload releases, as the last round run released (none run: one of each payload
+        the method shares and the config noises; the data stages released theirs in round 0)."""
+        return releases(last_rows) if self.res.rounds_done else self.per_round
 
     def _check_budget(self, done: int, last: Counter[str]) -> None:
         """Stop before round ``done`` + 1 if it would take the total epsilon
