@@ -76,6 +76,11 @@ def test_xan_bn_weight_sets_the_initial_mix_and_reaches_the_method():
     assert torch.allclose(near(x), by_hand, atol=1e-5)
     with pytest.raises(ValueError, match="between 0 and 1"):
         XAN(4, bn_weight=1.0)
+    # auto: the reference code's 0.5 from scratch, 0.9 on a pretrained backbone (only the config is read here)
+    assert build_method(tiny_cfg("method.name=gperxan"), 2).bn_weight() == 0.5
+    assert build_method(tiny_cfg("method.name=gperxan", "model.pretrained=some.pth"), 2).bn_weight() == 0.9
+    assert build_method(tiny_cfg("method.name=gperxan", "model.pretrained=some.pth", "method.bn_weight=0.5"),
+                        2).bn_weight() == 0.5
     method = build_method(tiny_cfg("method.name=gperxan", "method.bn_weight=0.75"), 2)
     xans = [m for m in method.build_model(10).modules() if isinstance(m, XAN)]
     assert xans and all(torch.allclose(m.weights(), torch.tensor([0.75, 0.25]), atol=1e-6) for m in xans)
