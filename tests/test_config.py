@@ -190,7 +190,7 @@ def test_resuming_a_run_saved_without_its_defaults_names_the_values_it_now_takes
     assert lines[0].startswith("compare.0 (sfdg): style=True") and "detach_explored=True" in lines[0]
     assert " alpha=" not in lines[0] and " k=" not in lines[1] and "max_style_images=256" in lines[1]
     assert unrecorded_defaults(write(tmp_path, "method:\n  name: gperxan\n", "one.yaml")) == [
-        "method (gperxan): lam=0.5, norm=xan, personalize=True, placement=auto"]
+        "method (gperxan): lam=0.5, norm=xan, personalize=True, placement=auto, bn_weight=auto"]
     save_config(load_config(old), tmp_path / "new.yaml")  # written by this release: nothing left to name
     assert unrecorded_defaults(tmp_path / "new.yaml") == []
     (tmp_path / "run.json").write_text(json.dumps({"targets": ["colour"], "seeds": None}))
