@@ -22,7 +22,8 @@ RUN pip install --no-cache-dir \
       "matplotlib>=3.8" \
       "psutil>=5.9" \
       "tensorboardX>=2.6" \
-      "tensorboard>=2.14"
+      "tensorboard>=2.14" \
+      "dp-accounting>=0.6,<0.7"
 
 # where cluster.yaml's file_mounts put the working tree in the container (~/rayfed_dg, the image user's home):
 # `ray up` mounts the synced tree over this copy and the editable install runs that code; without a mount
