@@ -149,8 +149,14 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="rfmut-") as tmp:
         work = Path(tmp) / "tree"
         _copy_tree(work)
+        failed = 0
         for module in a.modules:
-            res = mutate(module, work, a.timeout)
+            try:
+                res = mutate(module, work, a.timeout)
+            except SystemExit as err:  # one module's failure (its tests fail unmutated, ...) does not end the run
+                print(f"| {module} | - | - | - | - | not scored: {str(err).splitlines()[0][:150]} | - |", flush=True)
+                failed += 1
+                continue
             print(f"| {module} | {res['mutants']} | {res['killed']} | {res['survived']} | {res['incompetent']} | "
                   f"{res['score']:.3f} | {res['seconds']:.0f} |", flush=True)
             report = out / (module.replace("/", "_").removesuffix(".py") + ".md")
@@ -159,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                 lines += [f"## line {s['line']}: {s['operator']} (occurrence {s['occurrence']})", "", "```diff",
                           s["diff"].rstrip(), "```", ""]
             report.write_text("\n".join(lines))
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
