@@ -73,6 +73,14 @@ def test_groups_not_configured_leave_the_client_untouched():
     assert not np.array_equal(out["a"], x["a"])
 
 
+def test_a_non_finite_payload_stops_the_run_as_a_diverged_client():
+    from rayfed_dg.engine.faults import DivergedError
+
+    with pytest.raises(DivergedError, match="client 3's payload 'style' in round 2 is not finite"):
+        release({"style": np.array([1.0, np.nan])}, {"style": "client"}, None, 0, 2, 3, "method m")
+    assert release({"n": np.array([1, 2])}, {"n": "exact"}, None, 0, 2, 3, "method m")["n"].dtype.kind == "i"
+
+
 def test_a_payload_its_owner_does_not_declare_is_refused_under_privacy():
     with pytest.raises(TypeError, match="method m sends the payload 'x' that its shared_payloads does not declare"):
         release({"x": np.ones(2)}, {}, _privacy(), 0, 1, 0, "method m")

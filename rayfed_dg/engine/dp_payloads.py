@@ -31,6 +31,8 @@ from rayfed_dg.methods.payloads import RECORDS
 from rayfed_dg.privacy import clip_rows, gaussian
 from rayfed_dg.seeding import Stream, numpy_rng
 
+from .faults import DivergedError
+
 
 def group_id(group: str) -> int:
     """A stable number of a group's name (never Python's salted ``hash``), for its noise's seed."""
@@ -61,6 +63,11 @@ def release(payload: Mapping[str, np.ndarray], declared: Mapping[str, str], priv
     if undeclared and privacy is not None:  # without privacy, a plugin written before declarations still runs
         raise TypeError(f"{owner} sends the payload {undeclared[0]!r} that its shared_payloads does not declare; "
                         f"add {undeclared[0]!r}: one of {', '.join(RECORDS)} (what one record is)")
+    for group, a in payload.items():  # a NaN statistic (a diverged model's) would poison every client it reaches
+        arr = np.asarray(a)
+        if np.issubdtype(arr.dtype, np.floating) and not np.isfinite(arr).all():
+            raise DivergedError(f"client {client}'s payload {group!r} in round {round} is not finite ({owner}): its "
+                                "model diverged")
     configured = {} if privacy is None else privacy.payloads
     out = dict(payload)
     for group in sorted(set(payload) & set(configured)):
