@@ -54,6 +54,9 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path):
 
     done = None
     for name in TABLES:
+        if name == "privacy":  # written only with a privacy: section, which this run has not
+            assert not RunDir(killed).has_table(name)
+            continue
         for part in (killed / f"{name}.parquet").glob("*.parquet"):
             pq.read_table(part)
         rounds = sorted({r["round"] for r in read_rows(killed, name)})
