@@ -68,6 +68,29 @@ def test_scaffold_one_sgd_step_and_option_ii_by_hand():
     np.testing.assert_allclose(dc, (g - ci).numpy(), atol=1e-4)
 
 
+def test_scaffold_option_ii_divides_by_the_rounds_own_learning_rate_under_a_schedule():
+    """Under ``lr_schedule: cosine`` line 10 steps with round 3's eta_3 = 0.1 * (1 + cos(pi * 2/4)) / 2 = 0.05, and
+    option II must divide (x - y) by that same eta_3: c_i+ = g(x) again.  Dividing by the configured 0.1 (the
+    audit's mutant) halves c_i+."""
+    cfg = tiny_cfg("method.name=scaffold", "training.momentum=0", "training.weight_decay=0", "training.lr=0.1",
+                   "training.rounds=4", "training.lr_schedule=cosine")
+    method = build_method(cfg, 3)
+    torch.manual_seed(1)
+    model = method.build_model(10)
+    n = method.numel
+    ci, c = torch.randn(n) * 0.1, torch.randn(n) * 0.1
+    model.scaffold_ci.copy_(ci)
+    x, y = _batches(1, seed=3)[0]
+    g = _grad(model, x, y)
+    x0 = flat(p for _, p in trainable(model))
+    ctx = _ctx(round=3, payload={"scaffold_c": c.numpy()})
+    method.round_start(model, ctx)
+    method.local_train(model, lambda: iter([(x, y)]), ctx)
+    assert torch.allclose(flat(p for _, p in trainable(model)), x0 - 0.05 * (g + c - ci), atol=1e-6)
+    assert torch.allclose(model.scaffold_ci, g, atol=1e-4)
+    np.testing.assert_allclose(method.upload_payload(model, ctx)["scaffold_dc"], (g - ci).numpy(), atol=1e-4)
+
+
 def test_scaffold_with_momentum_keeps_option_ii_the_mean_gradient():
     """Heavy-ball SGD moves y by eta sum_j w_j (g_j + c - c_i), w_j =
     (1 - beta^(K-j+1))/(1 - beta): dividing by K_eff = sum_j w_j makes c_i+ the

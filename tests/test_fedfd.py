@@ -1,5 +1,6 @@
 """FedFD / FedFD-A (ECCV 2024): Eq. 2 mixing, Eq. 6-7 adapter, alternation, global statistics."""
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 from conftest import server_rounds, tiny_cfg
@@ -150,6 +151,38 @@ def test_client_side_selection_uploads_the_best_validated_iterate(tiny_ds):
     assert acc >= correct_last / n  # the last iterate was a candidate (same seeded trajectory)
     same = all(np.array_equal(a.update[k], b.update[k]) for k in a.update)
     assert same == (it == 6)
+
+
+@pytest.mark.parametrize("scores, chosen", [
+    ([0.5, 0.7, 0.7, 0.6], 4),  # a tie keeps the earlier iterate (4, not 6)
+    ([0.5, 0.6, 0.6, 0.9], 7),  # the round's last iterate (7, off the every-2 grid) is a candidate
+    ([0.0, 0.0, 0.0, 0.0], 2),  # all at zero: the first candidate, never "none"
+])
+def test_client_side_selection_takes_the_first_best_of_the_scored_candidates(tiny_ds, monkeypatch, scores, chosen):
+    """Sec. 4.1's selection with scripted validation scores: candidates at iterations 2, 4, 6 (select_every=2)
+    and 7 (the last of 7 steps); the upload is the state scored at the chosen one, bit for bit."""
+    import rayfed_dg.methods.fedfd as fedfd
+
+    split = leave_one_domain_out(tiny_ds, "texture", 0.2, 0)
+    train, val = split.clients[0], split.val[split.client_domains[0]]
+    _, sel = runner(tiny_ds, "method.name=fedfda", "method.lambda2=0.1", "training.local_steps=7",
+                    "method.select_every=2")
+    seen = []
+
+    def scripted(model, ctx):
+        seen.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        return scores[len(seen) - 1], 0.0
+
+    monkeypatch.setattr(fedfd, "evaluate_on_val", scripted)
+    g = to_numpy_state(sel.model.state_dict(), sel.model.state_dict().keys())
+    pay = sel.method.server_payloads(1, [0], {}, None, g, {})[0]
+    b = sel.run_client(0, 1, train, g, {}, pay, val_indices=val)
+    assert len(seen) == 4
+    assert b.stats["selected_iteration"] == chosen and b.stats["selected_val_acc"] == scores[[2, 4, 6, 7].index(chosen)]
+    kept = seen[[2, 4, 6, 7].index(chosen)]
+    assert all(np.array_equal(b.update[k], kept[k].numpy()) for k in b.update)
+    others = [s for i, s in enumerate(seen) if i != [2, 4, 6, 7].index(chosen)]
+    assert all(any(not np.array_equal(b.update[k], s[k].numpy()) for k in b.update) for s in others)
 
 
 def test_server_gives_each_client_validation_of_its_own_domain(tiny_ds):

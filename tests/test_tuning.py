@@ -54,6 +54,18 @@ def test_collect_chooses_per_seed_on_source_validation_then_mean_se_over_seeds(t
     assert "not a sweep folder" in capsys.readouterr().err
 
 
+def test_selection_averages_source_validation_over_targets_and_gives_a_tie_to_the_first_value():
+    # mean source validation: x=1 (0.875 + 0.125) / 2 = 0.5; x=2 and x=3 both 0.625 (a tie): x=2, first in order;
+    # the best single target (x=1 on a) or the last of a tie (x=3) would be another choice
+    src = {(1, "a"): 0.875, (1, "b"): 0.125, (2, "a"): 0.625, (2, "b"): 0.625, (3, "a"): 0.5, (3, "b"): 0.75}
+    recs = [{"x": x, "target": t, "selected_round": 1, "selected_src_val": src[x, t], "selected_target_acc": 0.1}
+            for x in (3, 1, 2) for t in ("b", "a")]
+    chosen, rows = select_value(recs, ["x"])
+    assert chosen == {"x": 2}
+    assert [r["x"] for r in rows] == [1, 2, 3] and [r["chosen"] for r in rows] == [False, True, False]
+    assert [r["mean_src_val"] for r in rows] == [0.5, 0.625, 0.625]
+
+
 def test_selection_ignores_values_missing_targets():
     recs = [{"x": 1, "target": "a", "selected_round": 1, "selected_src_val": 0.9, "selected_target_acc": 0.1},
             {"x": 2, "target": "a", "selected_round": 1, "selected_src_val": 0.5, "selected_target_acc": 0.1},
