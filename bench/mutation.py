@@ -4,14 +4,15 @@
     python bench/mutation.py                                   # every module below (hours on 2 cores)
     python bench/mutation.py --modules engine/selection.py methods/fedgma.py --out runs/mutation
 
-Each module is mutated one plausible single bug at a time (an arithmetic or comparison operator swapped, a
-number changed, a condition negated, a boolean flipped, a loop run zero times, break/continue swapped) in a
-copy of the working tree (the checkout itself is never touched), and the tests that guard it (``MODULES``: fast,
-hand-computed tests, no end-to-end run) are run against each mutant.  A mutant the tests fail on is killed;
-one they pass is a survivor.  The score per module is killed / (killed + survived); timeouts count as killed
-(cosmic-ray's rule), mutants that do not even import ("incompetent") as neither.  Survivors are written to
-``OUT/<module>.md`` with their diffs: each needs a test, or a written reason why the change is not a bug a user
-would see (an equivalent mutant: ``x * 1.0`` for ``x``, a bound that cannot be reached, ...).
+``SCOPES`` narrows a large module to the functions the tests are meant to pin (the sweep's selection, the pool's
+failure accounting); the rest of it is not scored. Each module is mutated one plausible single bug at a time (an
+arithmetic or comparison operator swapped, a number changed, a condition negated, a boolean flipped, a loop run zero
+times, break/continue swapped) in a copy of the working tree (the checkout itself is never touched), and the tests
+that guard it (``MODULES``: fast, hand-computed tests, no end-to-end run) are run against each mutant. A mutant the
+tests fail on is killed; one they pass is a survivor. The score per module is killed / (killed + survived); timeouts
+count as killed (cosmic-ray's rule), mutants that do not even import ("incompetent") as neither. Survivors are
+written to ``OUT/<module>.md`` with their diffs: each needs a test, or a written reason why the change is not a bug
+a user would see (an equivalent mutant: ``x * 1.0`` for ``x``, a bound that cannot be reached, ...).
 
 The operators are cosmic-ray's core set less the replacements that make implausible bugs (bitwise and shift
 operators, ``%``, ``**``, ``//`` for arithmetic, ``is``/``in`` for comparisons) and the random variable
@@ -38,11 +39,13 @@ MODULES: dict[str, list[str]] = {
     "engine/server_opt.py": ["tests/test_server_opt.py", "-m", "not slow"],
     "engine/selection.py": ["tests/test_selection.py", "-m", "not slow"],
     "engine/pool.py": ["tests/test_pool.py", "-m", "not slow"],
-    "tuning.py": ["tests/test_tuning.py", "-m", "not slow"],  # the sweep's selection and collection
+    "engine/dispatch.py": ["tests/test_dispatch.py"],  # the pool's failure accounting and dispatch, without Ray
+    "tuning.py": ["tests/test_tuning.py", "-m", "not slow", "-k", "select or collect or unfinished or tie"],
     "data/protocol.py": ["tests/test_partitions.py", "tests/test_splits.py", "tests/test_protocols.py", "-m",
                          "not slow"],
     "models/norms.py": ["tests/test_models.py", "tests/test_gperxan.py", "-m", "not slow"],
-    "models/style.py": ["tests/test_models.py", "tests/test_baselines.py", "-m", "not slow"],
+    # StableFDG's style sharing, shifting, exploration and attention, and the MixStyle / DSU layers
+    "models/style.py": ["tests/test_stablefdg.py", "tests/test_baselines.py", "-m", "not slow"],
     "methods/fedsam.py": ["tests/test_benchmark_baselines.py", "-k", "sam", "-m", "not slow"],
     "methods/fedgma.py": ["tests/test_benchmark_baselines.py", "-k", "gma", "-m", "not slow"],
     "methods/fediir.py": ["tests/test_benchmark_baselines.py", "-k", "iir", "-m", "not slow"],
@@ -55,6 +58,14 @@ MODULES: dict[str, list[str]] = {
     "methods/gperxan.py": ["tests/test_gperxan.py", "-m", "not slow"],
     "methods/stablefdg.py": ["tests/test_stablefdg.py", "-m", "not slow"],
     "methods/fedfd.py": ["tests/test_fedfd.py", "-m", "not slow"],
+}
+
+# module -> the functions (or classes, by name) whose mutants are run; the rest of the module is not scored: code
+# the issue names (the sweep's selection and collection, the pool's failure accounting, the splits), not the
+# plumbing around it that only end-to-end tests reach
+SCOPES: dict[str, list[str]] = {
+    "tuning.py": ["select_value", "select_per_seed", "collect_row", "collect", "markdown_table"],
+    "engine/dispatch.py": ["FailureLedger", "DispatchPlan"],
 }
 
 # cosmic-ray operator names (regular expressions) left out: implausible bugs and random replacers
@@ -88,6 +99,32 @@ def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(args, cwd=cwd, env={**os.environ, "PYTHONPATH": str(cwd)}, capture_output=True, text=True)
 
 
+def _scope_lines(path: Path, names: list[str]) -> list[tuple[int, int]]:
+    """The line ranges of the top-level functions and classes ``names`` in ``path``."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    found = {n.name: (n.lineno, n.end_lineno or n.lineno) for n in tree.body
+             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise SystemExit(f"mutation: {path.name} has no top-level {', '.join(missing)} (SCOPES is stale)")
+    return [found[n] for n in names]
+
+
+def _skip_outside(session: Path, lines: list[tuple[int, int]]) -> None:
+    """Mark the mutants outside ``lines`` skipped, as cosmic-ray's own filters do."""
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import WorkerOutcome, WorkResult
+
+    with use_db(str(session), WorkDB.Mode.open) as db:
+        for item in list(db.pending_work_items):
+            row = item.mutations[0].start_pos[0]
+            if not any(a <= row <= b for a, b in lines):
+                db.set_result(item.job_id, WorkResult(output="outside the scored functions",
+                                                      worker_outcome=WorkerOutcome.SKIPPED))
+
+
 def mutate(module: str, work: Path, timeout: float) -> dict:
     tests = MODULES[module]
     name = module.replace("/", "_").removesuffix(".py")
@@ -99,6 +136,8 @@ def mutate(module: str, work: Path, timeout: float) -> dict:
         r = _run(step, work)
         if r.returncode:
             raise SystemExit(f"mutation: {' '.join(step[:2])} failed for {module}: {r.stderr.strip()[-500:]}")
+    if module in SCOPES:
+        _skip_outside(session, _scope_lines(work / "rayfed_dg" / module, SCOPES[module]))
     base = _run([PY, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests], work)
     if base.returncode:  # a mutant "killed" by tests that fail anyway would inflate the score
         raise SystemExit(f"mutation: the tests of {module} fail unmutated: {base.stdout.strip()[-500:]}")
