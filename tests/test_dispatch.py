@@ -38,6 +38,15 @@ def test_two_tasks_in_flight_per_worker_least_loaded_first_lowest_index_on_ties(
     assert plan.next(ready) is None and plan.queue == []
 
 
+def test_a_requeued_attempt_goes_to_the_head_of_a_longer_queue():
+    plan = DispatchPlan(["a", "b", "c", "d"], workers=1, usable=1)
+    assert _jobs(plan.next({0})) == (0, ["a"])
+    plan.done(0)
+    plan.requeue(Attempt("a", 1))  # a retry goes before b, c and d, not behind any of them
+    assert [(q.job, q.attempt) for q in plan.queue] == [("a", 1), ("b", 0), ("c", 0), ("d", 0)]
+    assert _sent(plan.next({0})) == (0, [("a", 1, False)])
+
+
 def test_the_round_tail_goes_to_idle_workers_only():
     # 2 workers, 7 jobs of cost 1: a second task joins a busy worker only while the queue
     # behind it holds at least 2 x its cost (left - g >= 2 g)
