@@ -69,6 +69,10 @@ def test_the_round_tail_goes_to_idle_workers_only():
     # larger jobs first: 8 and 4 start; 2 waits though worker 0 has room (1 behind it < 2 x 2)
     plan = DispatchPlan([3, 2, 1, 0], workers=2, usable=2, cost={0: 8.0, 1: 4.0, 2: 2.0, 3: 1.0})
     assert [_jobs(plan.next(ready)) for _ in range(3)] == [(0, [0]), (1, [1]), None]
+    # the job held back goes back in place, before every job behind it
+    plan = DispatchPlan([4, 3, 2, 1, 0], workers=2, usable=2, cost={0: 8.0, 1: 4.0, 2: 2.0, 3: 1.0, 4: 1.0})
+    assert [_jobs(plan.next(ready)) for _ in range(3)] == [(0, [0]), (1, [1]), None]  # left 4: 2 behind 2 < 2 x 2
+    assert [q.job for q in plan.queue] == [2, 4, 3]  # 4 and 3 tie: the given order
     # one worker: the rule would only idle it
     plan = DispatchPlan([0, 1], workers=1, usable=1, cost={0: 5.0, 1: 1.0})
     assert [_jobs(plan.next({0})) for _ in range(3)] == [(0, [0]), (0, [1]), None]
@@ -98,6 +102,28 @@ def test_small_jobs_are_grouped_to_a_sixteenth_of_the_share_and_half_of_what_is_
         plan.done(0)
     # left 2 -> 1 (128 fit), 1.5 -> .75 (96), 1 -> .5 (64), then 32, 16, 8, 4, 2, 1 and the last one
     assert sizes == [1, 64, 64, 64, 32, 16, 8, 4, 2, 1, 1]
+
+
+def test_with_several_workers_groups_hold_a_sixteenth_of_each_share_and_a_quarter_of_what_is_queued():
+    # 2 usable workers, total 64: a group holds at most 64 / (16 x 2) = 2 and left / (2 x 2); each task comes
+    # back before the next goes out (no tail rule)
+    cost = {"A": 32.0, **{i: 1.0 for i in range(32)}}
+    plan = DispatchPlan(list(cost), workers=2, usable=2, cost=cost, grouped=True)
+    assert plan.group_cost == 2.0
+    sizes = []
+    while (step := plan.next({0, 1})) is not None:
+        sizes.append(len(step[1]))
+        plan.done(step[0])
+    # left 32, 30, ..., 8: pairs (jobs 0-25); left 6, 5, 4, 3, 2, 1: limits 1.5 to 0.25, one job each
+    assert sizes == [1] + [2] * 13 + [1] * 6
+    # no usable worker yet at the map's start: the share is one worker's, as with one
+    assert DispatchPlan(list(cost), 2, 0, cost=cost, grouped=True).group_cost == 4.0
+    # a group's running cost adds the jobs it took, in order (not the queue's last job)
+    cost = {"A": 14.75, "p": 0.25, "q": 0.25, "r": 0.25, "z": 1.0}
+    plan = DispatchPlan(list(cost), workers=1, usable=1, cost=cost, grouped=True, largest_first=False)
+    assert _jobs(plan.next({0})) == (0, ["A"])
+    plan.done(0)
+    assert _jobs(plan.next({0})) == (0, ["p", "q", "r"])  # limit min(16.5 / 16, 1.75 / 2) = 0.875
 
 
 def test_a_solo_job_waits_for_an_idle_worker_holds_the_queue_and_travels_alone():
