@@ -1,0 +1,227 @@
+"""How a method's parameters reach the code that reads them (issue 42's
+mutation audit: a parameter read as a hard-coded default, or as another
+field, passed every test that ran methods at their defaults).
+
+For every registered method and every field of its ``Params``, one
+non-default value (inside its range) must change what a short federation
+computes, bit for bit: two rounds of three clients on the embedded digits
+(16 px, conv net of width 8, two local steps of batch 8), driven through
+the engine's own in-process halves, ``Federation`` (server: weights,
+payloads, aggregate, server state) and ``ClientRunner`` (client: prepare,
+train, upload), without Ray.  What is compared: every client's upload,
+payload, loss and stats, the server's weights and state after each round,
+and the final global model (and each client's own) on fixed samples.
+Equal outputs mean the parameter never reached its code.
+
+A field that by design cannot change those outputs there is listed in
+``NOT_OBSERVABLE`` with its reason; a field neither observable nor listed
+fails, so a new parameter is covered as soon as it is registered (its value
+is picked from its type and range, or given in ``VALUES``).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import re
+import types
+import typing
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import numpy as np
+import pytest
+from conftest import tiny_cfg
+from pydantic import ValidationError
+
+from rayfed_dg.methods import GlobalEval, Phase, get_method_class, method_names
+
+# settings both runs of a method share, to keep the probe small (as tests/test_contract.py's EXTRA): CSAC's 1,800
+# pre-training steps cut to 2, FedADG's AlexNet-sized generator and discriminator scaled to the tiny conv net,
+# ELCFS's amplitude bank (built by hand in ``_probe``), FedFD's from-scratch lambda2
+BASE = {"csac": ["method.pretrain_steps=2"], "elcfs": ["stages.amplitude={}"],
+        "fedadg": ["method.noise_dim=8", "method.gen_hidden=16", "method.rp_size=8", "method.disc_hidden=8"],
+        "fedfd": ["method.lambda2=0.1"], "fedfda": ["method.lambda2=0.1"]}
+
+# (method, param) -> (value, settings both runs share) where the type's pick would not do: free strings and
+# lists, a pick that equals what the default resolves to, a value the probe's sizes cannot tell apart, or a
+# parameter only read under another setting
+VALUES: dict[tuple[str, str], tuple[Any, list[str]]] = {
+    ("dson", "placement"): ("blocks:1", []),
+    ("gperxan", "placement"): ("blocks:1", []),  # auto is blocks:2 on the conv net
+    ("gperxan", "bn_weight"): (0.25, []),  # auto is 0.5 from scratch
+    ("mixstyle", "blocks"): (["block1"], []),
+    ("dsu", "blocks"): (["block1"], []),
+    ("fedfd", "inference"): ("instance", []),  # auto is global for FedFD
+    ("elcfs", "clip"): (1e-4, []),  # the inner gradient's entries never reach 50 here
+    ("rsc", "spatial_drop"): (1 / 6, ["data.resolution=32"]),  # at 16 px the last map has one location
+    ("stablefdg", "attention_scores"): ("dot", ["data.resolution=32"]),  # at 16 px: softmax over one position
+    ("fedfd", "select_samples"): (2, ["method.select_every=1"]),  # read only with client-side selection
+    ("fedfda", "select_samples"): (2, ["method.select_every=1"]),
+}
+
+# (method, param) -> why no value can change the probe's outputs (checked: listing an observable one fails).  Empty:
+# every parameter shows, some under a setting of VALUES (a later-round term shows in round 2)
+NOT_OBSERVABLE: dict[tuple[str, str], str] = {}
+
+# the probe: 3 clients of 30 training and 10 validation samples (embedded digits, "texture" held out)
+SETTING = ["training.local_steps=2", "training.batch_size=8", "training.rounds=2", "engine.num_cpus_per_worker=1"]
+ROUNDS = 2
+
+
+@functools.cache
+def _data(resolution: int):
+    from rayfed_dg.data import leave_one_domain_out, load_dataset
+
+    ds = load_dataset("embedded_digits", None, resolution).subsample(40, 0)
+    return ds, leave_one_domain_out(ds, "texture", 0.2, 0)
+
+
+def _amplitude_bank(ds, split, cfg) -> dict[str, np.ndarray]:
+    """ELCFS's bank as its stage (stages/amplitude.py) shares it: an eighth of each client's spectra, their owners."""
+    from rayfed_dg.stages.amplitude import amplitude_spectrum, bank_sample
+
+    rows = [idx[bank_sample(len(idx), 0.125, cfg.training.seed, c)] for c, idx in enumerate(split.clients)]
+    return {"bank": np.concatenate([amplitude_spectrum(ds.images[i], cfg.data.resolution) for i in rows]),
+            "owners": np.concatenate([np.full(len(i), c) for c, i in enumerate(rows)])}
+
+
+def _probe(name: str, sets: tuple[str, ...]) -> Iterator[tuple[str, np.ndarray]]:
+    """Everything a short federation of ``name`` computes, by name, in the order it is computed."""
+    from rayfed_dg.engine import ClientRunner
+    from rayfed_dg.engine.federation import Federation
+    from rayfed_dg.stages.amplitude import SHARED
+
+    cfg = _cfg(name, sets)
+    ds, split = _data(cfg.data.resolution)
+    fed = Federation(cfg, split, ds.num_classes, 0)
+    runner = ClientRunner(cfg, ds.images, ds.labels, ds.num_classes, split.num_clients)
+    if SHARED in fed.method.stages_needed:
+        fed.add_stage_outputs({}, {SHARED: _amplitude_bank(ds, split, cfg)})
+    bs = cfg.evaluation.batch_size
+    for r in range(1, ROUNDS + 1):
+        sampled = fed.sample(r)
+        prepared = {c: runner.prepare(fed.task(r, c, {}, 0), fed.global_state) for c in sampled} \
+            if Phase.PREPARE in fed.method.phases else {}
+        payloads = fed.payloads(r, sampled, prepared)
+        reducer = fed.reducer(sampled)
+        yield f"r{r}/weights", np.array([reducer.weights[c] for c in sampled])
+        results = []
+        for c in sampled:
+            yield from _named(f"r{r}/c{c}/prepared", prepared.get(c, {}))
+            yield from _named(f"r{r}/c{c}/down", payloads.get(c, {}))
+            upd = runner.train(fed.task(r, c, payloads.get(c, {}), 0), fed.global_state)
+            reducer.add(c, upd.update)
+            fed.store.put(c, upd.update, upd.private)
+            results.append(upd)
+            yield f"r{r}/c{c}/loss", np.array([upd.train_loss, upd.steps, upd.samples_stepped])
+            for part in ("stats", "update", "private", "payload"):
+                yield from _named(f"r{r}/c{c}/{part}", getattr(upd, part))
+        fed.aggregate(r, reducer, results)
+        if Phase.EVALUATE_ON_CLIENTS in fed.method.phases:  # as engine/evaluation.py's evaluate_on_clients
+            for u in results:
+                correct, loss, n = runner.evaluate(fed.global_state, fed.client_val(u.client), bs)
+                u.global_eval = GlobalEval(accuracy=correct / max(n, 1), loss=loss / max(n, 1), samples=n)
+        fed.end_round(r, results)
+        yield from _named(f"r{r}/global", fed.global_state)
+        yield from _named(f"r{r}/server", fed.server_state)
+    held_out = np.concatenate([split.test[d] for d in sorted(split.test)])[:64]
+    yield "test/global", np.array(runner.evaluate(fed.global_state, held_out, bs))
+    for c in range(split.num_clients):  # each client's own model, where it keeps state
+        own = fed.store.get(c)
+        if own:
+            yield f"test/own{c}", np.array(runner.evaluate(fed.global_state, held_out, bs, own))
+
+
+def _named(prefix: str, tree: Any) -> Iterator[tuple[str, np.ndarray]]:
+    """The arrays of a (nested) dict by path, copied: the federation goes on changing its own."""
+    if isinstance(tree, dict):
+        for key, sub in tree.items():
+            yield from _named(f"{prefix}/{key}", sub)
+    else:
+        yield prefix, np.array(tree, copy=True)
+
+
+def _cfg(name: str, sets: tuple[str, ...] | list[str] = ()):
+    return tiny_cfg(f"method.name={name}", *SETTING, *BASE.get(name, []), *sets)
+
+
+@functools.cache
+def _outputs(name: str, sets: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+    return dict(_probe(name, sets))
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
+
+
+def _first_difference(base: dict[str, np.ndarray], name: str, sets: tuple[str, ...]) -> str | None:
+    """The first output of ``name`` under ``sets`` that differs from ``base`` bit for bit (None: none); the
+    federation stops there (most parameters show in the first client's update)."""
+    seen = set()
+    for key, value in _probe(name, sets):
+        if key not in base or not _same(base[key], value):
+            return key
+        seen.add(key)
+    return next(iter(sorted(base.keys() - seen)), None)
+
+
+def _candidates(field, d: Any) -> list[Any]:
+    """Values other than ``d`` (the probe's default) of a field's type to try, in order (the first its
+    ``Params`` accepts is used)."""
+    ann = field.annotation
+    args = typing.get_args(ann) if typing.get_origin(ann) in (typing.Union, types.UnionType) else (ann,)
+    if typing.get_origin(ann) is Literal:
+        return [v for v in typing.get_args(ann) if v != d]
+    if bool in args:
+        return [not d]
+    if float in args:
+        if isinstance(d, int | float) and not isinstance(d, bool) and d != 0:
+            return [d / 2, d * 2]
+        return [0.5, 0.25, 2.0]
+    if int in args:
+        return [2, 4] if d is None else [v for v in (d // 2, d + 1) if v != d]
+    pattern = next((m.pattern for m in field.metadata if getattr(m, "pattern", None)), None)
+    if str in args and pattern:  # "^(a|b\\+\\+)$": the alternatives
+        alternatives = re.fullmatch(r"\^\((.*)\)\$", pattern)
+        if alternatives:
+            return [v for v in (re.sub(r"\\(.)", r"\1", a) for a in alternatives.group(1).split("|")) if v != d]
+    return []
+
+
+def _value(name: str, param: str) -> tuple[Any, list[str]]:
+    if (name, param) in VALUES:
+        return VALUES[name, param]
+    cls, base = get_method_class(name).Params, _cfg(name).method.params
+    for v in _candidates(cls.model_fields[param], getattr(base, param)):
+        try:
+            cls(**{**base.model_dump(), param: v})
+        except ValidationError:
+            continue
+        return v, []
+    raise AssertionError(f"{name}.{param}: no value to try; give one in VALUES or list it in NOT_OBSERVABLE")
+
+
+CASES = [(n, p) for n in method_names() for p in get_method_class(n).Params.model_fields]
+
+
+@pytest.mark.parametrize("name,param", CASES, ids=[f"{n}.{p}" for n, p in CASES])
+def test_a_non_default_parameter_changes_what_the_federation_computes(name, param):
+    value, shared = _value(name, param)
+    changed = _first_difference(_outputs(name, tuple(shared)), name,
+                                (*shared, f"method.{param}={json.dumps(value)}"))
+    if (name, param) in NOT_OBSERVABLE:
+        assert changed is None, f"{name}.{param}={value} changes {changed}: drop it from NOT_OBSERVABLE"
+    else:
+        assert changed, f"{name}.{param}={value} changes nothing the federation computes: it never reaches its use"
+
+
+@pytest.mark.parametrize("name", sorted({n for n, _ in CASES}))
+def test_the_probe_is_deterministic(name):
+    """The control: the same config gives the same numbers, so a difference above is the parameter's."""
+    assert _first_difference(_outputs(name, ()), name, ()) is None
+
+
+def test_the_tables_name_existing_parameters():
+    for name, param in [*VALUES, *NOT_OBSERVABLE]:
+        assert (name, param) in CASES, f"{name}.{param} is no parameter of a registered method"
+    assert all(NOT_OBSERVABLE.values())
