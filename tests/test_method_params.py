@@ -45,25 +45,30 @@ BASE = {"csac": ["method.pretrain_steps=2"], "elcfs": ["stages.amplitude={}"],
         "fedadg": ["method.noise_dim=8", "method.gen_hidden=16", "method.rp_size=8", "method.disc_hidden=8"],
         "fedfd": ["method.lambda2=0.1"], "fedfda": ["method.lambda2=0.1"]}
 
-# (method, param) -> (value, settings both runs share) where the type's pick would not do: free strings and
-# lists, a pick that equals what the default resolves to, a value the probe's sizes cannot tell apart, or a
-# parameter only read under another setting
-VALUES: dict[tuple[str, str], tuple[Any, list[str]]] = {
-    ("dson", "placement"): ("blocks:1", []),
-    ("gperxan", "placement"): ("blocks:1", []),  # auto is blocks:2 on the conv net
-    ("gperxan", "bn_weight"): (0.25, []),  # auto is 0.5 from scratch
-    ("mixstyle", "blocks"): (["block1"], []),
-    ("dsu", "blocks"): (["block1"], []),
-    ("fedfd", "inference"): ("instance", []),  # auto is global for FedFD
-    ("elcfs", "clip"): (1.0, []),  # CCST's port's clip: the inner gradient's entries stay below 50 here
-    ("rsc", "spatial_drop"): (1 / 6, ["data.resolution=32"]),  # at 16 px the last map has one location
-    ("stablefdg", "attention_scores"): ("dot", ["data.resolution=32"]),  # at 16 px: softmax over one position
-    ("fedfd", "select_samples"): (2, ["method.select_every=1"]),  # read only with client-side selection
-    ("fedfda", "select_samples"): (2, ["method.select_every=1"]),
+# (method, param) -> the values to try where the type's pick would not do: free strings and lists, a pick that
+# equals what the default resolves to, or one the probe cannot tell apart from the default
+VALUES: dict[tuple[str, str], list[Any]] = {
+    ("dson", "placement"): ["blocks:1"],
+    ("gperxan", "placement"): ["blocks:1"],  # auto is blocks:2 on the conv net
+    ("gperxan", "bn_weight"): [0.25],  # auto is 0.5 from scratch
+    ("mixstyle", "blocks"): [["block1"]],
+    ("dsu", "blocks"): [["block1"]],
+    ("fedfd", "inference"): ["instance"],  # auto is global for FedFD, and adapter needs FedFD-A's adapters
+    ("fedfda", "inference"): ["global", "instance"],  # auto is adapter for FedFD-A
+    ("elcfs", "clip"): [1.0],  # CCST's port's clip: the inner gradient's entries stay below 50 here
+}
+
+# (method, param) -> settings both runs share, where the parameter is read only under another setting or the probe's
+# default sizes hide it
+SETTINGS: dict[tuple[str, str], list[str]] = {
+    ("rsc", "spatial_drop"): ["data.resolution=32"],  # at 16 px the last map has one location: ceil(1 * drop) = 1
+    ("stablefdg", "attention_scores"): ["data.resolution=32"],  # at 16 px: a softmax over one position
+    ("fedfd", "select_samples"): ["method.select_every=1"],  # read only with client-side selection
+    ("fedfda", "select_samples"): ["method.select_every=1"],
 }
 
 # (method, param) -> why no value can change the probe's outputs (checked: listing an observable one fails).  Empty:
-# every parameter shows, some under a setting of VALUES (a later-round term shows in round 2)
+# every parameter shows, some under SETTINGS (a later-round term shows in round 2)
 NOT_OBSERVABLE: dict[tuple[str, str], str] = {}
 
 # the probe: 3 clients of 30 training and 10 validation samples (embedded digits, "texture" held out)
@@ -174,7 +179,7 @@ def _candidates(field, d: Any) -> list[Any]:
     ann = field.annotation
     args = typing.get_args(ann) if typing.get_origin(ann) in (typing.Union, types.UnionType) else (ann,)
     members = [v for a in args if typing.get_origin(a) is Literal for v in typing.get_args(a)]
-    if members and not {float, int} & set(args):
+    if members and not {float, int} & set(args):  # an enum: every other member
         return [v for v in members if v != d]
     if bool in args:
         return [not d]
@@ -185,25 +190,30 @@ def _candidates(field, d: Any) -> list[Any]:
     if int in args:
         return [2, 4] if d is None else [v for v in (d // 2, d + 1) if v != d]
     pattern = next((m.pattern for m in field.metadata if getattr(m, "pattern", None)), None)
-    if str in args and pattern:  # "^(a|b\\+\\+)$": the alternatives
+    if str in args and pattern:  # "^(a|b\\+\\+)$": every other alternative
         alternatives = re.fullmatch(r"\^\((.*)\)\$", pattern)
         if alternatives:
             return [v for v in (re.sub(r"\\(.)", r"\1", a) for a in alternatives.group(1).split("|")) if v != d]
     return []
 
 
-def _value(name: str, param: str) -> tuple[Any, list[str]] | None:
-    """The value to set and the settings both runs share (None: the type offers no value)."""
+def _values(name: str, param: str) -> list[Any]:
+    """The values to set: each other member of an enum, else the first pick its ``Params`` accepts (none: the
+    type offers no value)."""
     if (name, param) in VALUES:
         return VALUES[name, param]
-    cls, base = get_method_class(name).Params, _cfg(name).method.params
-    for v in _candidates(cls.model_fields[param], getattr(base, param)):
+    cls, base = get_method_class(name).Params, _cfg(name, SETTINGS.get((name, param), [])).method.params
+    field = cls.model_fields[param]
+    valid = []
+    for v in _candidates(field, getattr(base, param)):
         try:
             cls(**{**base.model_dump(), param: v})
         except ValidationError:
             continue
-        return v, []
-    return None
+        valid.append(v)
+    enum = any(typing.get_origin(a) is Literal for a in (field.annotation, *typing.get_args(field.annotation))) \
+        or any(getattr(m, "pattern", None) for m in field.metadata)
+    return valid if enum else valid[:1]
 
 
 CASES = [(n, p) for n in method_names() for p in get_method_class(n).Params.model_fields]
@@ -211,17 +221,14 @@ CASES = [(n, p) for n in method_names() for p in get_method_class(n).Params.mode
 
 @pytest.mark.parametrize("name,param", CASES, ids=[f"{n}.{p}" for n, p in CASES])
 def test_a_non_default_parameter_changes_what_the_federation_computes(name, param):
-    picked = _value(name, param)
-    if picked is None:
-        assert (name, param) in NOT_OBSERVABLE, f"{name}.{param}: no value to try; give one in VALUES"
-        return
-    value, shared = picked
-    changed = _first_difference(_outputs(name, tuple(shared)), name,
-                                (*shared, f"method.{param}={json.dumps(value)}"))
-    if (name, param) in NOT_OBSERVABLE:
-        assert changed is None, f"{name}.{param}={value} changes {changed}: drop it from NOT_OBSERVABLE"
-    else:
-        assert changed, f"{name}.{param}={value} changes nothing the federation computes: it never reaches its use"
+    values, shared = _values(name, param), tuple(SETTINGS.get((name, param), []))
+    assert values or (name, param) in NOT_OBSERVABLE, f"{name}.{param}: no value to try; give one in VALUES"
+    for value in values:
+        changed = _first_difference(_outputs(name, shared), name, (*shared, f"method.{param}={json.dumps(value)}"))
+        if (name, param) in NOT_OBSERVABLE:
+            assert changed is None, f"{name}.{param}={value} changes {changed}: drop it from NOT_OBSERVABLE"
+        else:
+            assert changed, f"{name}.{param}={value} changes nothing the federation computes: it never reaches its use"
 
 
 @pytest.mark.parametrize("name", sorted({n for n, _ in CASES}))
@@ -231,7 +238,7 @@ def test_the_probe_is_deterministic(name):
 
 
 def test_the_tables_name_existing_parameters():
-    for name, param in [*VALUES, *NOT_OBSERVABLE]:
+    for name, param in [*VALUES, *SETTINGS, *NOT_OBSERVABLE]:
         assert (name, param) in CASES, f"{name}.{param} is no parameter of a registered method"
     assert all(NOT_OBSERVABLE.values())
 
@@ -384,3 +391,43 @@ def test_ibn_norm_takes_ibn_nets_placement_not_xans(name):
     assert sorted(n for n, m in model.named_modules() if isinstance(m, IBN)) == [
         f"body.layer{s}.{b}.bn1" for s in (1, 2, 3) for b in (0, 1)]
 
+
+
+@pytest.mark.parametrize("metric", ["loss", "accuracy"])
+def test_feddg_ga_uploads_the_local_models_value_of_its_metric(metric):
+    """``ga_local`` is the trained model's accuracy or loss on the client's validation samples, the one
+    ``after_round`` compares with the new global model's (a loss against accuracies would mix two scales)."""
+    from rayfed_dg.methods.base import evaluate_on_val
+
+    method, model = _built("feddg_ga", f"method.metric={metric}")
+    model.eval()
+    x, y = _batch(40)
+    ctx = _ctx(val_indices=np.arange(10, 30), fetch=lambda idx: (x[idx], y[idx]))
+    acc, loss = evaluate_on_val(model, ctx)
+    assert acc != loss
+    assert method.upload_payload(model, ctx)["ga_local"].tolist() == [loss if metric == "loss" else acc]
+
+
+@pytest.mark.parametrize("attention", [True, False])
+def test_stablefdg_attention_false_builds_no_highlighter(attention):
+    """The highlighter replaces the pooling and doubles the classifier's input, [GAP(z), attended z]; without
+    ``attention`` the pooling and the C-input head stay."""
+    from rayfed_dg.models.style import FeatureHighlighter
+
+    _, model = _stablefdg(f"method.attention={json.dumps(attention)}")
+    _, plain = _built("fedavg")
+    assert any(isinstance(m, FeatureHighlighter) for m in model.modules()) is attention
+    assert model.head.in_features == plain.head.in_features * (2 if attention else 1)
+
+
+@pytest.mark.parametrize("name", ["fedfd", "fedfda"])
+def test_fedfd_base_sets_which_batchnorm_state_stays_on_the_client(name):
+    """``base: fedbn`` keeps every BatchNorm tensor local (affine and statistics), ``silobn`` the statistics,
+    ``fedavg`` none; the adapters are always shared."""
+    kinds = {}
+    for base in ("fedbn", "silobn", "fedavg"):
+        method, model = _built(name, f"method.base={base}", "method.lambda2=0.1")
+        kinds[base] = sorted({k.rsplit(".", 1)[1] for k in method.local_keys(model)})
+        assert not any(".adapter." in k for k in method.local_keys(model))
+    assert kinds == {"fedbn": ["bias", "num_batches_tracked", "running_mean", "running_var", "weight"],
+                     "silobn": ["num_batches_tracked", "running_mean", "running_var"], "fedavg": []}
