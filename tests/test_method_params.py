@@ -2,24 +2,26 @@
 mutation audit: a parameter read as a hard-coded default, or as another
 field, passed every test that ran methods at their defaults).
 
-For every registered method and every field of its ``Params``, one
-non-default value (inside its range) must change what a short federation
-computes, bit for bit: two rounds of three clients on the embedded digits
-(16 px, conv net of width 8, two local steps of batch 8), driven through
-the engine's own in-process halves, ``Federation`` (server: weights,
-payloads, aggregate, server state) and ``ClientRunner`` (client: prepare,
-train, upload), without Ray.  What is compared: every client's upload,
-payload, loss and stats, the server's weights and state after each round,
-and the final global model (and each client's own) on fixed samples.
-Equal outputs mean the parameter never reached its code.
+For every registered method and every field of its ``Params``, a
+non-default value (inside its range; each other member of an enum) must
+change what a short federation computes, bit for bit: two rounds of three
+clients on the embedded digits (16 px, conv net of width 8, two local steps
+of batch 8), driven through the engine's own in-process halves,
+``Federation`` (server: weights, payloads, aggregate, server state) and
+``ClientRunner`` (client: prepare, train, upload), without Ray.  What is
+compared: every client's upload, payload, loss and stats, the server's
+weights and state after each round, and the final global model (and each
+client's own) on fixed samples.  Equal outputs mean the parameter never
+reached its code.
 
 A field that by design cannot change those outputs there is listed in
 ``NOT_OBSERVABLE`` with its reason; a field neither observable nor listed
 fails, so a new parameter is covered as soon as it is registered (its value
-is picked from its type and range, or given in ``VALUES``).  One use that
-shows is enough there: where a parameter is read in several places and a
-break of one of them passed the fast tests, that use has a value test of
-its own (the second part of this file).
+is picked from its type and range, or given in ``VALUES``; a setting it is
+read under goes in ``SETTINGS``).  One use that shows is enough there:
+where a parameter is read in several places and a break of one of them
+passed the fast tests, that use has a value test of its own (the second
+part of this file).
 """
 from __future__ import annotations
 
@@ -72,7 +74,7 @@ SETTINGS: dict[tuple[str, str], list[str]] = {
 NOT_OBSERVABLE: dict[tuple[str, str], str] = {}
 
 # the probe: 3 clients of 30 training and 10 validation samples (embedded digits, "texture" held out)
-SETTING = ["training.local_steps=2", "training.batch_size=8", "training.rounds=2", "engine.num_cpus_per_worker=1"]
+PROBE = ["training.local_steps=2", "training.batch_size=8", "training.rounds=2", "engine.num_cpus_per_worker=1"]
 ROUNDS = 2
 
 
@@ -150,7 +152,7 @@ def _named(prefix: str, tree: Any) -> Iterator[tuple[str, np.ndarray]]:
 
 
 def _cfg(name: str, sets: tuple[str, ...] | list[str] = ()):
-    return tiny_cfg(f"method.name={name}", *SETTING, *BASE.get(name, []), *sets)
+    return tiny_cfg(f"method.name={name}", *PROBE, *BASE.get(name, []), *sets)
 
 
 @functools.cache
@@ -173,28 +175,27 @@ def _first_difference(base: dict[str, np.ndarray], name: str, sets: tuple[str, .
     return next(iter(sorted(base.keys() - seen)), None)
 
 
-def _candidates(field, d: Any) -> list[Any]:
-    """Values other than ``d`` (the probe's default) of a field's type to try, in order (the first its
-    ``Params`` accepts is used)."""
+def _candidates(field, d: Any) -> tuple[list[Any], bool]:
+    """Values other than ``d`` (the probe's default) of a field's type, in order, and whether each is to be tried
+    (an enum's members; otherwise the first its ``Params`` accepts)."""
     ann = field.annotation
     args = typing.get_args(ann) if typing.get_origin(ann) in (typing.Union, types.UnionType) else (ann,)
     members = [v for a in args if typing.get_origin(a) is Literal for v in typing.get_args(a)]
-    if members and not {float, int} & set(args):  # an enum: every other member
-        return [v for v in members if v != d]
+    if members and not {float, int} & set(args):
+        return [v for v in members if v != d], True
     if bool in args:
-        return [not d]
+        return [not d], False
     if float in args:
         if isinstance(d, int | float) and not isinstance(d, bool) and d != 0:
-            return [d / 2, d * 2]
-        return [0.5, 0.25, 2.0]
+            return [d / 2, d * 2], False
+        return [0.5, 0.25, 2.0], False
     if int in args:
-        return [2, 4] if d is None else [v for v in (d // 2, d + 1) if v != d]
+        return ([2, 4] if d is None else [v for v in (d // 2, d + 1) if v != d]), False
     pattern = next((m.pattern for m in field.metadata if getattr(m, "pattern", None)), None)
-    if str in args and pattern:  # "^(a|b\\+\\+)$": every other alternative
-        alternatives = re.fullmatch(r"\^\((.*)\)\$", pattern)
-        if alternatives:
-            return [v for v in (re.sub(r"\\(.)", r"\1", a) for a in alternatives.group(1).split("|")) if v != d]
-    return []
+    alternatives = re.fullmatch(r"\^\((.*)\)\$", pattern or "")
+    if str in args and alternatives:  # "^(a|b\\+\\+)$"
+        return [v for v in (re.sub(r"\\(.)", r"\1", a) for a in alternatives.group(1).split("|")) if v != d], True
+    return [], False
 
 
 def _values(name: str, param: str) -> list[Any]:
@@ -203,17 +204,15 @@ def _values(name: str, param: str) -> list[Any]:
     if (name, param) in VALUES:
         return VALUES[name, param]
     cls, base = get_method_class(name).Params, _cfg(name, SETTINGS.get((name, param), [])).method.params
-    field = cls.model_fields[param]
+    picks, every = _candidates(cls.model_fields[param], getattr(base, param))
     valid = []
-    for v in _candidates(field, getattr(base, param)):
+    for v in picks:
         try:
             cls(**{**base.model_dump(), param: v})
         except ValidationError:
             continue
         valid.append(v)
-    enum = any(typing.get_origin(a) is Literal for a in (field.annotation, *typing.get_args(field.annotation))) \
-        or any(getattr(m, "pattern", None) for m in field.metadata)
-    return valid if enum else valid[:1]
+    return valid if every else valid[:1]
 
 
 CASES = [(n, p) for n in method_names() for p in get_method_class(n).Params.model_fields]
