@@ -262,19 +262,21 @@ def _batch(n=8, seed=0, size=16):
     return torch.randn(n, 3, size, size, generator=g), torch.arange(n) % 4
 
 
-FEDADG_SMALL = ["method.noise_dim=8", "method.gen_hidden=16", "method.rp_size=8", "method.disc_hidden=8"]
+def _built(name, *sets):
+    from rayfed_dg.methods import build_method
+
+    method = build_method(tiny_cfg(f"method.name={name}", *sets), 3)
+    return method, method.build_model(10)
 
 
 def test_fedadg_adv_lr_reaches_both_the_discriminators_and_the_generators_optimizer():
     """Every step of D's and of G's SGD runs at ``adv_lr`` (F and C at ``training.lr``)."""
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-    from rayfed_dg.methods import build_method
     from rayfed_dg.methods.fedadg import DISC, GEN
 
-    method = build_method(tiny_cfg("method.name=fedadg", "method.adv_lr=0.003", "method.warmup_fraction=0",
-                                   "training.lr=0.05", *FEDADG_SMALL), 3)
-    model = method.build_model(10)
+    method, model = _built("fedadg", "method.adv_lr=0.003", "method.warmup_fraction=0", "training.lr=0.05",
+                           *BASE["fedadg"])
     part = {id(p): n.split(".")[0] for n, p in model.named_parameters()}
     seen: list[tuple[set[str], float]] = []
     hook = register_optimizer_step_pre_hook(
@@ -294,11 +296,7 @@ def test_fedadg_label_smoothing_reaches_the_warm_up_cross_entropy():
 
     import torch.nn.functional as F
 
-    from rayfed_dg.methods import build_method
-
-    method = build_method(tiny_cfg("method.name=fedadg", "method.label_smoothing=0.3", "method.warmup_fraction=1",
-                                   *FEDADG_SMALL), 3)
-    model = method.build_model(10)
+    method, model = _built("fedadg", "method.label_smoothing=0.3", "method.warmup_fraction=1", *BASE["fedadg"])
     x, y = _batch()
     logits = copy.deepcopy(model).train()(x).detach()
     res = method.local_train(model, lambda: iter([(x, y)]), _ctx())
@@ -322,13 +320,6 @@ def test_feddg_ga_accuracy_metric_reads_accuracies_and_gives_weight_to_a_drop():
     state: dict = {}
     method.after_round(1, [upd(0, 0.8, 0.6, 3.0), upd(1, 0.5, 0.5, 0.1)], state)
     assert state["ga_weights"] == {0: pytest.approx(0.7), 1: pytest.approx(0.3)}
-
-
-def _built(name, *sets):
-    from rayfed_dg.methods import build_method
-
-    method = build_method(tiny_cfg(f"method.name={name}", *sets), 3)
-    return method, method.build_model(10)
 
 
 def _stablefdg(*sets):
