@@ -3,6 +3,7 @@
     pip install cosmic-ray==8.7.0        # not a dependency of the project: this script is run by hand, not in CI
     python bench/mutation.py                                   # every module below (hours on 2 cores)
     python bench/mutation.py --modules engine/selection.py methods/fedgma.py --out runs/mutation
+    python bench/mutation.py --recheck runs/mutation/engine_dispatch.md   # its survivors against today's tests
 
 ``SCOPES`` narrows a large module to the functions the tests are meant to pin (the sweep's selection, the pool's
 failure accounting); the rest of it is not scored. Each module is mutated one plausible single bug at a time (an
@@ -167,12 +168,62 @@ def mutate(module: str, work: Path, timeout: float) -> dict:
             "seconds": time.monotonic() - t0, "survivors": survivors}
 
 
+def _survivor_diffs(report: Path) -> list[tuple[str, str]]:
+    """(heading, unified diff) of each survivor in a report this script wrote."""
+    out, heading, lines, inside = [], "", [], False
+    for line in report.read_text().splitlines():
+        if line.startswith("## line "):
+            heading = line[3:]
+        elif line.startswith("```diff"):
+            inside, lines = True, []
+        elif line == "```" and inside:
+            inside = False
+            out.append((heading, "\n".join(x for x in lines if x != "--- mutation diff ---") + "\n"))
+        elif inside:
+            lines.append(line)
+    return out
+
+
+def recheck(report: Path) -> int:
+    """Apply each survivor of ``report`` again, one at a time, to a copy of today's tree and run the module's tests:
+    the "after" column once tests were added for them, without a whole new cosmic-ray run."""
+    name = report.stem
+    module = next((m for m in MODULES if m.replace("/", "_").removesuffix(".py") == name), None)
+    if module is None:
+        print(f"mutation: {report} is not a report of a module in MODULES", file=sys.stderr)
+        return 2
+    diffs = _survivor_diffs(report)
+    killed = 0
+    with tempfile.TemporaryDirectory(prefix="rfmut-") as tmp:
+        work = Path(tmp) / "tree"
+        _copy_tree(work)
+        target = work / "rayfed_dg" / module
+        original = target.read_text()
+        for heading, diff in diffs:
+            applied = subprocess.run(["patch", "-p1", "--silent", "--no-backup-if-mismatch"], cwd=work, input=diff,
+                                     text=True, capture_output=True)
+            if applied.returncode:
+                print(f"  {heading}: does not apply to today's code (the line changed)")
+                target.write_text(original)
+                continue
+            r = _run([PY, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *MODULES[module]], work)
+            target.write_text(original)
+            killed += r.returncode != 0
+            print(f"  {heading}: {'killed' if r.returncode else 'survives'}", flush=True)
+    print(f"{module}: {killed} of the {len(diffs)} survivors in {report} are killed by today's tests")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--modules", nargs="+", default=list(MODULES), help="paths under rayfed_dg/ (default: all)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds a mutant's test run may take")
     ap.add_argument("--out", default="runs/mutation", help="folder for the survivors' reports")
+    ap.add_argument("--recheck", metavar="REPORT", type=Path,
+                    help="a survivors' report of an earlier run: apply each again against today's tests")
     a = ap.parse_args(argv)
+    if a.recheck:
+        return recheck(a.recheck)
     unknown = [m for m in a.modules if m not in MODULES]
     if unknown:
         print(f"mutation: no tests are mapped for {', '.join(unknown)}; choose from: {', '.join(MODULES)}",

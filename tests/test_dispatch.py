@@ -118,6 +118,12 @@ def test_with_several_workers_groups_hold_a_sixteenth_of_each_share_and_a_quarte
     assert sizes == [1] + [2] * 13 + [1] * 6
     # no usable worker yet at the map's start: the share is one worker's, as with one
     assert DispatchPlan(list(cost), 2, 0, cost=cost, grouped=True).group_cost == 4.0
+    # a share below one cost unit still groups (total 8, one worker: 0.5), and without grouping small jobs go alone
+    cost = {i: 0.125 for i in range(64)}
+    plan = DispatchPlan(list(cost), workers=1, usable=1, cost=cost, grouped=True)
+    assert plan.grouping and plan.group_cost == 0.5 and len(plan.next({0})[1]) == 4
+    plan = DispatchPlan(list(cost), workers=1, usable=1, cost=cost)
+    assert not plan.grouping and len(plan.next({0})[1]) == 1
     # a group's running cost adds the jobs it took, in order (not the queue's last job)
     cost = {"A": 14.75, "p": 0.25, "q": 0.25, "r": 0.25, "z": 1.0}
     plan = DispatchPlan(list(cost), workers=1, usable=1, cost=cost, grouped=True, largest_first=False)
