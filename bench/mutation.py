@@ -41,7 +41,7 @@ MODULES: dict[str, list[str]] = {
     "engine/selection.py": ["tests/test_selection.py", "-m", "not slow"],
     "engine/pool.py": ["tests/test_pool.py", "-m", "not slow"],
     "engine/dispatch.py": ["tests/test_dispatch.py"],  # the pool's failure accounting and dispatch, without Ray
-    "tuning.py": ["tests/test_tuning.py", "-m", "not slow", "-k", "select or collect or unfinished or tie"],
+    "tuning.py": ["tests/test_tuning.py", "-m", "not slow", "-k", "select or collect or unfinished or tie or table"],
     "data/protocol.py": ["tests/test_partitions.py", "tests/test_splits.py", "tests/test_protocols.py", "-m",
                          "not slow"],
     "models/norms.py": ["tests/test_models.py", "tests/test_gperxan.py", "-m", "not slow"],

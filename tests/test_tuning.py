@@ -66,6 +66,50 @@ def test_selection_averages_source_validation_over_targets_and_gives_a_tie_to_th
     assert [r["mean_src_val"] for r in rows] == [0.5, 0.625, 0.625]
 
 
+def test_the_sweep_table_by_hand_with_records_that_predate_the_finished_flag():
+    from rayfed_dg.tuning import markdown_table
+
+    # no "finished" key: a record of an older sweep, finished; value 3's only trial stopped before any evaluation
+    recs = [{"x": 1, "target": "a", "selected_round": 4, "selected_src_val": 0.5, "selected_target_acc": 0.25},
+            {"x": 1, "target": "b", "selected_round": 3, "selected_src_val": 0.75, "selected_target_acc": 0.5},
+            {"x": 2, "target": "a", "selected_round": 2, "selected_src_val": 0.25, "selected_target_acc": 0.125},
+            {"x": 3, "target": "a", "selected_round": None, "selected_src_val": None, "selected_target_acc": None,
+             "finished": False}]
+    chosen, rows = select_value(recs, ["x"])
+    assert chosen == {"x": 1} and rows[0]["a_finished"] is True
+    assert markdown_table(rows, ["a", "b"], ["x"]).splitlines()[2:] == [
+        "| 1 | 25.00 (r4) | 50.00 (r3) | 37.50 | 62.50 | **yes** |",
+        "| 2 | 12.50 (r2) | - | 12.50 | 25.00 |  |",
+        "| 3 | unfinished | - | - | - |  |"]
+
+
+def test_collect_reads_the_sweeps_label_params_and_target_order_and_lists_seeds_in_order(tmp_path, capsys):
+    from rayfed_dg.cli import main
+    from rayfed_dg.utils import write_table
+
+    # seeds listed 1 then 0, records without "finished" (older sweeps: finished); sweep.json names the label,
+    # the searched key and the targets' order
+    recs = [{"method.lam": lam, "target": t, "seed": s, "selected_round": 2, "selected_src_val": 0.5 + lam * (s - 0.5),
+             "selected_target_acc": {"a": 0.5, "b": 0.25}[t] + lam / 8}
+            for s in (1, 0) for lam in (0.0, 1.0) for t in ("a", "b")]
+    sweep = tmp_path / "folder"
+    sweep.mkdir()
+    write_table(recs, sweep / "trials.parquet")
+    (sweep / "sweep.json").write_text(json.dumps({"label": "lam-sweep", "params": ["method.lam"],
+                                                   "targets": ["b", "a"]}))
+    assert main(["collect", str(sweep), "--format", "csv"]) == 0
+    head, row = capsys.readouterr().out.strip().splitlines()
+    # seed 0 chooses lam 0 (src 0.5 vs 0.0), seed 1 lam 1 (1.0 vs 0.5): b (25.00, 37.50), a (50.00, 62.50)
+    assert head == "method,seeds,b,a,avg,chosen on source validation"
+    assert row == "lam-sweep,2,31.25 ± 6.25,56.25 ± 6.25,43.75 ± 6.25,seed 0: method.lam=0.0; seed 1: method.lam=1.0"
+    # a folder without trials.parquet says how to finish it; a path that is no folder does not
+    (tmp_path / "empty").mkdir()
+    assert main(["collect", str(tmp_path / "empty")]) == 2
+    assert "run tune.py ... --resume" in capsys.readouterr().err
+    assert main(["collect", str(tmp_path / "nothing")]) == 2
+    assert "--resume" not in capsys.readouterr().err
+
+
 def test_selection_ignores_values_missing_targets():
     recs = [{"x": 1, "target": "a", "selected_round": 1, "selected_src_val": 0.9, "selected_target_acc": 0.1},
             {"x": 2, "target": "a", "selected_round": 1, "selected_src_val": 0.5, "selected_target_acc": 0.1},
