@@ -58,8 +58,9 @@ def test_selection_averages_source_validation_over_targets_and_gives_a_tie_to_th
     # mean source validation: x=1 (0.875 + 0.125) / 2 = 0.5; x=2 and x=3 both 0.625 (a tie): x=2, first in order;
     # the best single target (x=1 on a) or the last of a tie (x=3) would be another choice
     src = {(1, "a"): 0.875, (1, "b"): 0.125, (2, "a"): 0.625, (2, "b"): 0.625, (3, "a"): 0.5, (3, "b"): 0.75}
-    recs = [{"x": x, "target": t, "selected_round": 1, "selected_src_val": src[x, t], "selected_target_acc": 0.1}
-            for x in (3, 1, 2) for t in ("b", "a")]
+    # the trials in an order that no sort of the records themselves would put back (x=3's first trial on a)
+    recs = [{"target": t, "x": x, "selected_round": 1, "selected_src_val": src[x, t], "selected_target_acc": 0.1}
+            for x in (3, 1, 2) for t in (("a", "b") if x == 3 else ("b", "a"))]
     chosen, rows = select_value(recs, ["x"])
     assert chosen == {"x": 2}
     assert [r["x"] for r in rows] == [1, 2, 3] and [r["chosen"] for r in rows] == [False, True, False]
@@ -91,7 +92,7 @@ def test_collect_reads_the_sweeps_label_params_and_target_order_and_lists_seeds_
     # the searched key and the targets' order
     recs = [{"method.lam": lam, "target": t, "seed": s, "selected_round": 2, "selected_src_val": 0.5 + lam * (s - 0.5),
              "selected_target_acc": {"a": 0.5, "b": 0.25}[t] + lam / 8}
-            for s in (1, 0) for lam in (0.0, 1.0) for t in ("a", "b")]
+            for s in (1, 0) for lam in ((0.0, 1.0) if s else (1.0, 0.0)) for t in ("a", "b")]
     sweep = tmp_path / "folder"
     sweep.mkdir()
     write_table(recs, sweep / "trials.parquet")
