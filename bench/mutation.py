@@ -86,9 +86,13 @@ def _copy_tree(dst: Path) -> None:
     shutil.copytree(REPO, dst, ignore=ignore)
 
 
-def _config(module: str, tests: list[str], timeout: float) -> str:
-    command = " ".join([PY, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
-                        *[f'"{t}"' if " " in t else t for t in tests]])
+def _pytest(module: str) -> list[str]:
+    """The test command that judges ``module``'s mutants: unmutated, under cosmic-ray, and in ``--recheck``."""
+    return [PY, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", *MODULES[module]]
+
+
+def _config(module: str, timeout: float) -> str:
+    command = " ".join(f'"{t}"' if " " in t else t for t in _pytest(module))
     excluded = ", ".join(json.dumps(e) for e in EXCLUDED)
     return (f'[cosmic-ray]\nmodule-path = "rayfed_dg/{module}"\ntimeout = {timeout}\nexcluded-modules = []\n'
             f"test-command = {json.dumps(command)}\n\n[cosmic-ray.distributor]\nname = \"local\"\n\n"
@@ -127,11 +131,10 @@ def _skip_outside(session: Path, lines: list[tuple[int, int]]) -> None:
 
 
 def mutate(module: str, work: Path, timeout: float) -> dict:
-    tests = MODULES[module]
     name = module.replace("/", "_").removesuffix(".py")
     cfg = work / f"{name}.toml"
     session = work / f"{name}.sqlite"
-    cfg.write_text(_config(module, tests, timeout))
+    cfg.write_text(_config(module, timeout))
     t0 = time.monotonic()
     for step in (["cosmic-ray", "init", str(cfg), str(session)], ["cr-filter-operators", str(session), str(cfg)]):
         r = _run(step, work)
@@ -139,7 +142,7 @@ def mutate(module: str, work: Path, timeout: float) -> dict:
             raise SystemExit(f"mutation: {' '.join(step[:2])} failed for {module}: {r.stderr.strip()[-500:]}")
     if module in SCOPES:
         _skip_outside(session, _scope_lines(work / "rayfed_dg" / module, SCOPES[module]))
-    base = _run([PY, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests], work)
+    base = _run(_pytest(module), work)
     if base.returncode:  # a mutant "killed" by tests that fail anyway would inflate the score
         raise SystemExit(f"mutation: the tests of {module} fail unmutated: {base.stdout.strip()[-500:]}")
     r = _run(["cosmic-ray", "exec", str(cfg), str(session)], work)
@@ -206,7 +209,7 @@ def recheck(report: Path) -> int:
                 print(f"  {heading}: does not apply to today's code (the line changed)")
                 target.write_text(original)
                 continue
-            r = _run([PY, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *MODULES[module]], work)
+            r = _run(_pytest(module), work)
             target.write_text(original)
             killed += r.returncode != 0
             print(f"  {heading}: {'killed' if r.returncode else 'survives'}", flush=True)
