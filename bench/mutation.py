@@ -51,7 +51,9 @@ MODULES: dict[str, list[str]] = {
     "methods/fedgma.py": ["tests/test_benchmark_baselines.py", "-k", "gma", "-m", "not slow"],
     "methods/fediir.py": ["tests/test_benchmark_baselines.py", "-k", "iir", "-m", "not slow"],
     "methods/fedadg.py": ["tests/test_benchmark_baselines.py", "-k", "adg", "-m", "not slow"],
-    "methods/scaffold.py": ["tests/test_drift_methods.py", "-k", "scaffold", "-m", "not slow"],
+    # the server step and the refusal of old configs' server_lr are tested beside FedAvgM's
+    "methods/scaffold.py": ["tests/test_drift_methods.py", "tests/test_server_opt.py", "-k", "scaffold", "-m",
+                            "not slow"],
     "methods/feddyn.py": ["tests/test_drift_methods.py", "-k", "feddyn", "-m", "not slow"],
     "methods/moon.py": ["tests/test_drift_methods.py", "-k", "moon", "-m", "not slow"],
     "methods/fedprox.py": ["tests/test_baselines.py", "-k", "fedprox", "-m", "not slow"],

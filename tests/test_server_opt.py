@@ -319,6 +319,11 @@ def test_scaffold_server_lr_is_refused_naming_the_server_optimizer():
     assert "\n" not in msg and "server: {optimizer: fedavgm, momentum: 0, lr: 0.5}" in msg, msg
     # an old run directory's config.yaml holds the default, server_lr: 1.0 (no server step): it still reads
     assert load_config(None, ["method.name=scaffold", "method.server_lr=1.0"]).server.optimizer == "none"
+    # dropping the old key keeps every other one, so a misspelt parameter beside it is still refused, whichever
+    # side of "server_lr" its name sorts
+    for typo in ("method.momentum=0.9", "method.weight=2"):
+        with pytest.raises(ConfigError, match=typo.split(".")[1].split("=")[0]):
+            load_config(None, ["method.name=scaffold", "method.server_lr=1.0", typo])
     cfg = load_config(None, ["method.name=scaffold", "server.optimizer=fedavgm", "server.momentum=0", "server.lr=0.5"])
     method = build_method(cfg, 3)
     model = method.build_model(10)
