@@ -12,6 +12,7 @@ The data root: ``$RAYFED_DG_DATA`` when set, else this checkout's neighbour
 ``data.root: PACS`` and subprocesses find it).
 """
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -152,6 +153,35 @@ def tiny_space(path, *sets):
         "params": {"method.lam": {"grid": [0.0, 1.0]}}}))
     return path
 
+
+
+# ``rayfed-dg`` whose driver stops after a checkpoint, so that a test's Ctrl-C always lands mid-run: on a busy
+# machine a run polled for its checkpoints could finish before the signal (it did in CI at load 5-13).  Only the
+# driver's wait is added; the run, its Ray workers and its checkpoint are the real ones.
+_HELD_CLI = """
+import sys, time
+from pathlib import Path
+from rayfed_dg.cli import main
+from rayfed_dg.engine.rundir import RunDir
+saves, after, marker = set(), int(sys.argv[1]), Path(sys.argv[2])
+save = RunDir.save_checkpoint
+def held(self, target, round, *args, **kwargs):
+    save(self, target, round, *args, **kwargs)
+    saves.add((str(self.path), target))
+    if len(saves) >= after:
+        marker.touch()
+        while True:
+            time.sleep(0.05)
+RunDir.save_checkpoint = held
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+def held_cli(args: list[str], marker, federations: int = 1) -> list[str]:
+    """The command ``rayfed-dg ARGS`` whose driver, once ``federations``
+    federations have each saved a checkpoint, touches ``marker`` and waits
+    there (for Ctrl-C) instead of going on."""
+    return [sys.executable, "-c", _HELD_CLI, str(federations), str(marker), *args]
 
 
 def ctrl_c_when(cmd: list[str], ready, what: str, timeout: float = 600) -> tuple[int, str, str]:

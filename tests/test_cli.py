@@ -6,7 +6,7 @@ import sys
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import REPO, ctrl_c_when
+from conftest import REPO, ctrl_c_when, held_cli
 
 
 def quick_run(run_dir, *sets, options=()):
@@ -394,17 +394,15 @@ def test_ctrl_c_prints_the_resume_command_and_resume_needs_only_the_run_director
     from rayfed_dg.cli import main
 
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "rayfed_dg", "run", str(REPO / "configs" / "quickstart.yaml"), "--target", "colour",
-           "--run-dir", str(run), "--no-progress"]
-    # 12 short rounds: on a busy machine this process may not poll for seconds, and Ctrl-C must land mid-run
-    for kv in ("training.rounds=12", "data.resolution=16", "model.width=8", "compare=null", "output.checkpoint_every=1"):
-        cmd += ["--set", kv]
-    ckpts = run / "checkpoints" / "colour"
-    # any saved round, not round 1's file: only the newest checkpoints are kept, and on a busy machine this
-    # loop can miss round 1's before round 2 replaces it
-    code, out, err = ctrl_c_when(cmd, lambda: any(ckpts.glob("round_*.json")), "a round was saved")
+    args = ["run", str(REPO / "configs" / "quickstart.yaml"), "--target", "colour", "--run-dir", str(run),
+            "--no-progress"]
+    for kv in ("training.rounds=3", "data.resolution=16", "model.width=8", "compare=null", "output.checkpoint_every=1"):
+        args += ["--set", kv]
+    ckpts, marker = run / "checkpoints" / "colour", tmp_path / "saved"
+    # the driver waits after round 1's checkpoint: Ctrl-C lands mid-run however busy the machine is
+    code, out, err = ctrl_c_when(held_cli(args, marker), marker.exists, "round 1 was saved")
     seen = sorted(p.name for p in ckpts.glob("round_*.json"))
-    assert code == 130, (seen, err[-2000:])
+    assert code == 130 and seen == ["round_00001.json"], (seen, err[-2000:])
     assert err.strip().splitlines()[-1] == f"rayfed-dg: interrupted; resume with: rayfed-dg run --resume {run}"
     assert not (run / "summary.json").exists()
     assert json.loads((run / "run.json").read_text())["targets"] == ["colour"]
