@@ -110,12 +110,18 @@ def test_corrupt_image_fails_with_path_or_is_skipped_and_counted(tmp_path):
     assert ds.counts() == {"x": 6, "y": 5}
 
 
-def test_decode_cache_hit_on_second_load_and_invalidated_by_change(tmp_path):
+def test_decode_cache_hit_on_second_load_and_invalidated_by_change(tmp_path, monkeypatch):
     root = make_tree(tmp_path / "d", ["x", "y"], ["a"], n=2)
     a = load_dataset("folder", str(root), 8)
     b = load_dataset("folder", str(root), 8)
     assert a.meta["cache"] == "miss" and b.meta["cache"] == "hit" and np.array_equal(a.images, b.images)
     assert load_dataset("folder", str(root), 12).meta["cache"] == "miss"  # resolution is in the key
+    import PIL
+
+    with monkeypatch.context() as m:  # and Pillow's version, which decodes and resizes
+        m.setattr(PIL, "__version__", PIL.__version__ + ".other")
+        assert load_dataset("folder", str(root), 8).meta["cache"] == "miss"
+    assert load_dataset("folder", str(root), 8).meta["cache"] == "hit"
     Image.fromarray(np.zeros((5, 5, 3), np.uint8)).save(root / "x" / "a" / "new.png")
     c = load_dataset("folder", str(root), 8)
     assert c.meta["cache"] == "miss" and len(c.images) == 5

@@ -132,7 +132,10 @@ def decode_cached(files: list[Path], resolution: int, on_corrupt: str = "fail",
                   progress: bool = True) -> tuple[np.ndarray, np.ndarray, dict]:
     """Decoded (N, R, R, 3) uint8 images and the kept-file mask, from the
     cache when its key matches, else decoded in parallel and cached."""
-    h = hashlib.sha256(f"v{CACHE_VERSION}|{resolution}|{on_corrupt}".encode())
+    import PIL
+
+    # Pillow decodes and resizes: a cache another version filled would give other pixels under the same key
+    h = hashlib.sha256(f"v{CACHE_VERSION}|{resolution}|{on_corrupt}|pillow {PIL.__version__}".encode())
     for f in files:
         st = f.stat()
         h.update(f"{f}|{st.st_size}|{st.st_mtime_ns}\n".encode())
