@@ -249,3 +249,41 @@ def test_ibn_forward_by_hand():
             mu_b, var_b = m.bn.running_mean.view(1, 2, 1, 1), m.bn.running_var.view(1, 2, 1, 1)
         yb = (b - mu_b) / torch.sqrt(var_b + 1e-5) * m.bn.weight.view(1, 2, 1, 1) + m.bn.bias.view(1, 2, 1, 1)
         assert torch.allclose(y, torch.cat([ya, yb], 1), atol=1e-5), training
+
+
+def test_gperxan_params_refuse_what_the_paper_excludes_and_default_to_its_setting():
+    from rayfed_dg.config import ConfigError, load_config
+
+    p = build_method(tiny_cfg("method.name=gperxan"), 3).p
+    # the paper's PACS lambda, its XAN with the BN side personalised, its placement per backbone
+    assert (p.lam, p.norm, p.personalize, p.placement, p.bn_weight) == (0.5, "xan", True, "auto", "auto")
+    # w_bn is a softmax weight of two logits: 0 and 1 (and beyond) cannot be reached
+    for bad in ("0.0", "1.0", "-0.5", "1.5"):
+        with pytest.raises(ConfigError, match="strictly between 0 and 1"):
+            load_config(None, ["method.name=gperxan", f"method.bn_weight={bad}"])
+    for bad in ("1.5", "-0.1"):  # Eq. 3's lambda weighs the guidance term within [0, 1]
+        with pytest.raises(ConfigError, match="lam"):
+            load_config(None, ["method.name=gperxan", f"method.lam={bad}"])
+    assert load_config(None, ["method.name=gperxan", "method.bn_weight=0.999"]).method.bn_weight == 0.999
+
+
+def test_gperxan_norm_bn_keeps_the_backbones_batchnorm_and_ledger_groups_name_each_side():
+    base = build_method(tiny_cfg("method.name=fedavg", "model.arch=resnet18"), 3).build_model(7)
+    m = build_method(tiny_cfg("method.name=gperxan", "model.arch=resnet18", "method.norm=bn"), 3)
+    torch.manual_seed(0)
+    a = base.state_dict()
+    torch.manual_seed(0)
+    net = m.build_model(7)
+    # gFedAvg's ablation: the network as built, every norm layer a BatchNorm, no XAN, nothing kept local
+    assert not any(isinstance(mod, (XAN, IBN)) for mod in net.modules()) and m.local_keys(net) == set()
+    assert sorted(net.state_dict()) == sorted(a)
+    # the ledger's groups: PerXAN's BN side stays on the client, the IN side and the rest are shared
+    x = build_method(tiny_cfg("method.name=gperxan", "model.arch=resnet18"), 3)
+    net = x.build_model(7)
+    local = x.local_keys(net)
+    groups = {k: x.tensor_group(k, k in local) for k in net.state_dict()}
+    assert {k for k, g in groups.items() if g == "xan_bn_side"} == local
+    inside = {k for k, g in groups.items() if g == "xan_in_side"}
+    assert inside and all(".inorm." in k or k.endswith(".logit_in") for k in inside)
+    assert groups["head.weight"] == "shared" and groups["body.bn1.weight"] == "shared"
+    assert len(inside) == 19 * 3  # each XAN's inorm weight, bias and its logit_in
