@@ -40,7 +40,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
-# module (under rayfed_dg/) -> the pytest arguments of the tests that guard it (fast ones)
+DEFAULTS_TESTS = "tests/test_method_defaults.py"
+
+# module (under rayfed_dg/) -> the pytest arguments of the tests that guard it (fast ones); a method's defaults and
+# ranges are pinned in tests/test_method_defaults.py, whose test ids name the method (so -k selects them)
 MODULES: dict[str, list[str]] = {
     "engine/aggregate.py": ["tests/test_aggregate.py", "-m", "not slow"],
     "engine/server_opt.py": ["tests/test_server_opt.py", "-m", "not slow"],
@@ -53,20 +56,20 @@ MODULES: dict[str, list[str]] = {
     "models/norms.py": ["tests/test_models.py", "tests/test_gperxan.py", "-m", "not slow"],
     # StableFDG's style sharing, shifting, exploration and attention, and the MixStyle / DSU layers
     "models/style.py": ["tests/test_stablefdg.py", "tests/test_baselines.py", "-m", "not slow"],
-    "methods/fedsam.py": ["tests/test_benchmark_baselines.py", "-k", "sam", "-m", "not slow"],
-    "methods/fedgma.py": ["tests/test_benchmark_baselines.py", "-k", "gma", "-m", "not slow"],
-    "methods/fediir.py": ["tests/test_benchmark_baselines.py", "-k", "iir", "-m", "not slow"],
-    "methods/fedadg.py": ["tests/test_benchmark_baselines.py", "-k", "adg", "-m", "not slow"],
+    "methods/fedsam.py": ["tests/test_benchmark_baselines.py", DEFAULTS_TESTS, "-k", "sam", "-m", "not slow"],
+    "methods/fedgma.py": ["tests/test_benchmark_baselines.py", DEFAULTS_TESTS, "-k", "gma", "-m", "not slow"],
+    "methods/fediir.py": ["tests/test_benchmark_baselines.py", DEFAULTS_TESTS, "-k", "iir", "-m", "not slow"],
+    "methods/fedadg.py": ["tests/test_benchmark_baselines.py", DEFAULTS_TESTS, "-k", "adg", "-m", "not slow"],
     # the server step and the refusal of old configs' server_lr are tested beside FedAvgM's
-    "methods/scaffold.py": ["tests/test_drift_methods.py", "tests/test_server_opt.py", "-k", "scaffold", "-m",
-                            "not slow"],
-    "methods/feddyn.py": ["tests/test_drift_methods.py", "-k", "feddyn", "-m", "not slow"],
-    "methods/moon.py": ["tests/test_drift_methods.py", "-k", "moon", "-m", "not slow"],
-    "methods/fedprox.py": ["tests/test_baselines.py", "-k", "fedprox", "-m", "not slow"],
-    "methods/feddg_ga.py": ["tests/test_feddg_ga.py", "-m", "not slow"],
-    "methods/gperxan.py": ["tests/test_gperxan.py", "-m", "not slow"],
-    "methods/stablefdg.py": ["tests/test_stablefdg.py", "-m", "not slow"],
-    "methods/fedfd.py": ["tests/test_fedfd.py", "-m", "not slow"],
+    "methods/scaffold.py": ["tests/test_drift_methods.py", DEFAULTS_TESTS, "tests/test_server_opt.py", "-k",
+                            "scaffold", "-m", "not slow"],
+    "methods/feddyn.py": ["tests/test_drift_methods.py", DEFAULTS_TESTS, "-k", "feddyn", "-m", "not slow"],
+    "methods/moon.py": ["tests/test_drift_methods.py", DEFAULTS_TESTS, "-k", "moon", "-m", "not slow"],
+    "methods/fedprox.py": ["tests/test_baselines.py", DEFAULTS_TESTS, "-k", "fedprox", "-m", "not slow"],
+    "methods/feddg_ga.py": ["tests/test_feddg_ga.py", DEFAULTS_TESTS, "-m", "not slow"],
+    "methods/gperxan.py": ["tests/test_gperxan.py", DEFAULTS_TESTS, "-m", "not slow"],
+    "methods/stablefdg.py": ["tests/test_stablefdg.py", DEFAULTS_TESTS, "-m", "not slow"],
+    "methods/fedfd.py": ["tests/test_fedfd.py", DEFAULTS_TESTS, "-m", "not slow"],
 }
 
 # module -> the functions (or classes, by name) whose mutants are run; the rest of the module is not scored: code
