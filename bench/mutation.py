@@ -40,10 +40,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
-DEFAULTS_TESTS = "tests/test_method_defaults.py"
 
-# module (under rayfed_dg/) -> the pytest arguments of the tests that guard it (fast ones); a method's defaults and
-# ranges are pinned in tests/test_method_defaults.py, whose test ids name the method (so -k selects them)
+def _method(*files: str, k: str) -> list[str]:
+    """A method's own tests, plus those of its defaults and ranges (``tests/test_method_defaults.py``) and of each
+    parameter reaching its code (``tests/test_method_params.py``): their test ids name the method, so ``-k``
+    selects them."""
+    return [*files, "tests/test_method_defaults.py", "tests/test_method_params.py", "-k", k, "-m", "not slow"]
+
+
+# module (under rayfed_dg/) -> the pytest arguments of the tests that guard it (fast ones)
 MODULES: dict[str, list[str]] = {
     "engine/aggregate.py": ["tests/test_aggregate.py", "-m", "not slow"],
     "engine/server_opt.py": ["tests/test_server_opt.py", "-m", "not slow"],
@@ -56,20 +61,20 @@ MODULES: dict[str, list[str]] = {
     "models/norms.py": ["tests/test_models.py", "tests/test_gperxan.py", "-m", "not slow"],
     # StableFDG's style sharing, shifting, exploration and attention, and the MixStyle / DSU layers
     "models/style.py": ["tests/test_stablefdg.py", "tests/test_baselines.py", "-m", "not slow"],
-    "methods/fedsam.py": ["tests/test_benchmark_baselines.py", DEFAULTS_TESTS, "-k", "sam", "-m", "not slow"],
-    "methods/fedgma.py": ["tests/test_benchmark_baselines.py", DEFAULTS_TESTS, "-k", "gma", "-m", "not slow"],
-    "methods/fediir.py": ["tests/test_benchmark_baselines.py", DEFAULTS_TESTS, "-k", "iir", "-m", "not slow"],
-    "methods/fedadg.py": ["tests/test_benchmark_baselines.py", DEFAULTS_TESTS, "-k", "adg", "-m", "not slow"],
+    "methods/fedsam.py": _method("tests/test_benchmark_baselines.py", k="sam"),
+    "methods/fedgma.py": _method("tests/test_benchmark_baselines.py", k="gma"),
+    "methods/fediir.py": _method("tests/test_benchmark_baselines.py", k="iir"),
+    "methods/fedadg.py": _method("tests/test_benchmark_baselines.py", k="adg"),
     # the server step and the refusal of old configs' server_lr are tested beside FedAvgM's
-    "methods/scaffold.py": ["tests/test_drift_methods.py", DEFAULTS_TESTS, "tests/test_server_opt.py", "-k",
-                            "scaffold", "-m", "not slow"],
-    "methods/feddyn.py": ["tests/test_drift_methods.py", DEFAULTS_TESTS, "-k", "feddyn", "-m", "not slow"],
-    "methods/moon.py": ["tests/test_drift_methods.py", DEFAULTS_TESTS, "-k", "moon", "-m", "not slow"],
-    "methods/fedprox.py": ["tests/test_baselines.py", DEFAULTS_TESTS, "-k", "fedprox", "-m", "not slow"],
-    "methods/feddg_ga.py": ["tests/test_feddg_ga.py", DEFAULTS_TESTS, "-m", "not slow"],
-    "methods/gperxan.py": ["tests/test_gperxan.py", DEFAULTS_TESTS, "-m", "not slow"],
-    "methods/stablefdg.py": ["tests/test_stablefdg.py", DEFAULTS_TESTS, "-m", "not slow"],
-    "methods/fedfd.py": ["tests/test_fedfd.py", DEFAULTS_TESTS, "-m", "not slow"],
+    "methods/scaffold.py": _method("tests/test_drift_methods.py", "tests/test_server_opt.py", k="scaffold"),
+    "methods/feddyn.py": _method("tests/test_drift_methods.py", k="feddyn"),
+    "methods/moon.py": _method("tests/test_drift_methods.py", k="moon"),
+    "methods/fedprox.py": _method("tests/test_baselines.py", k="fedprox"),
+    # -k matches the module's name too: all of test_feddg_ga.py, and the others' tests naming the method
+    "methods/feddg_ga.py": _method("tests/test_feddg_ga.py", k="feddg_ga"),
+    "methods/gperxan.py": _method("tests/test_gperxan.py", k="gperxan"),
+    "methods/stablefdg.py": _method("tests/test_stablefdg.py", k="stablefdg"),
+    "methods/fedfd.py": _method("tests/test_fedfd.py", k="fedfd"),
 }
 
 # module -> the functions (or classes, by name) whose mutants are run; the rest of the module is not scored: code
