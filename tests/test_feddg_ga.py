@@ -17,6 +17,11 @@ def test_ga_update_and_step_by_hand():
     np.testing.assert_allclose(new, [0.0, 0.45 / 1.05, 0.6 / 1.05])
     # equal gaps (the reference code divides by zero here): weights unchanged
     np.testing.assert_allclose(ga_update(np.array([0.2, 0.8]), np.array([0.5, 0.5]), 0.2), [0.2, 0.8])
+    # a weight beyond 1 is clipped to 1 before the renormalisation: [1.1, 0.05, -0.15] -> [1, 0.05, 0] / 1.05
+    new = ga_update(np.array([0.9, 0.05, 0.05]), np.array([1.0, 0.0, -1.0]), 0.2)
+    np.testing.assert_allclose(new, [1 / 1.05, 0.05 / 1.05, 0.0])
+    # nothing left to renormalise (weights that are all 0): uniform, not 0 / 0
+    np.testing.assert_allclose(ga_update(np.zeros(2), np.array([0.5, 0.5]), 0.2), [0.5, 0.5])
     # d^r decays linearly from d at round 1 to d / R at round R
     assert ga_step(1, 10, 0.2) == 0.2 and abs(ga_step(10, 10, 0.2) - 0.02) < 1e-12
     assert abs(ga_step(6, 10, 0.2) - 0.1) < 1e-12
@@ -60,3 +65,13 @@ def test_weights_follow_the_gaps_and_drive_the_next_reduce(ray_session, tiny_ds,
     # what the evaluation sent up: one ledger row of two float64 per participant
     rows = [x for x in out1.ledger if x.group == "eval:global_on_client"]
     assert sorted(x.client for x in rows) == clients and all(x.bytes == 16 for x in rows)
+
+
+def test_a_client_without_validation_samples_is_refused_naming_it():
+    from types import SimpleNamespace
+
+    from rayfed_dg.methods import build_method
+
+    method = build_method(tiny_cfg("method.name=feddg_ga"), 3)
+    with pytest.raises(ValueError, match="client 2 has no validation samples for FedDG-GA"):
+        method.upload_payload(None, SimpleNamespace(client_id=2, val_indices=np.array([], dtype=np.int64)))
