@@ -32,6 +32,31 @@ def test_derangement_never_self_and_seeded():
     b = assign_styles([1, 4, 7], list(range(10)), 2, np.random.default_rng(0))
     got = [s for v in b.values() for s in v]
     assert len(got) == 6 == len(set(got)) and all(c not in b[c] for c in b)
+    # styles known for only some of the round's clients: every style given comes from the pool, never one's own
+    for seed in range(20):
+        c = assign_styles([0, 1, 2], [0, 1], 1, np.random.default_rng(seed))
+        assert all(set(v) <= {0, 1} and k not in v for k, v in c.items()), (seed, c)
+    # two styles each from three clients: once the unused ones run out, each still gets the two others'
+    for seed in range(20):
+        d = assign_styles([0, 1, 2], [0, 1, 2], 2, np.random.default_rng(seed))
+        assert {k: sorted(v) for k, v in d.items()} == {0: [1, 2], 1: [0, 2], 2: [0, 1]}, (seed, d)
+
+
+def test_partners_are_drawn_for_single_samples_of_a_class_the_client_holds_twice():
+    from types import SimpleNamespace
+
+    from rayfed_dg.methods import build_method
+
+    labels = np.array([0, 0, 0, 1, 1, 2])  # the client's: class 0 three times, 1 twice, 2 once
+    ctx = SimpleNamespace(labels=labels, indices=np.arange(6), generator=torch.Generator().manual_seed(0),
+                          fetch=lambda idx: (torch.full((len(idx), 1), 9.0), torch.as_tensor(labels[idx])))
+    method = build_method(tiny_cfg("method.name=stablefdg"), 3)
+    x, y = torch.zeros(4, 1), torch.tensor([0, 1, 1, 2])
+    # class 0 and class 2 have one sample in the batch; only class 0 has another on the client
+    x2, y2 = method._with_partners(x, y, ctx)
+    assert y2.tolist() == [0, 1, 1, 2, 0] and x2[4].item() == 9.0
+    off = build_method(tiny_cfg("method.name=stablefdg", "method.attention=false"), 3)
+    assert off._with_partners(x, y, ctx)[1].tolist() == [0, 1, 1, 2]  # no highlighter, no partners
 
 
 def test_style_information_by_hand():
