@@ -266,3 +266,14 @@ def test_a_worker_killed_after_folding_loses_its_partial_and_the_round_is_the_sa
     assert faulty.tasks_retried == 1 and [(r["client"], r["retried"]) for r in faulty.clients if r["retried"]] == [
         (1, 1)]
     assert faulty.tasks_rerun >= 2  # client 2 (queued behind the death) and client 0 (its fold was lost)
+
+
+def test_scaling_beyond_float64s_exponent_range_is_exact_in_two_steps():
+    from rayfed_dg.engine.aggregate import _scale
+
+    # 2^e itself is not a float64 for e = 2000 or -2000, the product is: each half-step is
+    x = torch.tensor([2.0 ** -1060, -3 * 2.0 ** -1070], dtype=torch.float64)
+    assert _scale(x.clone(), 2000).tolist() == [2.0 ** 940, -3 * 2.0 ** 930]
+    y = torch.tensor([2.0 ** 1000, 5 * 2.0 ** 990], dtype=torch.float64)
+    assert _scale(y.clone(), -2000).tolist() == [2.0 ** -1000, 5 * 2.0 ** -1010]
+    assert _scale(torch.tensor([3.0], dtype=torch.float64), 10).tolist() == [3072.0]
