@@ -59,3 +59,9 @@ def test_preset_dry_run(ray_session, tmp_path, capsys, name):
     out = capsys.readouterr()
     assert code == 0, out.err[-2000:]
     assert (tmp_path / "run" / f"final_{target}.pt").is_file()
+
+
+def test_proportional_split_with_one_client_per_domain_is_the_domains():
+    src = {"a": np.arange(0, 7), "b": np.arange(7, 10)}
+    clients, doms = partition_proportional(src, None, num_clients=2, seed=0)
+    assert doms == ["a", "b"] and [c.tolist() for c in clients] == [list(range(7)), [7, 8, 9]]
