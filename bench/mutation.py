@@ -58,7 +58,9 @@ MODULES: dict[str, list[str]] = {
     "tuning.py": ["tests/test_tuning.py", "-m", "not slow", "-k", "select or collect or unfinished or tie or table"],
     "data/protocol.py": ["tests/test_partitions.py", "tests/test_splits.py", "tests/test_protocols.py", "-m",
                          "not slow"],
-    "models/norms.py": ["tests/test_models.py", "tests/test_gperxan.py", "-m", "not slow"],
+    # XAN (gPerXAN), IBN (COPA, gPerXAN's ablation) and DSON, whose by-hand tests sit with the paper baselines'
+    "models/norms.py": ["tests/test_models.py", "tests/test_gperxan.py", "tests/test_paper_baselines.py", "-m",
+                        "not slow"],
     # StableFDG's style sharing, shifting, exploration and attention, and the MixStyle / DSU layers
     "models/style.py": ["tests/test_stablefdg.py", "tests/test_baselines.py", "-m", "not slow"],
     "methods/fedsam.py": _method("tests/test_benchmark_baselines.py", k="sam"),
