@@ -81,6 +81,11 @@ def test_xan_bn_weight_sets_the_initial_mix_and_reaches_the_method():
     assert build_method(tiny_cfg("method.name=gperxan", "model.pretrained=some.pth"), 2).bn_weight() == 0.9
     assert build_method(tiny_cfg("method.name=gperxan", "model.pretrained=some.pth", "method.bn_weight=0.5"),
                         2).bn_weight() == 0.5
+    from rayfed_dg.models.norms import apply_norm
+
+    net = build_backbone("convnet", 10)  # the surgery on its own starts where the reference code does
+    assert apply_norm(net, "all", "xan") and all(torch.equal(m.weights(), torch.tensor([0.5, 0.5]))
+                                                 for m in net.modules() if isinstance(m, XAN))
     method = build_method(tiny_cfg("method.name=gperxan", "method.bn_weight=0.75"), 2)
     xans = [m for m in method.build_model(10).modules() if isinstance(m, XAN)]
     assert xans and all(torch.allclose(m.weights(), torch.tensor([0.75, 0.25]), atol=1e-6) for m in xans)
