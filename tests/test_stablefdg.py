@@ -430,3 +430,11 @@ def test_style_shift_keeps_the_outlier_style_with_kmeanspp():
             kept[selection].append(torch.equal(y[7], x[7]))
     assert all(kept["kmeans++"])
     assert 5 < sum(kept["random"]) < 25  # the control: random selection does shift it sometimes
+
+
+def test_same_class_partner_is_the_next_sample_of_its_class_cyclically():
+    from rayfed_dg.models.style import same_class_partners
+
+    partner, has = same_class_partners(torch.tensor([2, 0, 2, 1, 2, 0]), None)
+    # class 2 at 0, 2, 4 -> 2, 4, 0; class 0 at 1, 5 -> 5, 1; class 1 alone keeps itself, without a partner
+    assert partner.tolist() == [2, 5, 4, 3, 0, 1] and has.tolist() == [True, True, True, False, True, True]
