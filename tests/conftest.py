@@ -193,7 +193,11 @@ def ctrl_c_when(cmd: list[str], ready, what: str, timeout: float = 600) -> tuple
     import subprocess
     import time
 
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # Ctrl-C's SIGINT as a terminal's foreground process gets it: pytest started in the background by a
+    # non-interactive shell (nohup, `cmd &`, some CI runners) ignores SIGINT, the child would inherit that, and
+    # Python honours an inherited SIG_IGN: the run would go on as if never interrupted
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.time() + timeout
         while not ready():
