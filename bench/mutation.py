@@ -157,10 +157,10 @@ def _sample(session: Path, n: int, seed: str) -> int:
     from cosmic_ray.work_item import WorkerOutcome, WorkResult
 
     with use_db(str(session), WorkDB.Mode.open) as db:
-        pending = sorted(db.pending_work_items, key=lambda i: i.job_id)
-        # job ids are uuids: order by what the mutant is, so the draw does not depend on them
-        pending.sort(key=lambda i: (i.mutations[0].start_pos, i.mutations[0].operator_name,
-                                    i.mutations[0].occurrence))
+        # job ids are uuids: order by what the mutant is (unique), so the draw does not depend on them
+        pending = sorted(db.pending_work_items, key=lambda i: (i.mutations[0].start_pos,
+                                                                i.mutations[0].operator_name,
+                                                                i.mutations[0].occurrence))
         keep = set(random.Random(seed).sample(range(len(pending)), min(n, len(pending))))
         for k, item in enumerate(pending):
             if k not in keep:

@@ -155,9 +155,9 @@ def tiny_space(path, *sets):
 
 
 
-# ``rayfed-dg`` whose driver stops after a checkpoint, so that a test's Ctrl-C always lands mid-run: on a busy
-# machine a run polled for its checkpoints could finish before the signal (it did in CI at load 5-13).  Only the
-# driver's wait is added; the run, its Ray workers and its checkpoint are the real ones.
+# ``rayfed-dg`` whose driver stops after a checkpoint, so that a test's Ctrl-C always lands mid-run, never
+# racing the run's end however busy the machine is.  Only the driver's wait is added; the run, its Ray workers and
+# its checkpoint are the real ones.
 _HELD_CLI = """
 import sys, time
 from pathlib import Path
@@ -184,6 +184,15 @@ def held_cli(args: list[str], marker, federations: int = 1) -> list[str]:
     return [sys.executable, "-c", _HELD_CLI, str(federations), str(marker), *args]
 
 
+def sigint_as_in_a_terminal() -> None:
+    """``preexec_fn`` of a child that a test signals as Ctrl-C would: SIGINT at its default.  pytest started in
+    the background by a non-interactive shell (nohup, ``cmd &``, some CI runners) ignores SIGINT, a child
+    inherits that, and Python honours an inherited SIG_IGN: the child would go on as if never interrupted."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def ctrl_c_when(cmd: list[str], ready, what: str, timeout: float = 600) -> tuple[int, str, str]:
     """Run the CLI ``cmd`` in its own process group and, once ``ready()``
     holds, send it SIGINT as Ctrl-C in a terminal does (to the whole group);
@@ -193,11 +202,8 @@ def ctrl_c_when(cmd: list[str], ready, what: str, timeout: float = 600) -> tuple
     import subprocess
     import time
 
-    # Ctrl-C's SIGINT as a terminal's foreground process gets it: pytest started in the background by a
-    # non-interactive shell (nohup, `cmd &`, some CI runners) ignores SIGINT, the child would inherit that, and
-    # Python honours an inherited SIG_IGN: the run would go on as if never interrupted
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            preexec_fn=sigint_as_in_a_terminal)
     try:
         deadline = time.time() + timeout
         while not ready():

@@ -138,6 +138,7 @@ def test_a_value_outside_its_range_is_one_config_error_naming_the_parameter():
 @pytest.mark.parametrize("name", ["fedfd", "fedfda"])
 def test_fedfd_u_range_may_be_a_single_value_but_not_reversed(name):
     params = get_method_class(name).Params
-    assert (params(u_low=0.3, u_high=0.3).u_low, params(u_low=0.3, u_high=0.3).u_high) == (0.3, 0.3)
+    one = params(u_low=0.3, u_high=0.3)
+    assert (one.u_low, one.u_high) == (0.3, 0.3)
     with pytest.raises(ValidationError, match="u_high must be >= u_low"):
         params(u_low=0.4, u_high=0.3)

@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from conftest import REPO
+from conftest import REPO, sigint_as_in_a_terminal
 
 DRIVER = """
 import pathlib, sys, time
@@ -56,11 +56,11 @@ def jobs():
 def _job(jobs: list, tmp_path, *args: str) -> subprocess.Popen:
     (tmp_path / "driver.py").write_text(DRIVER)
     (tmp_path / "job.sh").write_text(JOB)
-    # SIGINT as a batch shell has it: not ignored (a test runner's background shell may ignore it)
+    # SIGINT as a batch shell has it: not ignored
     jobs.append(subprocess.Popen(["bash", str(tmp_path / "job.sh"), sys.executable, str(tmp_path / "driver.py"),
                                   str(tmp_path), *args], cwd=REPO, env={"DIR": str(tmp_path), "PATH": "/usr/bin:/bin"},
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)))
+                                 preexec_fn=sigint_as_in_a_terminal))
     return jobs[-1]
 
 
