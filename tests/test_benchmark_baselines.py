@@ -83,6 +83,145 @@ def test_fedsam_updates_batchnorm_statistics_at_w_only():
     assert bn.momentum == 0.1 and int(bn.num_batches_tracked) == 1  # restored after the perturbed pass
 
 
+def _softmax(z):
+    e = np.exp(z - z.max(1, keepdims=True))
+    return e / e.sum(1, keepdims=True)
+
+
+def _kl(p, q):
+    """KL(p || q) of row distributions, batch mean."""
+    return float((p * (np.log(p) - np.log(q))).sum() / len(p))
+
+
+def _adv_by_hand(f, z, W, b, kind, init, grad, delta):
+    """FedLGF's adv(h, f) by hand (fedsam's docstring), from the random start ``delta`` as drawn: the KL gradient
+    G = (softmax(z') - p)^T f / B with respect to the perturbed weight, through the SVD's chain rule for
+    ``singular`` (d s_i = u_i^T dW v_i, times init where relu passes S_i + init d_i), one unit step of it."""
+    p, B = _softmax(z), len(f)
+    if kind == "singular":
+        U, S, Vh = np.linalg.svd(W, full_matrices=False)
+        d = delta / (np.linalg.norm(delta) + 1e-8)
+        s = np.maximum(S + init * d, 0.0)
+        zp = f @ (U @ np.diag(s) @ Vh).T + b
+        dW = (_softmax(zp) - p).T @ f / B
+        g = np.array([U[:, i] @ dW @ Vh[i] for i in range(len(S))]) * init * (S + init * d > 0)
+        g = g / (np.linalg.norm(g) + 1e-8)
+        return f @ (U @ np.diag(np.maximum(S + grad * g, 0.0)) @ Vh).T + b
+    d = delta / (np.linalg.norm(delta, axis=1, keepdims=True) + 1e-8)
+    zp = f @ (W + init * d).T + b
+    g = init * (_softmax(zp) - p).T @ f / B
+    g = g / (np.linalg.norm(g, axis=1, keepdims=True) + 1e-8)
+    return f @ (W + grad * g).T + b
+
+
+@pytest.mark.parametrize("kind,dist,init,grad", [("singular", "normal", 10.0, 0.1), ("singular", "uniform", 0.7, 0.3),
+                                                 ("weight", "normal", 0.5, 0.2), ("weight", "uniform", 2.0, 0.05)])
+def test_fedlgf_adversarial_head_is_one_kl_ascent_step_from_a_random_start(kind, dist, init, grad):
+    from rayfed_dg.methods.fedsam import adversarial_logits
+    f, z = torch.tensor(X, dtype=torch.float64), torch.tensor([[1.0, -1.0], [0.0, 2.0], [0.5, 0.5], [-1.0, 0.3]])
+    W, b = torch.tensor(W0 * 3), torch.tensor(B0)
+    shape = (2,) if kind == "singular" else (2, 3)
+    delta = torch.randn(shape, generator=torch.Generator().manual_seed(0)) if dist == "normal" else \
+        torch.rand(shape, generator=torch.Generator().manual_seed(0)) - 0.5
+    got = adversarial_logits(f.float(), z, W.float(), b.float(), kind, init, grad, dist, torch.Generator().manual_seed(0))
+    want = _adv_by_hand(X, z.numpy().astype(np.float64), W0 * 3, B0, kind, init, grad, delta.double().numpy())
+    np.testing.assert_allclose(got.numpy(), want, atol=2e-5)
+    if (kind, init) == ("singular", 10.0):  # the README's scale: relu clips one singular value of the start
+        S, d = np.linalg.svd(W0 * 3)[1], delta.double().numpy()
+        assert sorted((S + init * d / np.linalg.norm(d)) > 0) == [False, True]
+
+
+class _Scale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        return self.a * x
+
+
+@pytest.mark.parametrize("rho,local,glob,kind", [(0.0, 0.3, 0.7, "singular"), (0.0, 0.0, 0.5, "weight"),
+                                                 (0.0, 0.4, 0.0, "singular"), (0.2, 0.3, 0.7, "singular")])
+def test_fedlgf_terms_step_two_batches_by_hand(rho, local, glob, kind):
+    """J = CE + local KL(softmax(z_l) || softmax(z)) + global KL(softmax(z_g) || softmax(z)), z_l from the local
+    head, z_g from the round's global model (frozen at round start: the second step's differs from the local one),
+    both constants; the draws from the client's generator, local before global, pass by pass; SAM on J when
+    rho > 0.  The body scales its input by a (from 1), so the global model's features (x) differ from the local
+    ones (a x) after the first step.  Two SGD steps, every gradient by hand:
+    dJ/dz = G = (q - onehot + local (q - p_l) + global (q - p_g)) / B, dJ/dW = G^T f, dJ/da = sum((G W) * x)."""
+    lr, init, grad = 0.5, 10.0 if kind == "singular" else 0.5, 0.1
+    cfg = tiny_cfg("method.name=fedsam", f"method.rho={rho}", f"method.local_flatness={local}",
+                   f"method.global_flatness={glob}", f"method.perturb={kind}", f"method.perturb_init={init}",
+                   f"method.perturb_grad={grad}", f"training.lr={lr}", "training.momentum=0", "training.weight_decay=0")
+    method = build_method(cfg, 3)
+    from rayfed_dg.models.split import SplitModel
+    model = SplitModel(_Scale(), _linear())
+    batches = [(torch.tensor(X[:2], dtype=torch.float32), torch.tensor(Y[:2])),
+               (torch.tensor(X[1:], dtype=torch.float32), torch.tensor(Y[1:]))]
+    ctx = _ctx()
+    method.round_start(model, ctx)
+    res = method.local_train(model, lambda: iter(batches), ctx)
+
+    gen, shape = torch.Generator().manual_seed(0), (2,) if kind == "singular" else (2, 3)
+
+    def draw():
+        return torch.randn(shape, generator=gen).double().numpy()
+
+    def j_and_grad(W, b, a, x, y):
+        f = a * x
+        z = f @ W.T + b
+        q, onehot = _softmax(z), np.eye(2)[y]
+        J, G = -np.log(q[np.arange(len(y)), y]).mean(), q - onehot
+        for lam, (fh, Wh, bh) in ((local, (f, W, b)), (glob, (x, W0, B0))):  # the global model: a = 1
+            if lam > 0:
+                pa = _softmax(_adv_by_hand(fh, z, Wh, bh, kind, init, grad, draw()))
+                J, G = J + lam * _kl(pa, q), G + lam * (q - pa)
+        G = G / len(y)
+        return J, G.T @ f, G.sum(0), ((G @ W) * x).sum()
+
+    W, b, a, losses = W0.copy(), B0.copy(), 1.0, []
+    for x, y in ((X[:2], Y[:2]), (X[1:], Y[1:])):
+        J, gW, gb, ga = j_and_grad(W, b, a, x, y)
+        if rho > 0:
+            n = np.sqrt((gW ** 2).sum() + (gb ** 2).sum() + ga ** 2)
+            J, gW, gb, ga = j_and_grad(W + rho * gW / n, b + rho * gb / n, a + rho * ga / n, x, y)
+        losses.append(J * len(y))
+        W, b, a = W - lr * gW, b - lr * gb, a - lr * ga
+    np.testing.assert_allclose(model.head.weight.detach().numpy(), W, atol=2e-5)
+    np.testing.assert_allclose(model.head.bias.detach().numpy(), b, atol=2e-5)
+    assert model.body.a.item() == pytest.approx(a, abs=2e-5) and a != 1.0
+    assert res.loss == pytest.approx(sum(losses) / 5, rel=1e-4)
+
+
+def test_fedlgf_global_model_is_evaluated_with_its_own_statistics_and_left_as_received():
+    from rayfed_dg.methods.fedsam import GLOBAL
+    from rayfed_dg.models.split import SplitModel
+    method = build_method(tiny_cfg("method.name=fedsam", "method.rho=0", "method.global_flatness=1.0"), 3)
+    model = SplitModel(nn.BatchNorm1d(3), _linear())
+    ctx = _ctx()
+    method.round_start(model, ctx)
+    glob, received = ctx.scratch[GLOBAL], {k: v.clone() for k, v in model.state_dict().items()}
+    x, y = torch.tensor(X, dtype=torch.float32), torch.tensor(Y)
+    method.local_train(model, lambda: iter([(x, y), (x, y)]), ctx)
+    assert not torch.equal(model.body.running_mean, received["body.running_mean"])  # the local model trained
+    for k, v in glob.state_dict().items():  # the running statistics too: evaluation mode, no gradient step
+        assert torch.equal(v, received[k]), k
+    # its features are those of evaluation mode: (x - running mean 0) / sqrt(running var 1 + eps)
+    np.testing.assert_allclose(glob.features(x).numpy(), X / np.sqrt(1 + 1e-5), rtol=1e-6)
+
+
+def test_fedsam_rho_zero_without_flatness_is_plain_sgd_and_may_train_in_fp16():
+    assert tiny_cfg("method.name=fedsam", "method.rho=0", "training.precision=fp16").method.params.rho == 0
+    method = build_method(tiny_cfg("method.name=fedsam", "method.rho=0", "training.lr=0.1", "training.momentum=0",
+                                   "training.weight_decay=0"), 3)
+    model = _linear()
+    x, y = torch.tensor(X, dtype=torch.float32), torch.tensor(Y)
+    method.local_train(model, lambda: iter([(x, y)]), _ctx())
+    gW, gb = _ce_grad(W0, B0, X, Y)
+    np.testing.assert_allclose(model.weight.detach().numpy(), W0 - 0.1 * gW, atol=1e-6)
+    np.testing.assert_allclose(model.bias.detach().numpy(), B0 - 0.1 * gb, atol=1e-6)
+
+
 def test_fedsam_refuses_fp16():
     with pytest.raises(ConfigError, match="fedsam cannot train in training.precision fp16"):
         tiny_cfg("method.name=fedsam", "training.precision=fp16")
@@ -408,10 +547,10 @@ def test_defaults_are_the_reference_codes(name, defaults):
     assert {k: getattr(p, k) for k in defaults} == defaults
 
 
-def test_fedsam_accepts_bf16_refuses_a_non_positive_radius_and_skips_unused_parameters():
+def test_fedsam_accepts_bf16_refuses_a_negative_radius_and_skips_unused_parameters():
     assert tiny_cfg("method.name=fedsam", "training.precision=bf16").training.precision == "bf16"
     with pytest.raises(ConfigError, match="rho"):
-        tiny_cfg("method.name=fedsam", "method.rho=0")
+        tiny_cfg("method.name=fedsam", "method.rho=-0.01")
     # a parameter the loss never reaches has no gradient: it is neither perturbed nor stepped
     method = build_method(tiny_cfg("method.name=fedsam", "training.momentum=0", "training.weight_decay=0"), 3)
     model = nn.Sequential(_linear())

@@ -35,7 +35,9 @@ DEFAULTS = {
     "fedgma": {"mask_threshold": 0.4, "step_size": 1.0},  # the paper's tau = 0.4, eta = 1
     "fediir": {"penalty": 0.001, "ema": 0.95, "grad_batches": 0},  # the reference's PACS penalty and EMA
     "fedprox": {"mu": 0.01},  # CCST's reference value
-    "fedsam": {"rho": 0.05},  # SAM's default radius
+    # SAM's default radius; FedLGF's terms off, its README's perturbation
+    "fedsam": {"rho": 0.05, "local_flatness": 0.0, "global_flatness": 0.0, "perturb": "singular",
+               "perturb_dist": "normal", "perturb_init": 10.0, "perturb_grad": 0.1},
     "fedsr": {"z_dim": 512, "l2r": 0.01, "cmi": 0.001, "eval_samples": 20},
     "gperxan": {"lam": 0.5, "norm": "xan", "personalize": True, "placement": "auto", "bn_weight": "auto"},
     "mixstyle": {"p": 0.5, "blocks": ["block1", "block2", "block3"], "alpha": 0.1},  # MixStyle's paper
@@ -61,7 +63,9 @@ RANGES = {
     "fedfd.select_samples": "int >= 1", "fedfda.lambda1": "[0, 1]", "fedfda.lambda2": ">= 0",
     "fedfda.select_every": "int >= 1", "fedfda.select_samples": "int >= 1", "fedgma.mask_threshold": "[0, 1]",
     "fedgma.step_size": "> 0", "fediir.penalty": ">= 0", "fediir.ema": "[0, 1)", "fediir.grad_batches": "int >= 0",
-    "fedprox.mu": ">= 0", "fedsam.rho": "> 0", "fedsr.z_dim": "int >= 1", "fedsr.l2r": ">= 0", "fedsr.cmi": ">= 0",
+    "fedprox.mu": ">= 0", "fedsam.rho": ">= 0", "fedsam.local_flatness": ">= 0", "fedsam.global_flatness": ">= 0",
+    "fedsam.perturb_init": "> 0", "fedsam.perturb_grad": "> 0", "fedsr.z_dim": "int >= 1", "fedsr.l2r": ">= 0",
+    "fedsr.cmi": ">= 0",
     "fedsr.eval_samples": "int >= 1", "gperxan.lam": "[0, 1]", "mixstyle.p": "[0, 1]", "mixstyle.alpha": "> 0",
     "moon.mu": ">= 0", "moon.tau": "> 0", "moon.out_dim": "int >= 1", "rsc.spatial_drop": "(0, 1)",
     "rsc.channel_drop": "(0, 1)", "rsc.batch_drop": "[0, 1]", "rsc.spatial_p": "[0, 1]",

@@ -67,6 +67,11 @@ SETTINGS: dict[tuple[str, str], list[str]] = {
     ("stablefdg", "attention_scores"): ["data.resolution=32"],  # at 16 px: a softmax over one position
     ("fedfd", "select_samples"): ["method.select_every=1"],  # read only with client-side selection
     ("fedfda", "select_samples"): ["method.select_every=1"],
+    # FedLGF's perturbation is read only with a flatness term on (global: its own copy of the round's model)
+    ("fedsam", "perturb"): ["method.local_flatness=0.1"],
+    ("fedsam", "perturb_dist"): ["method.global_flatness=0.1"],
+    ("fedsam", "perturb_init"): ["method.local_flatness=0.1"],
+    ("fedsam", "perturb_grad"): ["method.global_flatness=0.1"],
 }
 
 # (method, param) -> why no value can change the probe's outputs (checked: listing an observable one fails).  Empty:
