@@ -140,9 +140,10 @@ class _Scale(nn.Module):
         return self.a * x
 
 
-@pytest.mark.parametrize("rho,local,glob,kind", [(0.0, 0.3, 0.7, "singular"), (0.0, 0.0, 0.5, "weight"),
-                                                 (0.0, 0.4, 0.0, "singular"), (0.2, 0.3, 0.7, "singular")])
-def test_fedlgf_terms_step_two_batches_by_hand(rho, local, glob, kind):
+@pytest.mark.parametrize("rho,local,glob,kind,dist", [
+    (0.0, 0.3, 0.7, "singular", "normal"), (0.0, 0.0, 0.5, "weight", "normal"), (0.0, 0.4, 0.0, "singular", "uniform"),
+    (0.2, 0.3, 0.7, "singular", "normal"), (0.2, 0.6, 0.2, "weight", "uniform")])
+def test_fedlgf_terms_step_two_batches_by_hand(rho, local, glob, kind, dist):
     """J = CE + local KL(softmax(z_l) || softmax(z)) + global KL(softmax(z_g) || softmax(z)), z_l from the local
     head, z_g from the round's global model (frozen at round start: the second step's differs from the local one),
     both constants; the draws from the client's generator, local before global, pass by pass; SAM on J when
@@ -152,7 +153,7 @@ def test_fedlgf_terms_step_two_batches_by_hand(rho, local, glob, kind):
     lr, init, grad = 0.5, 10.0 if kind == "singular" else 0.5, 0.1
     cfg = tiny_cfg("method.name=fedsam", f"method.rho={rho}", f"method.local_flatness={local}",
                    f"method.global_flatness={glob}", f"method.perturb={kind}", f"method.perturb_init={init}",
-                   f"method.perturb_grad={grad}", f"training.lr={lr}", "training.momentum=0", "training.weight_decay=0")
+                   f"method.perturb_grad={grad}", f"method.perturb_dist={dist}", f"training.lr={lr}", "training.momentum=0", "training.weight_decay=0")
     method = build_method(cfg, 3)
     from rayfed_dg.models.split import SplitModel
     model = SplitModel(_Scale(), _linear())
@@ -165,7 +166,8 @@ def test_fedlgf_terms_step_two_batches_by_hand(rho, local, glob, kind):
     gen, shape = torch.Generator().manual_seed(0), (2,) if kind == "singular" else (2, 3)
 
     def draw():
-        return torch.randn(shape, generator=gen).double().numpy()
+        d = torch.randn(shape, generator=gen) if dist == "normal" else torch.rand(shape, generator=gen) - 0.5
+        return d.double().numpy()
 
     def j_and_grad(W, b, a, x, y):
         f = a * x
@@ -208,6 +210,24 @@ def test_fedlgf_global_model_is_evaluated_with_its_own_statistics_and_left_as_re
         assert torch.equal(v, received[k]), k
     # its features are those of evaluation mode: (x - running mean 0) / sqrt(running var 1 + eps)
     np.testing.assert_allclose(glob.features(x).numpy(), X / np.sqrt(1 + 1e-5), rtol=1e-6)
+
+
+def test_fedlgf_kl_is_taken_in_fp32_from_bf16_logits():
+    from rayfed_dg.methods.fedsam import flatness_kl
+    z = torch.tensor([[3.1, -2.7, 0.4], [0.02, 0.01, -0.03]]).bfloat16()
+    zp = torch.tensor([[2.9, -2.5, 0.5], [0.0, 0.05, -0.04]])
+    got = flatness_kl(z, zp)
+    q, pa = _softmax(z.double().numpy()), _softmax(zp.double().numpy())  # z as bf16 rounded it, then exact
+    assert got.item() == pytest.approx(_kl(pa, q), rel=1e-4)
+
+
+def test_fedlgf_refuses_a_head_it_cannot_perturb():
+    from rayfed_dg.models.split import SplitModel
+    method = build_method(tiny_cfg("method.name=fedsam", "method.local_flatness=0.1"), 3)
+    model = SplitModel(nn.Identity(), _linear())
+    model.head = nn.Sequential(_linear())
+    with pytest.raises(ConfigError, match="fedsam's flatness terms perturb a linear head; this model's head is Sequential"):
+        method.round_start(model, _ctx())
 
 
 def test_fedsam_rho_zero_without_flatness_is_plain_sgd_and_may_train_in_fp16():

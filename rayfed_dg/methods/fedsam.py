@@ -25,8 +25,8 @@ Choices where the paper leaves the deep-learning setup open:
   perturbed weights are not the model's.
 * ``rho`` defaults to 0.05, SAM's default (Foret et al.); Qu et al. tune it
   per dataset, so sweep it on source validation.
-* fp16 is refused: a step the gradient scaler skips would leave the weights
-  at w + e.  bf16 and fp32 run as usual.
+* fp16 is refused while rho > 0: a step the gradient scaler skips would
+  leave the weights at w + e.  bf16 and fp32 run as usual.
 * MoFedSAM (the paper's Algorithm 2, local momentum towards the previous
   global update) is not implemented.
 
@@ -64,14 +64,21 @@ nearby heads ("global flatness"), the local term towards its own ("local
 flatness"); ``rho`` keeps SAM's step on top, on the gradient of J.
 FedLGF itself is ``rho: 0`` (no SAM step, one pass) with both terms at 0.1
 and its README's perturbation (singular, normal, 10, 0.1: the defaults
-here).  Choices where the reference code is specific to DomainBed:
+here; its hyper-parameter registry's defaults are weight, uniform, 0.1,
+0.01, with comments giving other values: the README's command is the
+published run).  Choices where the reference code is specific to DomainBed:
 * the global model runs in evaluation mode (the reference's ResNet keeps
   its BatchNorms frozen in evaluation mode always; ours train theirs);
 * the random start is drawn from the client's seeded generator, local
   term first, then global (the reference's order, from the global stream);
+  like every method's draws here, they move the batch order and
+  augmentation drawn after them, so a row with the terms on does not see
+  the same batches as FedSAM's at the same seed;
 * the head is the backbone's linear head (the reference perturbs each
   linear layer of its classifier, which is one layer unless DomainBed's
-  ``nonlinear_classifier`` is set); the perturbation is computed in fp32.
+  ``nonlinear_classifier`` is set); the perturbation and the KL terms are
+  computed in fp32 (bf16 logits under autocast: bf16's log-softmax on a
+  CPU made a KL of -9e-4 where fp32 gives +4e-4).
 """
 from __future__ import annotations
 
@@ -147,7 +154,7 @@ def adversarial_logits(feature: torch.Tensor, target: torch.Tensor, weight: torc
 def flatness_kl(logits: torch.Tensor, perturbed: torch.Tensor) -> torch.Tensor:
     """KL(softmax(perturbed) || softmax(logits)), batch mean: the reference's
     ``F.kl_div(log_softmax(logits), softmax(perturbed), 'batchmean')``."""
-    return F.kl_div(F.log_softmax(logits, dim=1), F.softmax(perturbed, dim=1), reduction="batchmean")
+    return F.kl_div(F.log_softmax(logits.float(), dim=1), F.softmax(perturbed.float(), dim=1), reduction="batchmean")
 
 
 @register_method
@@ -172,6 +179,9 @@ class FedSAM(Method):
                               "scaler skips would leave the weights perturbed; use bf16 or fp32")
 
     def round_start(self, model, ctx):
+        if (self.p.local_flatness > 0 or self.p.global_flatness > 0) and not isinstance(model.head, nn.Linear):
+            raise ConfigError(f"fedsam's flatness terms perturb a linear head; this model's head is "
+                              f"{type(model.head).__name__}: set method.local_flatness and global_flatness to 0")
         if self.p.global_flatness > 0:
             glob = copy.deepcopy(model).eval()
             for q in glob.parameters():
