@@ -538,6 +538,19 @@ def test_fedadg_warms_up_on_plain_cross_entropy_first():
     assert res.steps == 10 and len(seen) == 7
 
 
+def test_fedadg_warm_up_by_epochs_is_its_fraction_of_epochs_times_batches_per_epoch():
+    # no local_steps: the round's budget is 2 epochs x ceil(10 samples / batch 4) = 6 steps, the warm-up
+    # round(0.5 x 6) = 3 of them (the mutation audit's survivor: 2 + 3 = 5 steps would warm up for 2)
+    method, model, _, x, y = _adg("training.local_epochs=2", "training.batch_size=4", "method.warmup_fraction=0.5")
+    assert method.training.local_steps is None
+    seen = []
+    method.adversarial_step = lambda *a: seen.append(len(seen)) or torch.tensor(0.0)
+    ctx = ClientContext(client_id=0, round=1, device=torch.device("cpu"), generator=torch.Generator().manual_seed(0),
+                        num_samples=10)
+    res = method.local_train(model, lambda: iter([(x, y)] * 6), ctx)
+    assert res.steps == 6 and len(seen) == 3
+
+
 def test_fedgma_defaults_and_bounds_are_the_references():
     # FedDG-Benchmark's PACS configuration: mask_threshold 0.4, step_size 1.0 (a changed default changes a table)
     p = build_method(tiny_cfg("method.name=fedgma"), 3).p

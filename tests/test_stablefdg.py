@@ -57,6 +57,44 @@ def test_partners_are_drawn_for_single_samples_of_a_class_the_client_holds_twice
     assert y2.tolist() == [0, 1, 1, 2, 0] and x2[4].item() == 9.0
     off = build_method(tiny_cfg("method.name=stablefdg", "method.attention=false"), 3)
     assert off._with_partners(x, y, ctx)[1].tolist() == [0, 1, 1, 2]  # no highlighter, no partners
+    # class 1 once in the batch and exactly twice on the client: its other sample is the partner
+    x3, y3 = method._with_partners(torch.zeros(4, 1), torch.tensor([0, 0, 1, 2]), ctx)
+    assert y3.tolist() == [0, 0, 1, 2, 1]
+
+
+def test_one_client_round_gets_no_style_and_does_not_wait_for_a_derangement():
+    # a round whose only participant is the only style known: nobody else's style to give (no endless redraw)
+    assert assign_styles([3], [3], 1, np.random.default_rng(0)) == {3: []}
+
+
+def test_the_loss_gives_the_highlighter_each_samples_same_class_partner():
+    from types import SimpleNamespace
+
+    from rayfed_dg.methods import build_method
+    from rayfed_dg.models.style import same_class_partners
+
+    method = build_method(tiny_cfg("method.name=stablefdg", "model.width=8"), 3)
+    model = method.build_model(10).train()
+    hl = method._highlighter(model)
+    seen = []
+    hl.register_forward_hook(lambda m, i, o: seen.append(None if m.partners is None else m.partners.tolist()))
+    x, y = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(0)), torch.tensor([2, 0, 2, 1])
+    method.loss(model, x, y, SimpleNamespace(fetch=None))
+    # the labels as the last block sees them (oversampling enlarged the batch): each sample's next of its class
+    labels = model.style_state.labels
+    assert len(labels) > 4 and seen == [same_class_partners(labels, None)[0].tolist()]
+    assert seen[0] != list(range(len(labels)))  # some sample has a partner other than itself
+
+
+def test_without_the_highlighter_a_head_that_does_more_than_pool_is_accepted():
+    pytest.importorskip("timm", reason="timm is not installed (pip install -e '.[dev]')")
+    from rayfed_dg.methods import build_method
+
+    convnext = ["model.arch=timm/test_convnext", "data.resolution=64"]
+    model = build_method(tiny_cfg("method.name=stablefdg", "method.attention=false", *convnext), 3).build_model(7)
+    assert model.head.in_features == model.feature_dim  # no [GAP, attention] concatenation
+    with pytest.raises(ValueError, match="the feature highlighter attends over the last feature map"):
+        build_method(tiny_cfg("method.name=stablefdg", *convnext), 3).build_model(7)
 
 
 def test_style_information_by_hand():
