@@ -154,6 +154,31 @@ def test_integer_tensors_and_non_finite_uploads():
         red.add(2, {"y": np.ones(2, np.float32)})
 
 
+def test_an_all_zero_tensor_sets_no_window_and_merges_as_nothing():
+    # a zero tensor (a bias never moved from 0) holds no bin: terms of 1e-60 added after it keep every bit
+    # (a window set at 0's bin would drop them, 2^-199 below its 96 bits), and a partial whose tensor was all
+    # zero merges into a sum as nothing
+    s = BinnedSum()
+    s.add(1.0, {"b": torch.zeros(2, dtype=torch.float64)})
+    s.add(0.5, {"b": torch.tensor([1e-60, -3e-61], dtype=torch.float64)})
+    assert s.total("b").tolist() == [0.5 * 1e-60, 0.5 * -3e-61]
+    zero, other = BinnedSum(), BinnedSum()
+    zero.add(2.0, {"x": torch.zeros(2)})
+    other.add(1.0, {"x": torch.tensor([1.5, -2.0])})
+    other.merge(zero.pack())
+    zero.merge(other.pack())
+    assert other.total("x").tolist() == [1.5, -2.0] == zero.total("x").tolist()
+
+
+def test_a_tensor_only_clients_of_weight_zero_uploaded_keeps_its_value():
+    # no weight behind it: no mean to take (not 0/0 = NaN); the others are averaged as usual
+    red = Reducer([0, 1], {0: 0.0, 1: 2.0})
+    red.add(0, {"a": np.array([4.0], np.float32), "b": np.array([7.0], np.float32)})
+    red.add(1, {"a": np.array([1.0], np.float32)})
+    out = red.result({"a": np.zeros(1, np.float32), "b": np.array([3.0], np.float32)})
+    assert out["a"].tolist() == [1.0] and out["b"].tolist() == [3.0]
+
+
 def test_worker_fold_equals_the_server_fold_of_whole_uploads(tiny_ds):
     """The same clients trained with and without ``Fold``: the partials of any
     split give the bits of the whole uploads folded on the server; a folded

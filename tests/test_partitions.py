@@ -121,6 +121,10 @@ def test_stratified_split_keeps_one_of_each_side_for_two_samples_and_trains_on_a
     # class 2: round(1.0) = 1 for validation
     assert np.bincount(labels[val], minlength=3).tolist() == [1, 0, 1]
     assert np.bincount(labels[train], minlength=3).tolist() == [1, 1, 9]
+    # at 0.9: class 0's round(1.8) = 2 is lowered to one (one always trains), class 2's round(9.0) = 9
+    train, val = stratified_split(np.arange(13), labels, 0.9, seed=0)
+    assert np.bincount(labels[val], minlength=3).tolist() == [1, 0, 9]
+    assert np.bincount(labels[train], minlength=3).tolist() == [1, 1, 1]
 
 
 def test_dirichlet_gives_a_client_at_its_fair_share_nothing_of_the_next_domain():
@@ -149,3 +153,5 @@ def test_hash_str_is_pinned_so_splits_stay_what_they_were():
     # so a run directory's split is the same under any later version
     assert hash_str("") == 1469598103934665603
     assert hash_str("a") == ((1469598103934665603 ^ 97) * 1099511628211) % (1 << 63) == 4953267810257967366
+    # a domain name whose product passes 2^63 on its way (reduced mod 2^64 it would be 11695864303534268251)
+    assert hash_str("sketch") == 2472492266679492443
