@@ -55,6 +55,22 @@ def test_xan_from_pretrained_bn_keeps_its_values():
     assert torch.equal(i.inorm.weight, bn.weight[:2]) and torch.equal(i.bn.running_mean, bn.running_mean[2:])
 
 
+def test_xan_and_ibn_from_a_cumulative_average_batchnorm_track_statistics_at_momentum_0_1():
+    # momentum None (a cumulative average) has no meaning once the layer is split: both branches move their
+    # running mean by PyTorch's default 0.1 of the batch mean from the statistics they start with
+    bn = nn.BatchNorm2d(4, momentum=None)
+    with torch.no_grad():
+        bn.running_mean.copy_(torch.tensor([1.0, -1.0, 2.0, 0.5]))
+    x = torch.arange(2 * 4 * 3 * 3, dtype=torch.float32).reshape(2, 4, 3, 3) / 10
+    batch_mean = x.mean(dim=(0, 2, 3))
+    xan = XAN.from_bn(bn).train()
+    xan(x)
+    assert torch.allclose(xan.bn.running_mean, 0.9 * bn.running_mean + 0.1 * batch_mean, atol=1e-6)
+    ibn = IBN.from_bn(bn).train()
+    ibn(x)
+    assert torch.allclose(ibn.bn.running_mean, 0.9 * bn.running_mean[2:] + 0.1 * batch_mean[2:], atol=1e-6)
+
+
 def test_xan_bn_weight_sets_the_initial_mix_and_reaches_the_method():
     bn = nn.BatchNorm2d(4)
     with torch.no_grad():
