@@ -63,7 +63,7 @@ MODULES: dict[str, list[str]] = {
                         "not slow"],
     # StableFDG's style sharing, shifting, exploration and attention, and the MixStyle / DSU layers
     "models/style.py": ["tests/test_stablefdg.py", "tests/test_baselines.py", "-m", "not slow"],
-    "methods/fedsam.py": _method("tests/test_benchmark_baselines.py", k="sam"),
+    "methods/fedsam.py": _method("tests/test_benchmark_baselines.py", k="sam or lgf"),  # FedLGF's options too
     "methods/fedgma.py": _method("tests/test_benchmark_baselines.py", k="gma"),
     "methods/fediir.py": _method("tests/test_benchmark_baselines.py", k="iir"),
     "methods/fedadg.py": _method("tests/test_benchmark_baselines.py", k="adg"),
