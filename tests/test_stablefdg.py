@@ -476,3 +476,30 @@ def test_same_class_partner_is_the_next_sample_of_its_class_cyclically():
     partner, has = same_class_partners(torch.tensor([2, 0, 2, 1, 2, 0]), None)
     # class 2 at 0, 2, 4 -> 2, 4, 0; class 0 at 1, 5 -> 5, 1; class 1 alone keeps itself, without a partner
     assert partner.tolist() == [2, 5, 4, 3, 0, 1] and has.tolist() == [True, True, True, False, True, True]
+
+
+@pytest.mark.parametrize("mode", ["balanced", "random", "none"])
+def test_exploration_enlarges_the_batch_by_each_oversampling_mode(mode):
+    from rayfed_dg.models.style import StyleExplore
+
+    labels = torch.tensor([0, 0, 0, 1])
+    st = StyleState(labels=labels, gen=torch.Generator().manual_seed(0), oversample=mode, explore_p=1.0)
+    out = StyleExplore(st).train()(torch.randn(4, 2, 3, 3, generator=torch.Generator().manual_seed(1)))
+    if mode == "none":  # only MixStyle: the batch keeps its size and labels
+        assert out.shape[0] == 4 and torch.equal(st.labels, labels)
+        return
+    assert out.shape[0] == 8 and st.fired
+    if mode == "balanced":  # one class of three and one of one: four of each after the four extra samples
+        assert torch.bincount(st.labels).tolist() == [4, 4]
+    else:  # uniform over the batch: the generator's draws after the coin's, replayed
+        g = torch.Generator().manual_seed(0)
+        torch.rand(1, generator=g)
+        assert torch.equal(st.labels[4:], labels[torch.randint(4, (4,), generator=g)])
+
+
+def test_the_coin_fires_with_its_probability_from_the_seeded_stream():
+    st = StyleState(gen=torch.Generator().manual_seed(3))
+    got = [st.coin(0.25) for _ in range(200)]
+    g = torch.Generator().manual_seed(3)
+    assert got == [float(torch.rand(1, generator=g)) < 0.25 for _ in range(200)] and 30 < sum(got) < 70
+    assert not any(st.coin(0.0) for _ in range(50)) and all(st.coin(1.0) for _ in range(50))
