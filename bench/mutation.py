@@ -117,9 +117,13 @@ def _config(module: str, timeout: float) -> str:
             f"[cosmic-ray.filters.operators-filter]\nexclude-operators = [{excluded}]\n")
 
 
-def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+def _run(args: list[str], cwd: Path, timeout: float | None = None) -> subprocess.CompletedProcess:
     # the copy's package, not the installed one, in the test runs and the Ray workers they start
-    return subprocess.run(args, cwd=cwd, env={**os.environ, "PYTHONPATH": str(cwd)}, capture_output=True, text=True)
+    try:
+        return subprocess.run(args, cwd=cwd, env={**os.environ, "PYTHONPATH": str(cwd)}, capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:  # a mutant that never ends (a loop that cannot exit): killed, cosmic-ray's rule
+        return subprocess.CompletedProcess(args, 124, "", f"timed out after {timeout} s")
 
 
 def _scope_lines(path: Path, names: list[str]) -> list[tuple[int, int]]:
@@ -227,7 +231,7 @@ def _survivor_diffs(report: Path) -> list[tuple[str, str]]:
     return out
 
 
-def recheck(report: Path) -> int:
+def recheck(report: Path, timeout: float) -> int:
     """Apply each survivor of ``report`` again, one at a time, to a copy of today's tree and run the module's tests:
     the "after" column once tests were added for them, without a whole new cosmic-ray run."""
     name = report.stem
@@ -249,10 +253,11 @@ def recheck(report: Path) -> int:
                 print(f"  {heading}: does not apply to today's code (the line changed)")
                 target.write_text(original)
                 continue
-            r = _run(_pytest(module), work)
+            r = _run(_pytest(module), work, timeout)
             target.write_text(original)
             killed += r.returncode != 0
-            print(f"  {heading}: {'killed' if r.returncode else 'survives'}", flush=True)
+            verdict = "killed (timeout)" if r.returncode == 124 else "killed" if r.returncode else "survives"
+            print(f"  {heading}: {verdict}", flush=True)
     print(f"{module}: {killed} of the {len(diffs)} survivors in {report} are killed by today's tests")
     return 0
 
@@ -271,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mutation: --sample {a.sample}: give a number of mutants, at least 1", file=sys.stderr)
         return 2
     if a.recheck:
-        return recheck(a.recheck)
+        return recheck(a.recheck, a.timeout)
     unknown = [m for m in a.modules if m not in MODULES]
     if unknown:
         print(f"mutation: no tests are mapped for {', '.join(unknown)}; choose from: {', '.join(MODULES)}",
