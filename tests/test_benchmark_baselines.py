@@ -221,11 +221,16 @@ def test_fedlgf_kl_is_taken_in_fp32_from_bf16_logits():
     assert got.item() == pytest.approx(_kl(pa, q), rel=1e-4)
 
 
-def test_fedlgf_refuses_a_head_it_cannot_perturb():
+@pytest.mark.parametrize("terms", [["method.local_flatness=0.1"], ["method.global_flatness=0.1"],
+                                   ["method.local_flatness=0.5", "method.global_flatness=2.0"], []])
+def test_fedlgf_refuses_a_head_it_cannot_perturb_only_with_a_term_on(terms):
     from rayfed_dg.models.split import SplitModel
-    method = build_method(tiny_cfg("method.name=fedsam", "method.local_flatness=0.1"), 3)
+    method = build_method(tiny_cfg("method.name=fedsam", *terms), 3)
     model = SplitModel(nn.Identity(), _linear())
     model.head = nn.Sequential(_linear())
+    if not terms:  # plain FedSAM perturbs every weight, whatever the head
+        method.round_start(model, _ctx())
+        return
     with pytest.raises(ConfigError, match="fedsam's flatness terms perturb a linear head; this model's head is Sequential"):
         method.round_start(model, _ctx())
 
