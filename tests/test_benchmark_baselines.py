@@ -20,12 +20,14 @@ def _ctx():
                          num_samples=4)
 
 
+def _softmax(z):
+    e = np.exp(z - z.max(1, keepdims=True))
+    return e / e.sum(1, keepdims=True)
+
+
 def _ce_grad(W, b, x, y):
     """d CE / d (W, b) of logits x W^T + b, by hand: G = (softmax - onehot) / B."""
-    z = x @ W.T + b
-    p = np.exp(z - z.max(1, keepdims=True))
-    p /= p.sum(1, keepdims=True)
-    G = (p - np.eye(W.shape[0])[y]) / len(y)
+    G = (_softmax(x @ W.T + b) - np.eye(W.shape[0])[y]) / len(y)
     return G.T @ x, G.sum(0)
 
 
@@ -83,14 +85,15 @@ def test_fedsam_updates_batchnorm_statistics_at_w_only():
     assert bn.momentum == 0.1 and int(bn.num_batches_tracked) == 1  # restored after the perturbed pass
 
 
-def _softmax(z):
-    e = np.exp(z - z.max(1, keepdims=True))
-    return e / e.sum(1, keepdims=True)
-
-
 def _kl(p, q):
     """KL(p || q) of row distributions, batch mean."""
     return float((p * (np.log(p) - np.log(q))).sum() / len(p))
+
+
+def _start(gen, shape, dist):
+    """FedLGF's random start as the code draws it from the client's generator, in float64."""
+    d = torch.randn(shape, generator=gen) if dist == "normal" else torch.rand(shape, generator=gen) - 0.5
+    return d.double().numpy()
 
 
 def _adv_by_hand(f, z, W, b, kind, init, grad, delta):
@@ -120,15 +123,13 @@ def test_fedlgf_adversarial_head_is_one_kl_ascent_step_from_a_random_start(kind,
     from rayfed_dg.methods.fedsam import adversarial_logits
     f, z = torch.tensor(X, dtype=torch.float64), torch.tensor([[1.0, -1.0], [0.0, 2.0], [0.5, 0.5], [-1.0, 0.3]])
     W, b = torch.tensor(W0 * 3), torch.tensor(B0)
-    shape = (2,) if kind == "singular" else (2, 3)
-    delta = torch.randn(shape, generator=torch.Generator().manual_seed(0)) if dist == "normal" else \
-        torch.rand(shape, generator=torch.Generator().manual_seed(0)) - 0.5
+    delta = _start(torch.Generator().manual_seed(0), (2,) if kind == "singular" else (2, 3), dist)
     got = adversarial_logits(f.float(), z, W.float(), b.float(), kind, init, grad, dist, torch.Generator().manual_seed(0))
-    want = _adv_by_hand(X, z.numpy().astype(np.float64), W0 * 3, B0, kind, init, grad, delta.double().numpy())
+    want = _adv_by_hand(X, z.numpy().astype(np.float64), W0 * 3, B0, kind, init, grad, delta)
     np.testing.assert_allclose(got.numpy(), want, atol=2e-5)
     if (kind, init) == ("singular", 10.0):  # the README's scale: relu clips one singular value of the start
-        S, d = np.linalg.svd(W0 * 3)[1], delta.double().numpy()
-        assert sorted((S + init * d / np.linalg.norm(d)) > 0) == [False, True]
+        S = np.linalg.svd(W0 * 3)[1]
+        assert sorted((S + init * delta / np.linalg.norm(delta)) > 0) == [False, True]
 
 
 class _Scale(nn.Module):
@@ -153,7 +154,8 @@ def test_fedlgf_terms_step_two_batches_by_hand(rho, local, glob, kind, dist):
     lr, init, grad = 0.5, 10.0 if kind == "singular" else 0.5, 0.1
     cfg = tiny_cfg("method.name=fedsam", f"method.rho={rho}", f"method.local_flatness={local}",
                    f"method.global_flatness={glob}", f"method.perturb={kind}", f"method.perturb_init={init}",
-                   f"method.perturb_grad={grad}", f"method.perturb_dist={dist}", f"training.lr={lr}", "training.momentum=0", "training.weight_decay=0")
+                   f"method.perturb_grad={grad}", f"method.perturb_dist={dist}", f"training.lr={lr}",
+                   "training.momentum=0", "training.weight_decay=0")
     method = build_method(cfg, 3)
     from rayfed_dg.models.split import SplitModel
     model = SplitModel(_Scale(), _linear())
@@ -165,10 +167,6 @@ def test_fedlgf_terms_step_two_batches_by_hand(rho, local, glob, kind, dist):
 
     gen, shape = torch.Generator().manual_seed(0), (2,) if kind == "singular" else (2, 3)
 
-    def draw():
-        d = torch.randn(shape, generator=gen) if dist == "normal" else torch.rand(shape, generator=gen) - 0.5
-        return d.double().numpy()
-
     def j_and_grad(W, b, a, x, y):
         f = a * x
         z = f @ W.T + b
@@ -176,7 +174,7 @@ def test_fedlgf_terms_step_two_batches_by_hand(rho, local, glob, kind, dist):
         J, G = -np.log(q[np.arange(len(y)), y]).mean(), q - onehot
         for lam, (fh, Wh, bh) in ((local, (f, W, b)), (glob, (x, W0, B0))):  # the global model: a = 1
             if lam > 0:
-                pa = _softmax(_adv_by_hand(fh, z, Wh, bh, kind, init, grad, draw()))
+                pa = _softmax(_adv_by_hand(fh, z, Wh, bh, kind, init, grad, _start(gen, shape, dist)))
                 J, G = J + lam * _kl(pa, q), G + lam * (q - pa)
         G = G / len(y)
         return J, G.T @ f, G.sum(0), ((G @ W) * x).sum()

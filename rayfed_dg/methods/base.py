@@ -286,6 +286,14 @@ def evaluate_on_val(model: nn.Module, ctx: ClientContext, batch_size: int = 256)
     return correct / n, loss / n
 
 
+def frozen(model: nn.Module) -> nn.Module:
+    """``model`` as a constant of the loss: no parameter trains, evaluation mode (a copy of the round's global
+    model, a previous local model)."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.eval()
+
+
 def train_steps(opt: torch.optim.Optimizer, batches: Callable[[], Iterator[Batch]],
                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], steps: int | None = None,
                 after_step: Callable[[torch.Tensor, torch.Tensor, int], None] | None = None,
@@ -479,5 +487,5 @@ def build_method(cfg, num_clients: int) -> Method:
 
 
 __all__ = ["Batch", "ClientContext", "ClientUpdate", "ConfigError", "GlobalEval", "LocalResult", "Method", "NoParams",
-           "Phase", "Precision", "Slot", "build_method", "evaluate_on_val", "get_method_class", "method_names",
-           "register_method", "train_steps"]
+           "Phase", "Precision", "Slot", "build_method", "evaluate_on_val", "frozen", "get_method_class",
+           "method_names", "register_method", "train_steps"]

@@ -92,7 +92,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rayfed_dg.errors import ConfigError
 
-from .base import Method, register_method, train_steps
+from .base import Method, frozen, register_method, train_steps
 
 UNPERTURBED = "fedsam_w"  # ctx.scratch key: the step's parameters and their values at w, put back before the step
 GLOBAL = "fedsam_global"  # ctx.scratch key: the round's global model, frozen (FedLGF's global flatness)
@@ -183,10 +183,7 @@ class FedSAM(Method):
             raise ConfigError(f"fedsam's flatness terms perturb a linear head; this model's head is "
                               f"{type(model.head).__name__}: set method.local_flatness and global_flatness to 0")
         if self.p.global_flatness > 0:
-            glob = copy.deepcopy(model).eval()
-            for q in glob.parameters():
-                q.requires_grad_(False)
-            ctx.scratch[GLOBAL] = glob
+            ctx.scratch[GLOBAL] = frozen(copy.deepcopy(model))
 
     def objective(self, model, x, y, ctx, global_features):
         """CE, plus FedLGF's flatness terms where they are on (``model.features``
@@ -240,13 +237,12 @@ class FedSAM(Method):
         opt = self.make_optimizer(model, ctx.round)
 
         def restore(_opt, _args, _kwargs):  # the step is taken from w, with the gradient at w + e
-            if UNPERTURBED not in ctx.scratch:  # rho 0: nothing was perturbed
-                return
             params, w = ctx.scratch.pop(UNPERTURBED)
             with torch.no_grad():
                 for p, v in zip(params, w):
                     p.copy_(v)
 
-        opt.register_step_pre_hook(restore)
+        if self.p.rho > 0:  # rho 0: the loss perturbs nothing
+            opt.register_step_pre_hook(restore)
         model.train()
         return train_steps(opt, batches, lambda x, y: self.loss(model, x, y, ctx), precision=ctx.precision)

@@ -53,7 +53,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
-from .base import Method, register_method, train_steps
+from .base import Method, frozen, register_method, train_steps
 
 PREV = "moon_prev"  # submodule: the client's previous local model (private)
 SEEN = "moon_round"  # buffer: the round of that model, 0 before the client's first
@@ -90,12 +90,6 @@ def model_contrastive_loss(z: torch.Tensor, z_glob: torch.Tensor, z_prev: torch.
     pos = F.cosine_similarity(z, z_glob, dim=-1) / tau
     neg = F.cosine_similarity(z, z_prev, dim=-1) / tau
     return F.cross_entropy(torch.stack([pos, neg], 1), torch.zeros(len(z), dtype=torch.long, device=z.device))
-
-
-def frozen(model: nn.Module) -> nn.Module:
-    for p in model.parameters():
-        p.requires_grad_(False)
-    return model.eval()
 
 
 @register_method
