@@ -35,7 +35,7 @@ def main() -> None:
     from rayfed_dg.config import load_config
     from rayfed_dg.data import load_dataset
     from rayfed_dg.engine import ClientRunner
-    from rayfed_dg.engine.worker import to_numpy_state
+    from rayfed_dg.engine.workers.worker import to_numpy_state
 
     modes = ["flip", "domainbed"]
     runners, idx = {}, np.arange(args.batch * args.steps)

@@ -35,7 +35,7 @@ def main() -> None:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from rayfed_dg.cluster import ADDRESS, LocalCluster
-    from rayfed_dg.engine.resources import use_token_auth_if_available
+    from rayfed_dg.engine.workers.resources import use_token_auth_if_available
     from rayfed_dg.models import build_backbone
 
     with LocalCluster(REPO / "cluster-local.yaml", temp_dir="/tmp/rayfed-dg-bench-cluster"):

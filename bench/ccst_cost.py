@@ -52,7 +52,7 @@ def main() -> None:
 def timed_setup(args, cfg, ds, split, target) -> None:
     import ray
 
-    from rayfed_dg.engine.run import run_federation
+    from rayfed_dg.engine.running.run import run_federation
 
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     refs = ray.put(ds.images), ray.put(ds.labels)

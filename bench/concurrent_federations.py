@@ -27,13 +27,13 @@ def main() -> None:
     import ray
 
     from rayfed_dg.config import load_config
-    from rayfed_dg.engine import schedule
-    from rayfed_dg.engine.experiment import plan_experiment, worker_slots
-    from rayfed_dg.engine.plan import clients_per_round, load_data, resolve_targets
-    from rayfed_dg.engine.records import TABLES
-    from rayfed_dg.engine.run import format_table
-    from rayfed_dg.engine.rundir import RunDir
-    from rayfed_dg.engine.service import RunRequest, execute_run
+    from rayfed_dg.engine.running import schedule
+    from rayfed_dg.engine.running.experiment import plan_experiment, worker_slots
+    from rayfed_dg.engine.running.plan import clients_per_round, load_data, resolve_targets
+    from rayfed_dg.engine.running.run import format_table
+    from rayfed_dg.engine.running.service import RunRequest, execute_run
+    from rayfed_dg.engine.store.records import TABLES
+    from rayfed_dg.engine.store.rundir import RunDir
 
     config = "configs/quickstart.yaml"
     cfg = load_config(config, args.set)

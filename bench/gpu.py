@@ -231,7 +231,7 @@ def engine_overrides(args, workers: int) -> list[str]:
 def part_client(args, device) -> None:
     import ray
 
-    from rayfed_dg.engine.host import EngineHost
+    from rayfed_dg.engine.running.host import EngineHost
 
     n, rounds = (30, 3) if args.tiny else (args.clients, 4)
     cfg = _cfg("model.arch=convnet", "model.width=4", "data.resolution=16", "training.local_steps=1",
@@ -256,7 +256,7 @@ def part_client(args, device) -> None:
 def part_shapes(args, device) -> None:
     import ray
 
-    from rayfed_dg.engine.host import EngineHost
+    from rayfed_dg.engine.running.host import EngineHost
 
     shapes = TINY if args.tiny else SHAPES
     rounds = 3 if args.tiny else args.rounds
@@ -349,7 +349,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="toy sizes: a smoke test of the code path")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
-        from rayfed_dg.engine.worker import cuda_report
+        from rayfed_dg.engine.workers.worker import cuda_report
 
         print(f"no GPU available: {cuda_report()}; nothing measured (--device cpu --tiny runs the code on the CPU)")
         return

@@ -70,7 +70,7 @@ def main() -> None:
 
     from rayfed_dg.config import load_config
     from rayfed_dg.engine import ClientRunner
-    from rayfed_dg.engine.worker import to_numpy_state
+    from rayfed_dg.engine.workers.worker import to_numpy_state
     from rayfed_dg.methods import GlobalEval, Phase, get_method_class, method_names
 
     methods = args.methods or [m for m in DEFAULT if m in method_names()]

@@ -2,7 +2,7 @@
 
     pip install cosmic-ray==8.7.0        # not a dependency of the project: this script is run by hand, not in CI
     python bench/mutation.py                                   # every module below (hours on 2 cores)
-    python bench/mutation.py --modules engine/selection.py methods/fedgma.py --out runs/mutation
+    python bench/mutation.py --modules engine/store/selection.py methods/fedgma.py --out runs/mutation
     python bench/mutation.py --recheck runs/mutation/engine_dispatch.md   # its survivors against today's tests
     python bench/mutation.py --sample 40 --modules models/norms.py        # an estimate from 40 random mutants
 
@@ -50,11 +50,11 @@ def _method(*files: str, k: str) -> list[str]:
 
 # module (under rayfed_dg/) -> the pytest arguments of the tests that guard it (fast ones)
 MODULES: dict[str, list[str]] = {
-    "engine/aggregate.py": ["tests/test_aggregate.py", "-m", "not slow"],
-    "engine/server_opt.py": ["tests/test_server_opt.py", "-m", "not slow"],
-    "engine/selection.py": ["tests/test_selection.py", "-m", "not slow"],
-    "engine/pool.py": ["tests/test_pool.py", "-m", "not slow"],
-    "engine/dispatch.py": ["tests/test_dispatch.py"],  # the pool's failure accounting and dispatch, without Ray
+    "engine/aggregation/exact.py": ["tests/test_aggregate.py", "-m", "not slow"],
+    "engine/aggregation/server_opt.py": ["tests/test_server_opt.py", "-m", "not slow"],
+    "engine/store/selection.py": ["tests/test_selection.py", "-m", "not slow"],
+    "engine/workers/pool.py": ["tests/test_pool.py", "-m", "not slow"],
+    "engine/workers/dispatch.py": ["tests/test_dispatch.py"],  # the pool's failure accounting and dispatch, without Ray
     "tuning.py": ["tests/test_tuning.py", "-m", "not slow", "-k", "select or collect or unfinished or tie or table"],
     "data/protocol.py": ["tests/test_partitions.py", "tests/test_splits.py", "tests/test_protocols.py", "-m",
                          "not slow"],
@@ -84,7 +84,7 @@ MODULES: dict[str, list[str]] = {
 # plumbing around it that only end-to-end tests reach
 SCOPES: dict[str, list[str]] = {
     "tuning.py": ["select_value", "select_per_seed", "collect_row", "collect", "markdown_table"],
-    "engine/dispatch.py": ["FailureLedger", "DispatchPlan"],
+    "engine/workers/dispatch.py": ["FailureLedger", "DispatchPlan"],
 }
 
 # cosmic-ray operator names (regular expressions) left out: implausible bugs and random replacers

@@ -41,7 +41,7 @@ def startup() -> None:
     import ray
 
     from rayfed_dg.data import leave_one_domain_out, load_dataset
-    from rayfed_dg.engine.host import EngineHost
+    from rayfed_dg.engine.running.host import EngineHost
 
     ds = load_dataset("embedded_digits", None, 16)
     refs = [ray.put(ds.images), ray.put(ds.labels)]

@@ -30,7 +30,7 @@ def main() -> None:
 
     from rayfed_dg.config import load_config
     from rayfed_dg.engine import ClientRunner, ClientTask, load_data, resolve_targets, split_for
-    from rayfed_dg.engine.worker import to_numpy_state
+    from rayfed_dg.engine.workers.worker import to_numpy_state
     from rayfed_dg.stages import StageClient, build_stages
 
     torch.set_num_threads(args.threads)

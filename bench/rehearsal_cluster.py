@@ -53,7 +53,7 @@ def start_cluster(nodes: int, gpus: int, cpus: float, temp: Path):
 
 def placements(root: Path, seeds: list[int]) -> list[tuple[str, dict | None]]:
     """(seed / row / target, its ``placement`` or None where not recorded) of every federation."""
-    from rayfed_dg.engine.rundir import RunDir
+    from rayfed_dg.engine.store.rundir import RunDir
 
     out = []
     for s in seeds:
@@ -75,7 +75,7 @@ def most_at_once(spans: list[tuple[float, float]]) -> int:
 
 def compare(a: Path, b: Path, seeds: list[int]) -> list[str]:
     """One line per table: rows compared and whether ``a`` equals ``b`` bit for bit."""
-    from rayfed_dg.engine.rundir import RunDir
+    from rayfed_dg.engine.store.rundir import RunDir
 
     lines = []
     for name in TABLES:

@@ -1,5 +1,5 @@
 """A paper table on 8 and 64 GPUs: the engine's concurrency rule
-(``rayfed_dg/engine/schedule.py``) replayed on measured per-federation costs,
+(``rayfed_dg/engine/running/schedule.py``) replayed on measured per-federation costs,
 makespan over the ideal (total work / GPUs; target at most 1.1).
 
 Costs, by default, the pretrained PACS table of docs/results/pacs.md
@@ -20,7 +20,7 @@ import argparse
 from collections import defaultdict
 from pathlib import Path
 
-from rayfed_dg.engine.schedule import FedJob, simulate
+from rayfed_dg.engine.running.schedule import FedJob, simulate
 
 # docs/results/pacs.md, "Wall per method and seed (four targets, session 16 ...)": (low, high) seconds
 PACS_WALL = {"fedavg": (229, 231), "silobn": (236, 273), "fedbn": (242, 412), "stablefdg": (693, 948),
@@ -40,7 +40,7 @@ def pacs_jobs(rounds: int = 5, clients: int = 3) -> list[FedJob]:
 def run_dir_jobs(paths: list[str]) -> list[FedJob]:
     """Every (row folder, target) of the run directories as a federation,
     its clients' mean training seconds as their cost."""
-    from rayfed_dg.engine.rundir import RunDir
+    from rayfed_dg.engine.store.rundir import RunDir
 
     jobs = []
     for path in paths:

@@ -54,7 +54,7 @@ def old_fold(acc: dict[str, torch.Tensor], update: dict[str, np.ndarray], w: flo
 
 def fold_cost_ms(state: dict[str, torch.Tensor], reps: int = 5) -> tuple[float, float]:
     """Median ms to fold one ResNet-18 upload: the binned sum, the old float64 add."""
-    from rayfed_dg.engine.aggregate import BinnedSum
+    from rayfed_dg.engine.aggregation.exact import BinnedSum
 
     b = BinnedSum()
     acc = {k: torch.zeros(v.shape, dtype=torch.float64) for k, v in state.items()}
@@ -80,10 +80,10 @@ def main() -> None:
 
     from rayfed_dg.config import load_config
     from rayfed_dg.data.protocol import FederatedSplit
-    from rayfed_dg.engine.federation import Federation
-    from rayfed_dg.engine.host import EngineHost
-    from rayfed_dg.engine.pool import WorkerPool
-    from rayfed_dg.engine.records import Fold
+    from rayfed_dg.engine.rounds.federation import Federation
+    from rayfed_dg.engine.running.host import EngineHost
+    from rayfed_dg.engine.store.records import Fold
+    from rayfed_dg.engine.workers.pool import WorkerPool
 
     n, per = args.clients, 16
     cfg = load_config(None, [

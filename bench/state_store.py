@@ -67,8 +67,8 @@ def run(method: str, n_clients: int, rounds: int, per_round: int, tiny: bool = F
     from rayfed_dg.config import load_config
     from rayfed_dg.data.protocol import FederatedSplit
     from rayfed_dg.engine import run_federation
-    from rayfed_dg.engine.clientstore import piece_name, read_index
-    from rayfed_dg.engine.host import EngineHost
+    from rayfed_dg.engine.running.host import EngineHost
+    from rayfed_dg.engine.store.clientstore import piece_name, read_index
 
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, (30 * 64 + 64, 32, 32, 3), dtype=np.uint8)

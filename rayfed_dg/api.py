@@ -7,14 +7,14 @@
     print(result.table())   # what ``rayfed-dg report RUN_DIR`` prints
     again = rayfed_dg.load(result.run_dir)  # the same, from the run directory
 
-It is the CLI's own run (the run service, ``engine.service.execute_run``:
+It is the CLI's own run (the run service, ``engine.running.service.execute_run``:
 the same checks, run directory, ``run.json`` and federations), so the
 numbers are those of ``rayfed-dg run`` with the same config, bit for bit,
 and ``rayfed-dg report`` / ``plot`` / ``run --resume`` read its run
 directory as any other.
 ``overrides`` are ``--set`` values with Python values: ``{"training.lr":
 0.01}`` is ``--set training.lr=0.01`` (``None`` is ``null``).  Both read
-the run directory through ``engine.rundir.RunDir``, as ``report`` does.
+the run directory through ``engine.store.rundir.RunDir``, as ``report`` does.
 """
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ def load(run_dir: str | Path) -> RunResult:
     """A finished run directory (``rayfed-dg run``'s or ``rayfed_dg.run``'s,
     of this release or an older one) as ``run`` returns it: its rows in the
     order ``report`` lists them (seeds by number, rows in config order)."""
-    from rayfed_dg.engine.rundir import RunDir
+    from rayfed_dg.engine.store.rundir import RunDir
     from rayfed_dg.reporting import check_report_inputs, find_runs
 
     root = Path(run_dir)
@@ -123,8 +123,8 @@ def run(config: str | Path | None = None, overrides: Mapping[str, Any] | None = 
     ``seeds``: ``[0, 1, 2]``; ``resume``: a run directory to continue (its
     own config, targets and seeds).  Bad input raises ``ConfigError`` (or
     ``DataError``) with the CLI's one-line message; Ctrl-C raises
-    ``engine.service.RunInterrupted`` (a ``KeyboardInterrupt``) naming the resume."""
-    from rayfed_dg.engine.service import RunRequest, execute_run
+    ``engine.running.service.RunInterrupted`` (a ``KeyboardInterrupt``) naming the resume."""
+    from rayfed_dg.engine.running.service import RunRequest, execute_run
 
     if target is not None and not isinstance(target, str):
         target = ",".join(target)

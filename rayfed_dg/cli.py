@@ -7,8 +7,8 @@ have been checked.  A run records how it was started (``run.json``: targets,
 seeds, ``--set`` values, the code's commit and library versions) and its
 config before its first federation, so ``rayfed-dg run --resume RUN_DIR``
 needs nothing else, and Ctrl-C prints that command.  Each command is a face:
-``run`` over the run service (``engine/service.py``), the others over the
-run directory (``engine/rundir.py``) and ``reporting``.
+``run`` over the run service (``engine/running/service.py``), the others over the
+run directory (``engine/store/rundir.py``) and ``reporting``.
 """
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ def _build_parser() -> argparse.ArgumentParser:
 def _partition(args) -> int:
     from rayfed_dg.config import load_config
     from rayfed_dg.data.protocol import manifest
-    from rayfed_dg.engine.plan import load_data, resolve_targets, split_for
+    from rayfed_dg.engine.running.plan import load_data, resolve_targets, split_for
     from rayfed_dg.reporting import partition_clients_csv, partition_heatmap, partition_summary
 
     cfg = load_config(args.config, args.overrides)
@@ -148,7 +148,7 @@ def _run(args) -> int:
         args.overrides.append(f"output.wandb.project={args.wandb}")
     if args.mlflow:
         args.overrides.append(f"output.mlflow.tracking_uri={args.mlflow}")
-    from rayfed_dg.engine.service import RunInterrupted, RunRequest, execute_run
+    from rayfed_dg.engine.running.service import RunInterrupted, RunRequest, execute_run
     from rayfed_dg.reporting import SE_NOTE, run_table, seeds_table
 
     if args.resume and "://" in args.resume:
@@ -158,7 +158,7 @@ def _run(args) -> int:
     try:
         out = execute_run(req)
     except RunInterrupted as e:
-        from rayfed_dg.engine.rundir import RunDir
+        from rayfed_dg.engine.store.rundir import RunDir
 
         copy = RunDir(e.run_dir).mirror() if e.kept else None
         print(f"rayfed-dg: {e}" + (f"; or on another machine: rayfed-dg run --resume {copy.uri}" if copy else ""),
@@ -179,8 +179,8 @@ def _fetch_run(uri: str) -> Path:
     """The run directory copied to ``uri`` (``output.sync_to``), downloaded
     to this machine's cache; the resumed run updates the same copy."""
     from rayfed_dg.data.folders import cache_dir
-    from rayfed_dg.engine.remote import download, local_files, open_uri
-    from rayfed_dg.engine.rundir import RUN_RECORD, RunDir
+    from rayfed_dg.engine.store.remote import download, local_files, open_uri
+    from rayfed_dg.engine.store.rundir import RUN_RECORD, RunDir
 
     local = cache_dir() / "runs" / open_uri(uri)[1].lstrip("/")
     copy = RunDir(download(uri, local, RUN_RECORD)).mirror()
@@ -197,7 +197,7 @@ def _evaluate(args) -> int:
     import numpy as np
 
     from rayfed_dg.engine import RunDir, load_data, resolve_targets
-    from rayfed_dg.engine.evaluate import evaluate_saved, load_run_config
+    from rayfed_dg.engine.running.reevaluate import evaluate_saved, load_run_config
 
     run_dir = Path(args.run_dir)
     cfg = load_run_config(run_dir, args.overrides)
@@ -266,8 +266,8 @@ def _plot(args) -> int:
 def _privacy(args) -> int:
     """``privacy calibrate``: z for the model updates alone (payload releases are known only by running)."""
     from rayfed_dg.config import ConfigError, PrivacyConfig, UpdatePrivacyConfig, load_config
-    from rayfed_dg.engine.accountant import Accountant
-    from rayfed_dg.engine.plan import clients_per_round, load_data, resolve_targets, split_for
+    from rayfed_dg.engine.privacy.accountant import Accountant
+    from rayfed_dg.engine.running.plan import clients_per_round, load_data, resolve_targets, split_for
 
     if not args.epsilon > 0:
         raise ConfigError(f"--epsilon {args.epsilon:g}: give a positive epsilon, e.g. --epsilon 4")

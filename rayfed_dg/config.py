@@ -229,7 +229,7 @@ class EngineConfig(_Strict):
     # (97 s at 0)
     worker_niceness: int = Field(0, ge=0, le=19)
     # federations (seed x row x target) run side by side: auto, as many as the cluster's workers fit (longest expected
-    # first, engine/schedule.py); N, at most N at once; 1, one after another.  The numbers do not depend on it
+    # first, engine/running/schedule.py); N, at most N at once; 1, one after another.  The numbers do not depend on it
     concurrent_federations: Literal["auto"] | int = "auto"
     # client states (FedBN's BN layers, SCAFFOLD's control variates...) the server keeps in memory, in MiB; the least
     # recently used beyond it are spilled to client_state/<target>/ in the run directory (a temporary folder without
@@ -259,7 +259,7 @@ SERVER_LR = {"fedavgm": 1.0, "fedadam": 1e-2, "fedyogi": 1e-2, "fedadagrad": 1e-
 
 
 class ServerConfig(_Strict):
-    """The server optimizer (engine/server_opt.py): a step from the global
+    """The server optimizer (engine/aggregation/server_opt.py): a step from the global
     model along the pseudo-gradient (the round's weighted average minus the
     global model) instead of taking the average; ``none`` takes it (FedAvg)."""
 
@@ -270,7 +270,7 @@ class ServerConfig(_Strict):
     beta2: float = Field(0.99, ge=0.0, lt=1.0)  # FedAdam / FedYogi (Reddi et al.: 0.99)
     tau: float = Field(1e-3, gt=0.0)  # adaptivity (epsilon) of FedAdam / FedYogi / FedAdagrad (Reddi et al.: 1e-3)
     # sync: rounds of sampled clients (the default); fedbuff / fedasync: asynchronous server updates on a virtual
-    # clock, training.rounds counting server updates (engine/asynchronous.py, docs/asynchronous.md)
+    # clock, training.rounds counting server updates (engine/clock/asynchronous.py, docs/asynchronous.md)
     mode: Literal["sync", "fedbuff", "fedasync"] = "sync"
     buffer_size: int | None = Field(None, ge=1)  # K, arrivals per update; None: 1 (fedasync), min(10, concurrency)
     concurrency: int | None = Field(None, ge=1)  # clients training at once; None: training.clients_per_round (or all)
@@ -337,10 +337,10 @@ class OutputConfig(_Strict):
     # a driver lost with its node resumes from the round before, not from up to five rounds back
     checkpoint_every: int = Field(1, ge=0)
     tensorboard: bool = True  # TensorBoard scalars per round under <run dir>/tensorboard/<target>
-    # the same scalars to Weights & Biases / MLflow (engine/trackers.py); optional packages, imported only when set
+    # the same scalars to Weights & Biases / MLflow (engine/store/trackers.py); optional packages, imported when set
     wandb: WandbConfig | None = None
     mlflow: MlflowConfig | None = None
-    # a copy of the run directory kept at <sync_to>/<its name> (engine/remote.py): s3://bucket/prefix (or gs://...,
+    # a copy of the run directory kept at <sync_to>/<its name> (engine/store/remote.py): s3://bucket/prefix (or gs://...,
     # or a folder), uploaded at the start, after every checkpoint and at the end; `run --resume URI` continues it
     sync_to: str | None = None
 
@@ -358,7 +358,7 @@ class DomainWindow(_Strict):
 
 
 class DevicesConfig(_Strict):
-    """The device model on a virtual clock (engine/devices.py, docs/cross_device.md): speeds, availability,
+    """The device model on a virtual clock (engine/clock/devices.py, docs/cross_device.md): speeds, availability,
     dropout and a round deadline decide which sampled clients a round aggregates, before any training."""
 
     enabled: bool = False  # off: every sampled client trains and is aggregated, with no simulated time
@@ -417,7 +417,7 @@ class DevicesConfig(_Strict):
 class UpdatePrivacyConfig(_Strict):
     """Client-level DP for model updates (DP-FedAvg, McMahan et al., ICLR 2018): each client's update is clipped
     to an L2 norm on the client, Gaussian noise of std noise_multiplier x clip is added to the sum on the server
-    (engine/dp.py, docs/privacy.md)."""
+    (engine/privacy/updates.py, docs/privacy.md)."""
     # L2 bound of one client's update (its uploaded float tensors minus the broadcast, as one vector); with adaptive:
     # the first round's
     clip: float | None = Field(None, gt=0.0)

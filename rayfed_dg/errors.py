@@ -31,4 +31,9 @@ class EngineError(RuntimeError):
     """The engine failed while running (e.g. every sampled client failed)."""
 
 
+class DivergedError(RuntimeError):
+    """A client's local loss or update became NaN or infinite: retrying would
+    repeat it (training is seeded), so the run stops instead of averaging garbage."""
+
+
 USER_ERRORS = (ConfigError, DataError, ModelError)

@@ -34,11 +34,11 @@ from typing import Any
 
 import numpy as np
 
-from rayfed_dg.engine.evaluate import load_run_config, saved_features
-from rayfed_dg.engine.plan import load_data
-from rayfed_dg.engine.records import split_means
-from rayfed_dg.engine.rundir import RunDir
-from rayfed_dg.engine.selection import TrainingDomainValidation
+from rayfed_dg.engine.running.plan import load_data
+from rayfed_dg.engine.running.reevaluate import load_run_config, saved_features
+from rayfed_dg.engine.store.records import split_means
+from rayfed_dg.engine.store.rundir import RunDir
+from rayfed_dg.engine.store.selection import TrainingDomainValidation
 from rayfed_dg.errors import ConfigError
 from rayfed_dg.reporting import RunRecord, collect_runs
 
@@ -247,7 +247,7 @@ def client_losses_figure(rows: list[dict], targets: list[str], title: str):
 
 def feature_map(feats: dict[str, np.ndarray], kind: str, class_names: list[str], domain_order: list[str],
                 title: str, path: Path) -> Path:
-    """2-D embedding of ``feats`` (``engine.evaluate.saved_features``),
+    """2-D embedding of ``feats`` (``engine.running.reevaluate.saved_features``),
     colour = domain, marker = class."""
     plt = _plt()
     x = feats["features"].astype(np.float64)

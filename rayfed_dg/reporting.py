@@ -4,7 +4,7 @@ model-selection rules (``rayfed-dg report``), and, for runs on the device
 model's virtual clock, accuracy at equal simulated time and each domain's
 participation (``clock_table``), and for runs with a ``privacy:`` section
 the epsilon each spent (``privacy_table``).  Run directories are read
-through ``engine.rundir.RunDir``."""
+through ``engine.store.rundir.RunDir``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,8 +14,8 @@ import numpy as np
 
 from rayfed_dg.data import DomainDataset, FederatedSplit
 from rayfed_dg.engine import format_table
-from rayfed_dg.engine.rundir import RunDir
-from rayfed_dg.engine.selection import RULES, mean_se, select
+from rayfed_dg.engine.store.rundir import RunDir
+from rayfed_dg.engine.store.selection import RULES, mean_se, select
 from rayfed_dg.errors import ConfigError
 from rayfed_dg.utils import render_table
 
@@ -566,7 +566,7 @@ PRIVACY_CAPTION = ("Privacy (privacy: section, docs/privacy.md): epsilon at delt
 
 def privacy_table(run_dirs: list[Path], fmt: str = "md") -> str | None:
     """Per method and target, the last round's epsilon of each group of the
-    ``privacy`` table (``engine/accountant.py``), the largest over seeds;
+    ``privacy`` table (``engine/privacy/accountant.py``), the largest over seeds;
     None when no run had a privacy section."""
     per: dict[tuple[str, str], list[list[dict]]] = {}
     for label, runs in collect_runs(run_dirs).items():

@@ -29,11 +29,11 @@ class Stream(IntEnum):
     STAGE = 12  # data stages before round 1 (CCST's styles and choices); was 11 before 0.2
     PREPARE = 13  # a client's per-round preparation phase (before training)
     AMPLITUDE = 14  # the images whose amplitude spectra a client shares (ELCFS's bank, stages/amplitude.py)
-    DEVICE_SPEED = 15  # each device's compute speed (engine/devices.py)
+    DEVICE_SPEED = 15  # each device's compute speed (engine/clock/devices.py)
     DEVICE_PHASE = 16  # each device's diurnal phase
     DEVICE_MARKOV = 17  # the online/offline chain: its start, then each step's move
     DEVICE_DROPOUT = 18  # whether a device's training drops out before uploading (per client and draw)
-    ASYNC_SAMPLE = 20  # who takes a free training slot in an asynchronous server mode (engine/asynchronous.py)
+    ASYNC_SAMPLE = 20  # who takes a free training slot in an asynchronous server mode (engine/clock/asynchronous.py)
     DP_UPDATES = 21  # the Gaussian noise added to the sum of clipped updates (DP-FedAvg), per round
     DP_PAYLOAD = 22  # the Gaussian noise on a client's shared statistics, per (round, client, group)
 

@@ -35,7 +35,7 @@ that failed (its node lost with its process) starts again from its last one
 on any node, ``engine.trial_max_failures`` times (Tune's ``FailureConfig``),
 and ends with the numbers of a trial that never failed.
 
-Each trial also writes the run's TensorBoard scalars (``engine/tblog.py``:
+Each trial also writes the run's TensorBoard scalars (``engine/store/tblog.py``:
 the same tags as ``rayfed-dg run``) to ``<trial dir>/tensorboard/<target>``,
 so ``tensorboard --logdir runs/tune/NAME`` compares the trials.  W&B and
 MLflow are optional, off by default, through the logger callbacks Ray Tune
@@ -57,7 +57,7 @@ import yaml
 
 from rayfed_dg.config import ConfigError, ExperimentConfig, load_config
 from rayfed_dg.data import DomainDataset
-from rayfed_dg.engine.records import Split
+from rayfed_dg.engine.store.records import Split
 from rayfed_dg.errors import EngineError
 from rayfed_dg.utils import did_you_mean, env_set, render_table, write_table, write_text
 
@@ -123,15 +123,15 @@ def upload(sw: Sweep) -> dict | None:
 
 def trainable(trial_config: dict, *, config_path: str, fixed: list[str], data: dict | None = None) -> None:
     """One Tune trial: a complete federation for ``trial_config['target']``
-    (``engine.experiment.run_trial``, on actors in the trial's placement group).
+    (``engine.running.experiment.run_trial``, on actors in the trial's placement group).
     ``data``: the sweep's ``upload`` (None: the trial loads its own)."""
     import logging
 
     import ray
     from ray import tune
 
-    from rayfed_dg.engine.experiment import run_trial
-    from rayfed_dg.engine.rundir import RunDir
+    from rayfed_dg.engine.running.experiment import run_trial
+    from rayfed_dg.engine.store.rundir import RunDir
 
     logging.getLogger("ray.train").setLevel(logging.WARNING)  # "Checkpoint successfully created" each round
     cfg = load_config(config_path, fixed + overrides_of(trial_config) + ["output.save_best_checkpoint=false"])
@@ -363,12 +363,12 @@ def plan_sweep(space_name: str, config: str | None, target: str, samples: int, s
                seeds: list[int] | None = None, keep: int = KEEP_CHECKPOINTS) -> Sweep:
     """Every check a sweep can fail before its first trial: the space, the
     config with each searched key, the data, the targets, and the trials'
-    worker pools (``engine.experiment.plan_experiment``: the model builds,
+    worker pools (``engine.running.experiment.plan_experiment``: the model builds,
     the pool fits the cluster)."""
     from rayfed_dg.data.sources import resolve_root
     from rayfed_dg.engine import clients_per_round, load_data, resolve_targets
-    from rayfed_dg.engine.experiment import plan_experiment
-    from rayfed_dg.engine.resources import ensure_workers
+    from rayfed_dg.engine.running.experiment import plan_experiment
+    from rayfed_dg.engine.workers.resources import ensure_workers
 
     space = load_space(space_name, space_dir)
     config_path = config or space.get("config")
@@ -594,7 +594,7 @@ def run_sweep(space_name: str, config: str | None, target: str, samples: int, sc
     elif stale.exists():  # written by an earlier collection of this sweep; an unfinished one chooses nothing
         stale.unlink()
     if sw.remote:  # the tables go beside the trials, in the sweep's storage
-        from rayfed_dg.engine.remote import delete_file, upload_files
+        from rayfed_dg.engine.store.remote import delete_file, upload_files
 
         upload_files(sorted(exp_path.iterdir()), sw.where)
         if not stale.exists():

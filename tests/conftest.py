@@ -81,7 +81,7 @@ def engine_host(ray_session):
     ``ray_session`` (a run without ``host=`` sizes its pool to the whole
     cluster).  Not for tests whose point is fresh actors, killing workers or
     a resume in a new process: those keep starting their own."""
-    from rayfed_dg.engine.host import EngineHost
+    from rayfed_dg.engine.running.host import EngineHost
 
     made: dict = {}
 
@@ -162,7 +162,7 @@ _HELD_CLI = """
 import sys, time
 from pathlib import Path
 from rayfed_dg.cli import main
-from rayfed_dg.engine.rundir import RunDir
+from rayfed_dg.engine.store.rundir import RunDir
 saves, after, marker = set(), int(sys.argv[1]), Path(sys.argv[2])
 save = RunDir.save_checkpoint
 def held(self, target, round, *args, **kwargs):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rayfed_dg.engine import Reducer, select_round
-from rayfed_dg.engine.aggregate import BinnedSum
+from rayfed_dg.engine.aggregation.exact import BinnedSum
 
 
 def test_weighted_mean_matches_hand_computation():
@@ -187,8 +187,8 @@ def test_worker_fold_equals_the_server_fold_of_whole_uploads(tiny_ds):
 
     from rayfed_dg.data import leave_one_domain_out
     from rayfed_dg.engine import ClientRunner, ClientTask
-    from rayfed_dg.engine.records import Fold
-    from rayfed_dg.engine.worker import to_numpy_state
+    from rayfed_dg.engine.store.records import Fold
+    from rayfed_dg.engine.workers.worker import to_numpy_state
 
     cfg = tiny_cfg("method.name=fedbn", "training.local_steps=2")
     split = leave_one_domain_out(tiny_ds, "texture", 0.2, 0)
@@ -294,7 +294,7 @@ def test_a_worker_killed_after_folding_loses_its_partial_and_the_round_is_the_sa
 
 
 def test_scaling_beyond_float64s_exponent_range_is_exact_in_two_steps():
-    from rayfed_dg.engine.aggregate import _scale
+    from rayfed_dg.engine.aggregation.exact import _scale
 
     # 2^e itself is not a float64 for e = 2000 or -2000, the product is: each half-step is
     x = torch.tensor([2.0 ** -1060, -3 * 2.0 ** -1070], dtype=torch.float64)

@@ -1,5 +1,5 @@
 """``rayfed_dg.run`` (api.py) is ``rayfed-dg run`` from Python, and the W&B /
-MLflow round loggers of ``rayfed-dg run`` (engine/trackers.py)."""
+MLflow round loggers of ``rayfed-dg run`` (engine/store/trackers.py)."""
 import json
 import runpy
 import struct
@@ -53,7 +53,7 @@ def test_the_readme_example_gives_the_numbers_of_rayfed_dg_run(ray_session, tmp_
     session's Ray), against ``rayfed-dg run`` with the same config in a
     subprocess of its own: the same metrics bit for bit, the same table."""
     from rayfed_dg.cli import main
-    from rayfed_dg.engine.rundir import RunDir
+    from rayfed_dg.engine.store.rundir import RunDir
     from rayfed_dg.utils import environment
 
     (tmp_path / "configs").symlink_to(REPO / "configs")  # the example names configs/quickstart.yaml
@@ -95,8 +95,8 @@ def test_the_readme_example_gives_the_numbers_of_rayfed_dg_run(ray_session, tmp_
 # ------------------------------------------------------------------ W&B and MLflow on rayfed-dg run
 
 def test_wandb_and_mlflow_are_never_imported_unless_asked_for():
-    code = ("import sys; from pathlib import Path; import rayfed_dg.cli, rayfed_dg.engine.run; "
-            "from rayfed_dg.config import load_config; from rayfed_dg.engine.trackers import require_trackers, "
+    code = ("import sys; from pathlib import Path; import rayfed_dg.cli, rayfed_dg.engine.running.run; "
+            "from rayfed_dg.config import load_config; from rayfed_dg.engine.store.trackers import require_trackers, "
             "tracker_callbacks; cfg = load_config(None); require_trackers(cfg); "
             "assert tracker_callbacks(cfg, Path('.'), 'x') == []; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('wandb', 'mlflow')))")

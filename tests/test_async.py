@@ -1,4 +1,4 @@
-"""Buffered asynchronous aggregation (engine/asynchronous.py): the staleness
+"""Buffered asynchronous aggregation (engine/clock/asynchronous.py): the staleness
 functions, FedBuff's and FedAsync's server updates and the event simulation
 against hand-computed values; the refusals through the CLI; end to end on
 local Ray, the same tables on one and two workers and after a resume."""
@@ -8,7 +8,7 @@ from conftest import REPO, tiny_cfg, tiny_federation
 
 from rayfed_dg.cli import main
 from rayfed_dg.config import DevicesConfig, load_config
-from rayfed_dg.engine.asynchronous import (
+from rayfed_dg.engine.clock.asynchronous import (
     AsyncClock,
     fedasync_alpha,
     fedasync_step,
@@ -17,7 +17,7 @@ from rayfed_dg.engine.asynchronous import (
     refusal,
     staleness_weight,
 )
-from rayfed_dg.engine.devices import DeviceModel
+from rayfed_dg.engine.clock.devices import DeviceModel
 from rayfed_dg.methods import build_method
 from rayfed_dg.seeding import Stream
 

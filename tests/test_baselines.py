@@ -5,7 +5,7 @@ import torch
 from conftest import tiny_cfg
 
 from rayfed_dg.engine import ClientRunner
-from rayfed_dg.engine.worker import to_numpy_state
+from rayfed_dg.engine.workers.worker import to_numpy_state
 from rayfed_dg.methods import build_method
 from rayfed_dg.models.style import DSULayer, MixStyleLayer, RandomStyleLayer, _beta
 

@@ -298,9 +298,9 @@ def test_single_style_bank_draws_among_each_clients_j_styles(tmp_path):
 def test_a_stage_maps_its_own_client_phases_only(tiny_ds):
     """``StageHost.map`` takes the stage's own method, not a name (a
     misspelt phase fails where it is written), nor another stage's method."""
-    from rayfed_dg.engine.federation import Federation
-    from rayfed_dg.engine.records import Ledger
-    from rayfed_dg.engine.stagehost import StageHost
+    from rayfed_dg.engine.rounds.federation import Federation
+    from rayfed_dg.engine.rounds.stagehost import StageHost
+    from rayfed_dg.engine.store.records import Ledger
     from rayfed_dg.stages import build_stages
 
     cfg = tiny_cfg("stages.ccst.k=2")

@@ -179,7 +179,7 @@ def test_result_table_aligns_every_variant():
 
 @pytest.mark.slow
 def test_seeds_give_the_numbers_of_separate_runs(tmp_path):
-    from rayfed_dg.engine.rundir import RunDir
+    from rayfed_dg.engine.store.rundir import RunDir
 
     read_rows = lambda d, name: RunDir(d).read_rows(name)  # noqa: E731
 

@@ -1,4 +1,4 @@
-"""The tiered client-state store (engine/clientstore.py): its memory budget,
+"""The tiered client-state store (engine/store/clientstore.py): its memory budget,
 spilling, incremental checkpoints and their pieces, and resume end to end."""
 import hashlib
 import json
@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import tiny_cfg
 
-from rayfed_dg.engine.checkpoint import CheckpointWarning, checkpoint_files, load_latest, save_checkpoint
-from rayfed_dg.engine.clientstore import ClientStore, decode, encode, piece_name, read_index
+from rayfed_dg.engine.store.checkpoint import CheckpointWarning, checkpoint_files, load_latest, save_checkpoint
+from rayfed_dg.engine.store.clientstore import ClientStore, decode, encode, piece_name, read_index
 
 INIT = {"w": np.zeros(4, np.float32)}  # 16 bytes: every state below is one such tensor
 
@@ -261,7 +261,7 @@ def test_a_checkpoint_with_every_state_inside_still_loads(tmp_path):
     """A checkpoint written before pieces (``client_store``: every client's
     state in the .pt) resumes, and the next checkpoint writes every state."""
     from rayfed_dg.data import leave_one_domain_out, load_dataset
-    from rayfed_dg.engine.federation import Federation
+    from rayfed_dg.engine.rounds.federation import Federation
 
     ds = load_dataset("embedded_digits", None, 16)
     cfg = tiny_cfg("method.name=fedbn")
@@ -312,7 +312,7 @@ def _fed(ds, host, run_dir, *sets, stop_after=None):
     import ray
 
     from rayfed_dg.engine import run_federation
-    from rayfed_dg.engine.plan import split_for
+    from rayfed_dg.engine.running.plan import split_for
 
     cfg = tiny_cfg("partition.strategy=single_domain", "partition.num_clients=6", "training.clients_per_round=3",
                    "training.rounds=4", "training.local_steps=2", "training.batch_size=16",
@@ -323,7 +323,7 @@ def _fed(ds, host, run_dir, *sets, stop_after=None):
 
 
 def _rows(run_dir, name):
-    from rayfed_dg.engine.rundir import RunDir
+    from rayfed_dg.engine.store.rundir import RunDir
 
     return [{k: v for k, v in r.items() if k != "seconds"} for r in RunDir(run_dir).read_rows(name)]
 
@@ -373,7 +373,7 @@ def test_a_run_resumed_from_a_checkpoint_with_every_state_inside_equals_the_unin
     """The newest checkpoint of a stopped FedBN run rewritten as checkpoints
     were before pieces (every state in the .pt, no pieces): the resumed run
     still ends as the uninterrupted one."""
-    from rayfed_dg.engine.checkpoint import checkpoint_path
+    from rayfed_dg.engine.store.checkpoint import checkpoint_path
 
     host = engine_host(tiny_ds, 2)
     clean, cut = tmp_path / "clean", tmp_path / "cut"

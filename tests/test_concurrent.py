@@ -10,8 +10,8 @@ import pytest
 from conftest import REPO, ctrl_c_when, held_cli
 
 from rayfed_dg.config import ConfigError, load_config
-from rayfed_dg.engine.records import TABLES
-from rayfed_dg.engine.rundir import RunDir
+from rayfed_dg.engine.store.records import TABLES
+from rayfed_dg.engine.store.rundir import RunDir
 
 QUICK = ["data.resolution=16", "model.width=8", "training.local_epochs=null", "training.local_steps=2"]
 ROWS = ("fedavg", "gperxan")  # the quickstart's compare rows
@@ -20,7 +20,7 @@ TARGETS = ["colour", "mono"]
 
 def run_inproc(run_dir, *sets, resume=False):
     """``rayfed-dg run`` of the quickstart (2 rows x 2 targets, 2 rounds) in this process, on the session's Ray."""
-    from rayfed_dg.engine.service import RunRequest, execute_run
+    from rayfed_dg.engine.running.service import RunRequest, execute_run
 
     if resume:
         return execute_run(RunRequest(resume=str(run_dir), no_progress=True))

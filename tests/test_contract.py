@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from conftest import tiny_cfg
 
-from rayfed_dg.engine.federation import Federation
+from rayfed_dg.engine.rounds.federation import Federation
 from rayfed_dg.methods import method_names
 
 # methods whose defaults need more than the contract's tiny setup
@@ -28,7 +28,7 @@ def make_hosts(ray, tiny_ds):
     """One host of 1 worker and one of 2 for every method, as an experiment's
     federations share theirs: each method's federation opens on them in turn."""
     from rayfed_dg.data import leave_one_domain_out
-    from rayfed_dg.engine.host import EngineHost
+    from rayfed_dg.engine.running.host import EngineHost
 
     ds = tiny_ds.subsample(60, 0)
     split = leave_one_domain_out(ds, "texture", 0.2, 0)
@@ -134,7 +134,7 @@ TIMM_REJECTED = {
 def timm_host(ray_session):
     pytest.importorskip("timm", reason="timm is not installed (pip install -e '.[dev]' or '.[pretrained]')")
     from rayfed_dg.data import leave_one_domain_out, load_dataset
-    from rayfed_dg.engine.host import EngineHost
+    from rayfed_dg.engine.running.host import EngineHost
 
     ds = load_dataset("embedded_digits", None, 64).subsample(40, 0)
     split = leave_one_domain_out(ds, "texture", 0.2, 0)

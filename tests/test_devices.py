@@ -1,4 +1,4 @@
-"""The device model on a virtual clock (engine/devices.py): hand-computed
+"""The device model on a virtual clock (engine/clock/devices.py): hand-computed
 availability (diurnal, Markov, trace, domain windows), the round's rule on
 hand-made durations, the bad input it refuses through the CLI, and one run
 end to end: the same participants and numbers on 1 and 2 workers, and
@@ -11,7 +11,7 @@ from conftest import REPO, tiny_cfg
 
 from rayfed_dg.cli import main
 from rayfed_dg.config import DevicesConfig, TrainingConfig
-from rayfed_dg.engine.devices import DeviceModel, MarkovChain, plan_round, planned_steps
+from rayfed_dg.engine.clock.devices import DeviceModel, MarkovChain, plan_round, planned_steps
 from rayfed_dg.errors import ConfigError
 from rayfed_dg.seeding import sample_clients
 
@@ -252,7 +252,7 @@ def _clock_record(path, label, seed, times, accs, clients):
     simulated time and target accuracy; ``clients``: (round, domain, dropped)."""
     import json
 
-    from rayfed_dg.engine.rundir import RunDir
+    from rayfed_dg.engine.store.rundir import RunDir
 
     path.mkdir(parents=True)
     rd = RunDir(path)

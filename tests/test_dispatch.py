@@ -1,8 +1,8 @@
-"""The pool's policy without Ray (engine/dispatch.py): dispatch order, the
+"""The pool's policy without Ray (engine/workers/dispatch.py): dispatch order, the
 two-tasks-per-worker limit, the tail rule, guided grouping, solo re-runs,
 and the failure ledger's charges and verdicts, on hand-written job costs,
 worker loads and queue states whose outcomes are computed by hand below."""
-from rayfed_dg.engine.dispatch import Attempt, DispatchPlan, FailureLedger, Verdict
+from rayfed_dg.engine.workers.dispatch import Attempt, DispatchPlan, FailureLedger, Verdict
 
 
 def _sent(step):

@@ -12,7 +12,7 @@ from conftest import tiny_cfg, tiny_federation
 
 from rayfed_dg.data import leave_one_domain_out
 from rayfed_dg.engine import ClientRunner
-from rayfed_dg.engine.worker import to_numpy_state
+from rayfed_dg.engine.workers.worker import to_numpy_state
 from rayfed_dg.methods import ClientContext, ClientUpdate, build_method
 from rayfed_dg.methods.moon import model_contrastive_loss, representation
 from rayfed_dg.methods.scaffold import effective_steps, flat, trainable

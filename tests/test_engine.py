@@ -108,7 +108,7 @@ def test_fedbn_ledger_sends_less_down_same_up(ray_session, tiny_ds, engine_host)
 def test_a_local_train_returning_a_dict_is_one_line(tiny_ds, monkeypatch):
     """Contract v1's ``local_train`` returned a dict of magic keys: the worker
     says what to return instead."""
-    from rayfed_dg.engine.worker import to_numpy_state
+    from rayfed_dg.engine.workers.worker import to_numpy_state
 
     r = ClientRunner(tiny_cfg("training.local_steps=1"), tiny_ds.images, tiny_ds.labels, 10, 3)
     g = to_numpy_state(r.model.state_dict(), r.model.state_dict().keys())
@@ -118,7 +118,7 @@ def test_a_local_train_returning_a_dict_is_one_line(tiny_ds, monkeypatch):
 
 
 def test_local_steps_and_epochs_bound_the_local_loop(tiny_ds):
-    from rayfed_dg.engine.worker import to_numpy_state
+    from rayfed_dg.engine.workers.worker import to_numpy_state
 
     for sets, expect, steps in ((["training.local_steps=3"], 3 * 32, 3), (["training.local_epochs=2"], 2 * 200, 14)):
         cfg = tiny_cfg(*sets)
@@ -136,7 +136,7 @@ def test_local_steps_and_epochs_bound_the_local_loop(tiny_ds):
 def test_a_worker_given_gpus_never_trains_on_the_cpu_in_silence(monkeypatch):
     """num_gpus_per_worker > 0 and no usable CUDA: one line naming what was
     given and what torch sees, unless the GPUs are declared only."""
-    from rayfed_dg.engine.worker import resolve_device
+    from rayfed_dg.engine.workers.worker import resolve_device
     from rayfed_dg.errors import EngineError
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -211,7 +211,8 @@ def test_joining_a_running_cluster_passes_no_worker_settings(monkeypatch):
 
     import ray
 
-    from rayfed_dg.engine import init_ray, resources
+    from rayfed_dg.engine import init_ray
+    from rayfed_dg.engine.workers import resources
 
     seen = []
     monkeypatch.setattr(resources, "use_token_auth_if_available", lambda local=False: None)

@@ -7,8 +7,8 @@ from conftest import server_rounds, tiny_cfg
 
 from rayfed_dg.data import leave_one_domain_out
 from rayfed_dg.engine import ClientRunner
-from rayfed_dg.engine.federation import Federation
-from rayfed_dg.engine.worker import to_numpy_state
+from rayfed_dg.engine.rounds.federation import Federation
+from rayfed_dg.engine.workers.worker import to_numpy_state
 from rayfed_dg.methods import ClientContext, build_method
 from rayfed_dg.methods.fedfd import FDBN, fd_layers, set_mode
 

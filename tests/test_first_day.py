@@ -248,7 +248,7 @@ def test_the_documented_cluster_sweep_runs_on_the_gpu_nodes(tokenless):
 JOIN_OR_START = """
 import json, os, sys
 from rayfed_dg.config import load_config
-from rayfed_dg.engine.resources import cluster_to_join, init_ray, use_token_auth_if_available
+from rayfed_dg.engine.workers.resources import cluster_to_join, init_ray, use_token_auth_if_available
 from rayfed_dg.errors import ConfigError
 
 out = {"joins": cluster_to_join(None)}

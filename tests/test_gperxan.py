@@ -220,7 +220,7 @@ def test_unseen_target_is_evaluated_with_the_weighted_average_of_everything(ray_
     (they are never broadcast back, but they are averaged)."""
     from rayfed_dg.data import leave_one_domain_out
     from rayfed_dg.engine import Reducer, run_federation
-    from rayfed_dg.engine.worker import to_numpy_state
+    from rayfed_dg.engine.workers.worker import to_numpy_state
 
     cfg = tiny_cfg("method.name=gperxan", "training.rounds=1")
     split = leave_one_domain_out(tiny_ds, "texture", 0.2, 0)

@@ -12,7 +12,7 @@ from conftest import tiny_cfg, tiny_federation
 
 from rayfed_dg.config import ConfigError, load_config
 from rayfed_dg.engine import ClientRunner
-from rayfed_dg.engine.worker import RESIDENT_SHARE, resident_budget
+from rayfed_dg.engine.workers.worker import RESIDENT_SHARE, resident_budget
 from rayfed_dg.methods import Precision
 
 

@@ -6,7 +6,7 @@ from conftest import tiny_cfg
 
 from rayfed_dg.data import leave_one_domain_out
 from rayfed_dg.engine import run_federation
-from rayfed_dg.engine.host import EngineHost
+from rayfed_dg.engine.running.host import EngineHost
 
 # rows whose clients compute differently: another model (gPerXAN's XAN layers), another loss (FedProx), another
 # seed; FedBN's client-local state must be its own federation's

@@ -103,7 +103,7 @@ def _amplitude_bank(ds, split, cfg) -> dict[str, np.ndarray]:
 def _probe(name: str, sets: tuple[str, ...]) -> Iterator[tuple[str, np.ndarray]]:
     """Everything a short federation of ``name`` computes, by name, in the order it is computed."""
     from rayfed_dg.engine import ClientRunner
-    from rayfed_dg.engine.federation import Federation
+    from rayfed_dg.engine.rounds.federation import Federation
     from rayfed_dg.stages.amplitude import SHARED
 
     cfg = _cfg(name, sets)
@@ -132,7 +132,7 @@ def _probe(name: str, sets: tuple[str, ...]) -> Iterator[tuple[str, np.ndarray]]
             for part in ("stats", "update", "private", "payload"):
                 yield from _named(f"r{r}/c{c}/{part}", getattr(upd, part))
         fed.aggregate(r, reducer, results)
-        if Phase.EVALUATE_ON_CLIENTS in fed.method.phases:  # as engine/evaluation.py's evaluate_on_clients
+        if Phase.EVALUATE_ON_CLIENTS in fed.method.phases:  # as engine/rounds/evaluation.py's evaluate_on_clients
             for u in results:
                 correct, loss, n = runner.evaluate(fed.global_state, fed.client_val(u.client), bs)
                 u.global_eval = GlobalEval(accuracy=correct / max(n, 1), loss=loss / max(n, 1), samples=n)

@@ -86,7 +86,7 @@ def test_simple_cnn_dropout_is_seeded_by_round_and_client(tiny_ds):
     client's update is the same on a fresh worker as on one that trained another client first."""
     from rayfed_dg.config import load_config
     from rayfed_dg.engine import ClientRunner
-    from rayfed_dg.engine.worker import to_numpy_state
+    from rayfed_dg.engine.workers.worker import to_numpy_state
 
     cfg = load_config(None, ["model.arch=simple_cnn", "data.resolution=32", "training.local_steps=2",
                              "training.batch_size=8", "engine.num_cpus_per_worker=1"])

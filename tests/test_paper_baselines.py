@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from conftest import tiny_cfg
 
 from rayfed_dg.engine import ClientRunner
-from rayfed_dg.engine.worker import to_numpy_state
+from rayfed_dg.engine.workers.worker import to_numpy_state
 from rayfed_dg.methods import ClientContext, ClientUpdate, build_method
 
 

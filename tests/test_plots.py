@@ -42,7 +42,7 @@ def test_features_are_the_saved_models_penultimate_layer(tiny_run, tiny_ds):
     import numpy as np
     import torch
 
-    from rayfed_dg.engine.evaluate import load_run_config, saved_features
+    from rayfed_dg.engine.running.reevaluate import load_run_config, saved_features
     from rayfed_dg.methods import build_method
 
     cfg = load_run_config(tiny_run, [])

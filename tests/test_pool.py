@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from rayfed_dg.engine import pool as pool_mod
-from rayfed_dg.engine.pool import WorkerPool, give_up_at
+from rayfed_dg.engine.workers import pool as pool_mod
+from rayfed_dg.engine.workers.pool import WorkerPool, give_up_at
 from rayfed_dg.errors import EngineError
 
 
@@ -25,7 +25,7 @@ def _actor_class(ray):
             return os.getpid()
 
         def run(self, what: str, seconds: float = 0.0):
-            from rayfed_dg.engine.worker import DivergedError
+            from rayfed_dg.engine.workers.worker import DivergedError
 
             time.sleep(seconds)
             if what == "diverge":
@@ -180,7 +180,7 @@ def _v1_report(**autoscaler_report) -> dict:
 
 
 def test_a_v1_report_names_what_is_launched_when_it_holds_a_worker():
-    from rayfed_dg.engine.resources import launching_nodes
+    from rayfed_dg.engine.workers.resources import launching_nodes
 
     launch = _v1_report(pending_launches={"gpu_worker": 1, "cpu_worker": 0}, pending_resources={"CPU": 4, "GPU": 1})
     assert launching_nodes(launch, 1.0, 0.25) == "1 x gpu_worker"  # a type asked none of is not named
@@ -218,7 +218,7 @@ def _cluster_status(monkeypatch, status, kv: bytes | None = None) -> None:
 def test_autoscaler_v2_counts_every_pending_node_and_launch(monkeypatch):
     from ray.autoscaler.v2.schema import ClusterStatus, LaunchRequest, NodeInfo
 
-    from rayfed_dg.engine.resources import autoscaler_launching
+    from rayfed_dg.engine.workers.resources import autoscaler_launching
 
     node = NodeInfo(instance_type_name="g5.xlarge", ray_node_type_name="gpu_worker", instance_id="i-1",
                     ip_address="10.0.0.7")
@@ -239,7 +239,7 @@ def test_autoscaler_v2_counts_every_pending_node_and_launch(monkeypatch):
 
 def test_the_server_gives_its_pool_the_autoscalers_launches_only_when_the_autoscaler_is_followed(monkeypatch):
     from rayfed_dg.config import EngineConfig
-    from rayfed_dg.engine.server import follow_autoscaler
+    from rayfed_dg.engine.rounds.server import follow_autoscaler
 
     _cluster_status(monkeypatch, None, json.dumps(_v1_report(pending_launches={"gpu_worker": 1},
                                                              pending_resources={"CPU": 4, "GPU": 1})).encode())

@@ -1,4 +1,4 @@
-"""DP for the statistics clients share (issue 43, Deliver 2; engine/dp_payloads.py): each record clipped, noise
+"""DP for the statistics clients share (issue 43, Deliver 2; engine/privacy/payloads.py): each record clipped, noise
 of std z x clip seeded by (seed, round, client, group), unconfigured groups untouched, undeclared and integer groups
 refused, and through the engine the server computing from the noised statistics only (StableFDG's style exchange,
 CCST's style bank)."""
@@ -10,7 +10,7 @@ import pytest
 from conftest import tiny_cfg
 
 from rayfed_dg.config import PrivacyConfig
-from rayfed_dg.engine.dp_payloads import privatize, release
+from rayfed_dg.engine.privacy.payloads import privatize, release
 from rayfed_dg.errors import ConfigError
 from rayfed_dg.methods.payloads import check_payload_groups, released_payload_groups
 
@@ -74,7 +74,7 @@ def test_groups_not_configured_leave_the_client_untouched():
 
 
 def test_a_non_finite_payload_stops_the_run_as_a_diverged_client():
-    from rayfed_dg.engine.faults import DivergedError
+    from rayfed_dg.engine.workers.faults import DivergedError
 
     with pytest.raises(DivergedError, match="client 3's payload 'style' in round 2 is not finite"):
         release({"style": np.array([1.0, np.nan])}, {"style": "client"}, None, 0, 2, 3, "method m")
@@ -138,7 +138,7 @@ def test_stablefdg_exchanges_only_the_noised_styles_with_any_worker_count(ray_se
 
     from rayfed_dg.data import leave_one_domain_out
     from rayfed_dg.engine import ClientRunner, ClientTask
-    from rayfed_dg.engine.worker import to_numpy_state
+    from rayfed_dg.engine.workers.worker import to_numpy_state
     from rayfed_dg.methods.stablefdg import assign_styles
     from rayfed_dg.seeding import Stream, numpy_rng
 

@@ -1,5 +1,5 @@
-"""DP-FedAvg with adaptive clipping (engine/dp.py) and the privacy accountant
-(engine/accountant.py): clipping, the noise's std, the accountant against
+"""DP-FedAvg with adaptive clipping (engine/privacy/updates.py) and the privacy accountant
+(engine/privacy/accountant.py): clipping, the noise's std, the accountant against
 closed forms, adaptive clipping by hand, the target epsilon's refusal and
 stop, each bad input, and end to end on tiny digits runs: the global model
 is the broadcast plus the noised sum of clipped updates over m, the same
@@ -16,10 +16,10 @@ from rayfed_dg.cli import main
 from rayfed_dg.config import ConfigError, PrivacyConfig, UpdatePrivacyConfig
 from rayfed_dg.data import leave_one_domain_out
 from rayfed_dg.engine import ClientRunner, run_federation
-from rayfed_dg.engine.accountant import UPDATES, Accountant, releases
-from rayfed_dg.engine.dp import UpdateDP, check_privacy, clip_update, refusal, update_noise
-from rayfed_dg.engine.faults import DivergedError
-from rayfed_dg.engine.rundir import RunDir
+from rayfed_dg.engine.privacy.accountant import UPDATES, Accountant, releases
+from rayfed_dg.engine.privacy.updates import UpdateDP, check_privacy, clip_update, refusal, update_noise
+from rayfed_dg.engine.store.rundir import RunDir
+from rayfed_dg.engine.workers.faults import DivergedError
 from rayfed_dg.methods import Method, get_method_class
 from rayfed_dg.reporting import privacy_table
 from rayfed_dg.seeding import Stream, numpy_rng
@@ -195,7 +195,7 @@ def test_the_total_with_image_rows_protects_an_image_so_client_level_mechanisms_
 def test_the_first_rounds_forecast_counts_the_methods_noised_payloads(tiny_ds):
     """Before round 1 no round has released anything yet: the forecast takes one release of each payload the
     method shares and the config noises, so a budget that round 1's style would exceed stops before it."""
-    from rayfed_dg.engine.run import FederationRun
+    from rayfed_dg.engine.running.run import FederationRun
 
     acc = Accountant(_privacy(2.0, payloads={"style": {"clip": 1.0, "noise_multiplier": 1.0}}), 3, 3)
     updates_only, with_style = acc.epsilon({UPDATES: 1}), acc.epsilon({UPDATES: 1, "style": 1})
@@ -387,7 +387,7 @@ def test_a_target_epsilon_stops_before_the_round_that_would_exceed_it(ray_sessio
 
 
 def test_report_shows_the_epsilon_each_run_spent(tmp_path):
-    from rayfed_dg.engine.records import PrivacyRow
+    from rayfed_dg.engine.store.records import PrivacyRow
 
     def run(folder, eps):
         rd = RunDir(tmp_path / folder)

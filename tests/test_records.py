@@ -10,9 +10,9 @@ from conftest import tiny_cfg, tiny_federation
 
 from rayfed_dg.data import leave_one_domain_out
 from rayfed_dg.engine import ClientRunner
-from rayfed_dg.engine.records import TABLES, table_rows
-from rayfed_dg.engine.rundir import RunDir
-from rayfed_dg.engine.tblog import read_scalars
+from rayfed_dg.engine.store.records import TABLES, table_rows
+from rayfed_dg.engine.store.rundir import RunDir
+from rayfed_dg.engine.store.tblog import read_scalars
 
 # the tables every run writes (privacy.parquet/ only with a privacy: section)
 EVERY_RUN = [name for name in TABLES if name != "privacy"]
@@ -196,9 +196,9 @@ def test_tensorboard_after_resume_shows_each_round_once(killed_and_clean):
 
 
 def test_progress_bar_and_tensorboard_show_percent():
-    from rayfed_dg.engine.records import MetricRow, RoundResult, Split
-    from rayfed_dg.engine.run import ProgressBar, TargetResult
-    from rayfed_dg.engine.tblog import round_scalars
+    from rayfed_dg.engine.running.run import ProgressBar, TargetResult
+    from rayfed_dg.engine.store.records import MetricRow, RoundResult, Split
+    from rayfed_dg.engine.store.tblog import round_scalars
 
     m = [MetricRow(1, Split(s), d, None, acc, 1.0, 10) for s, d, acc in (
         ("source_val", "a", 0.5), ("source_val", "b", 0.25), ("target_test", "t", 0.125), ("heldout_val", "h", 0.75),

@@ -14,7 +14,7 @@ from conftest import REPO, tiny_cfg
 
 from rayfed_dg.data import leave_one_domain_out
 from rayfed_dg.engine import ClientRunner, run_federation
-from rayfed_dg.engine.checkpoint import CheckpointWarning, load_latest, save_checkpoint
+from rayfed_dg.engine.store.checkpoint import CheckpointWarning, load_latest, save_checkpoint
 
 ARGS = ["--target", "negative", "--no-progress", "--set", "compare=null", "--set", "training.rounds=6",
         "--set", "output.checkpoint_every=1", "--set", "data.resolution=16", "--set", "model.width=8"]
@@ -47,8 +47,8 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path):
             pass
     assert not (killed / "final_negative.pt").exists()  # it really was cut short
     # every round the killed run finished is on disk, each part readable, no round missing
-    from rayfed_dg.engine.records import TABLES
-    from rayfed_dg.engine.rundir import RunDir
+    from rayfed_dg.engine.store.records import TABLES
+    from rayfed_dg.engine.store.rundir import RunDir
 
     read_rows = lambda d, name: RunDir(d).read_rows(name)  # noqa: E731
 
@@ -74,7 +74,7 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path):
     no_time = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} for r in rows]  # noqa: E731
     assert no_time(read_rows(killed, "clients")) == no_time(read_rows(clean, "clients"))
     assert len(read_rows(killed, "clients")) == 6 * 3  # no round twice
-    from rayfed_dg.engine.tblog import read_scalars
+    from rayfed_dg.engine.store.tblog import read_scalars
 
     ta, tb = (read_scalars(d / "tensorboard" / "negative") for d in (killed, clean))
     for tag in ("accuracy/source_val", "accuracy/target", "loss/train", "comm/bytes_up", "comm/bytes_down"):
@@ -200,7 +200,7 @@ def test_fault_injection_gives_the_fault_free_result_on_a_busy_machine(ray_sessi
 @pytest.mark.parametrize("mode", ["exception", "kill"])
 def test_small_clients_grouped_in_one_task_give_the_same_numbers_and_retries(ray_session, tiny_ds, mode):
     """48 single-domain clients on one worker: the pool sends them in groups of
-    up to 1/16 of the round's samples (engine/dispatch.py); with faults injected in both
+    up to 1/16 of the round's samples (engine/workers/dispatch.py); with faults injected in both
     modes, the metrics are those of one client per task without faults, and
     each client's charged retries are its own seeded failures."""
     from rayfed_dg.seeding import Stream, numpy_rng

@@ -1,4 +1,4 @@
-"""``RunDir`` (engine/rundir.py) owns the run directory, and run directories
+"""``RunDir`` (engine/store/rundir.py) owns the run directory, and run directories
 written before it stay readable; the typed rows of a round become table rows
 in one place (``records.table_rows``); one helper gives a split's mean
 accuracy per round (``records.split_means``).
@@ -24,7 +24,7 @@ import pyarrow as pa
 import pytest
 from conftest import REPO
 
-from rayfed_dg.engine.records import (
+from rayfed_dg.engine.store.records import (
     ClientRow,
     DropRow,
     LedgerRow,
@@ -35,7 +35,7 @@ from rayfed_dg.engine.records import (
     split_means,
     table_rows,
 )
-from rayfed_dg.engine.rundir import RunDir
+from rayfed_dg.engine.store.rundir import RunDir
 
 OLD = Path(__file__).parent / "fixtures" / "rundir_12d6f0b"
 EXPECTED = OLD / "expected"
@@ -156,7 +156,7 @@ def _round() -> RoundResult:
 
 
 def test_a_rounds_typed_rows_become_table_rows_with_their_target():
-    from rayfed_dg.engine.records import TABLES
+    from rayfed_dg.engine.store.records import TABLES
 
     t = table_rows("mono", _round())
     for name, rows in t.items():  # exactly the table's columns
@@ -183,7 +183,7 @@ def test_split_means_by_round():
 
 
 def test_target_result_reads_the_selected_round_through_the_helper():
-    from rayfed_dg.engine.run import TargetResult
+    from rayfed_dg.engine.running.run import TargetResult
 
     res = TargetResult("mono")
     out = _round()

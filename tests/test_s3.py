@@ -1,5 +1,5 @@
 """Nothing of value only on the head: run directories copied to S3
-(``output.sync_to``, ``engine/remote.py``) and resumed from there, Tune's
+(``output.sync_to``, ``engine/store/remote.py``) and resumed from there, Tune's
 storage on S3, against moto's S3 server on loopback.
 
 The server is moto's WSGI application served by the test on a free port of
@@ -130,9 +130,9 @@ def test_a_sync_cut_at_any_point_leaves_a_checkpoint_and_every_row_up_to_it(tmp_
     3) with the table rows of every round up to it, and the full sync leaves exactly the local files."""
     import warnings
 
-    from rayfed_dg.engine.checkpoint import CheckpointWarning, load_latest
-    from rayfed_dg.engine.remote import Mirror
-    from rayfed_dg.engine.rundir import RunDir, marks_complete
+    from rayfed_dg.engine.store.checkpoint import CheckpointWarning, load_latest
+    from rayfed_dg.engine.store.remote import Mirror
+    from rayfed_dg.engine.store.rundir import RunDir, marks_complete
 
     local = RunDir(tmp_path / "run")
     local.path.mkdir()
@@ -180,7 +180,7 @@ def test_a_resumed_copy_is_brought_up_to_date_where_a_file_changed_at_the_same_s
     moved onto it."""
     import pyarrow.fs as pafs
 
-    from rayfed_dg.engine.remote import Mirror, local_files
+    from rayfed_dg.engine.store.remote import Mirror, local_files
 
     run, copy = tmp_path / "run", tmp_path / "copy"
     run.mkdir()
@@ -208,7 +208,7 @@ def test_a_new_run_refuses_a_missing_bucket_and_a_copy_that_holds_a_run(s3, tmp_
     from conftest import tiny_cfg
 
     from rayfed_dg.config import ConfigError
-    from rayfed_dg.engine.rundir import RunDir
+    from rayfed_dg.engine.store.rundir import RunDir
 
     with pytest.raises(ConfigError, match=r"^output.sync_to: s3://no-such-bucket/runs/exp: no bucket no-such-bucket; "
                                           r"create it \(aws s3 mb s3://no-such-bucket\) or name another$"):
@@ -247,9 +247,9 @@ def test_a_run_copied_to_s3_resumes_from_there_on_a_new_head_bit_for_bit(s3, ray
     cache downloads it and finishes, and the copy on S3 then holds the tables of a run never interrupted
     (``rayfed_dg.run`` here).  The runs join the session's Ray, as drivers join a cluster's."""
     import rayfed_dg
-    from rayfed_dg.engine.records import TABLES
-    from rayfed_dg.engine.remote import download
-    from rayfed_dg.engine.rundir import RUN_RECORD, RunDir
+    from rayfed_dg.engine.store.records import TABLES
+    from rayfed_dg.engine.store.remote import download
+    from rayfed_dg.engine.store.rundir import RUN_RECORD, RunDir
 
     prefix = f"{tmp_path.name}/runs"
     uri = f"s3://{BUCKET}/{prefix}"

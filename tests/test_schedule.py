@@ -1,9 +1,9 @@
-"""The concurrency rule (engine/schedule.py) against hand-computed schedules."""
+"""The concurrency rule (engine/running/schedule.py) against hand-computed schedules."""
 from __future__ import annotations
 
 import pytest
 
-from rayfed_dg.engine.schedule import FedJob, grow, plan, simulate
+from rayfed_dg.engine.running.schedule import FedJob, grow, plan, simulate
 
 
 def job(key, *clients, rounds=1):

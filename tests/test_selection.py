@@ -6,8 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from rayfed_dg.engine.rundir import RunDir
-from rayfed_dg.engine.selection import (
+from rayfed_dg.engine.store.rundir import RunDir
+from rayfed_dg.engine.store.selection import (
     RULES,
     LastRound,
     TestDomainOracle,

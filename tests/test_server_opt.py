@@ -1,4 +1,4 @@
-"""Server optimizers (engine/server_opt.py): FedAvgM, FedAdagrad, FedYogi, FedAdam.
+"""Server optimizers (engine/aggregation/server_opt.py): FedAvgM, FedAdagrad, FedYogi, FedAdam.
 
 Hand-computed steps over two rounds; ``none`` is the plain average bit for
 bit; the engine steps the global parameters only (buffers and a method's
@@ -18,8 +18,8 @@ from conftest import tiny_cfg, tiny_federation
 from rayfed_dg.config import ConfigError, load_config, method_variants, validate
 from rayfed_dg.data import leave_one_domain_out
 from rayfed_dg.engine import ClientRunner, Reducer
-from rayfed_dg.engine.checkpoint import load_latest
-from rayfed_dg.engine.server_opt import ServerOptimizer, stepped_keys
+from rayfed_dg.engine.aggregation.server_opt import ServerOptimizer, stepped_keys
+from rayfed_dg.engine.store.checkpoint import load_latest
 from rayfed_dg.methods import build_method
 
 ETA, B1, B2, TAU = 0.1, 0.5, 0.75, 0.5
@@ -337,7 +337,7 @@ def test_server_optimizer_steps_what_the_method_does_not_assemble(tiny_ds, monke
     model) beside FedAvgM (beta 0, eta 0.5): that parameter is the method's,
     the other parameters take the half step, buffers the average; setting a
     key the method did not declare stops the round."""
-    from rayfed_dg.engine.federation import Federation
+    from rayfed_dg.engine.rounds.federation import Federation
     from rayfed_dg.errors import EngineError
     from rayfed_dg.methods import Method, base, register_method
 

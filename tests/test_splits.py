@@ -6,7 +6,7 @@ import pytest
 from conftest import tiny_cfg
 
 from rayfed_dg.data import leave_one_domain_out
-from rayfed_dg.engine.plan import resolve_targets, split_for
+from rayfed_dg.engine.running.plan import resolve_targets, split_for
 from rayfed_dg.errors import ConfigError, DataError
 
 
@@ -47,7 +47,7 @@ def test_heldout_domain_is_neither_trained_on_nor_a_target(tiny_ds):
 @pytest.mark.ray
 def test_engine_evaluates_source_test_and_heldout_rows_every_round(tiny_ds, engine_host, tmp_path):
     from rayfed_dg.engine import run_federation
-    from rayfed_dg.engine.rundir import RunDir
+    from rayfed_dg.engine.store.rundir import RunDir
 
     cfg = tiny_cfg("data.source_test_fraction=0.2", "data.heldout_val_domain=mono", "training.local_steps=2")
     split = split_for(cfg, tiny_ds, "colour")

@@ -249,7 +249,7 @@ def test_attention_scores_by_hand(scores):
 
 def test_stablefdg_client_prepares_a_4c_style_and_trains(tiny_ds):
     from rayfed_dg.engine import ClientTask
-    from rayfed_dg.engine.worker import to_numpy_state
+    from rayfed_dg.engine.workers.worker import to_numpy_state
 
     cfg = tiny_cfg("method.name=stablefdg", "model.width=8")
     r = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, 10, 3)
@@ -328,7 +328,7 @@ def test_exploration_sigma_follows_eq5_unclamped():
 
 def test_stablefdg_learns_from_scratch_with_every_style_op_firing(tiny_ds):
     # every style operation on every batch must still leave a model that fits its data
-    from rayfed_dg.engine.worker import to_numpy_state
+    from rayfed_dg.engine.workers.worker import to_numpy_state
 
     cfg = tiny_cfg("method.name=stablefdg", "method.attention=false", "method.explore_p=1.0",
                    "training.local_steps=15", "training.lr=0.05")

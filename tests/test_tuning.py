@@ -191,7 +191,7 @@ def test_two_trial_sweep_writes_table_and_resumes_without_rerunning(ray_session,
     # each trial writes the run's TensorBoard scalars, equal to what it reported to Tune
     import numpy as np
 
-    from rayfed_dg.engine.tblog import read_scalars
+    from rayfed_dg.engine.store.tblog import read_scalars
 
     for p in results:
         sc = read_scalars(p.parent / "tensorboard" / "colour")

@@ -241,7 +241,7 @@ def partition_centralized(source_train, labels, **_):
     FedDG papers' tables): one client holding every source domain's training
     data.  Aggregating one client is the identity, so a run is plain SGD on
     the pooled sources; as a ``compare`` row it trains as many local steps per
-    round as the comparison's clients together (``engine.plan.match_budget``)."""
+    round as the comparison's clients together (``engine.running.plan.match_budget``)."""
     names = list(source_train)
     return [np.sort(np.concatenate([source_train[d] for d in names]))], ["+".join(names)]
 

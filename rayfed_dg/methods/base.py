@@ -8,7 +8,7 @@ overrides nothing; the engine calls hooks and never names a method.
 
 Each hook, what it receives and returns, and where it runs.  The driver
 validates the config; the server actor holds the federation
-(``engine/federation.py``); worker actors run clients, one sampled client
+(``engine/rounds/federation.py``); worker actors run clients, one sampled client
 and round per task.
 
 | Hook | Receives -> returns | Runs in |
@@ -39,7 +39,7 @@ and round per task.
 Uploads are summed where they are made: with ``folds_on_workers`` (the
 default) each worker folds the weighted uploads of the clients it trains
 into one partial sum and the server adds one per worker
-(``engine/aggregate.py``); the updates that ``assemble_global`` and
+(``engine/aggregation/exact.py``); the updates that ``assemble_global`` and
 ``after_round`` receive then hold no uploaded tensors but the local ones
 (payloads, stats and ``global_eval`` are all there).  A method that reads
 clients' uploaded tensors there sets it False and gets them whole (COPA:
@@ -51,7 +51,7 @@ group after ``payload:`` / ``prepare:``) and what one record of it is,
 ``"image"`` (each row one image's statistic), ``"client"`` (the whole array
 one statistic of the client's data) or ``"exact"`` (integers, never
 noised).  The worker clips and noises the groups that ``privacy.payloads``
-names before they leave (``engine/dp_payloads.py``); with ``privacy:``
+names before they leave (``engine/privacy/payloads.py``); with ``privacy:``
 set, an undeclared payload stops the run (without it, it leaves as it is).
 
 ``local_train`` owns the whole local loop; to keep one count of local
@@ -102,7 +102,7 @@ state only shapes the loss.
 Rule for a new phase: add one only when a method needs clients to compute
 something at a point of the round that no hook or phase reaches (with a
 model the existing hooks never see), and only as an optional phase: a
-``Phase`` member with its ``Slot``, one runner in ``engine/phases.py``'s
+``Phase`` member with its ``Slot``, one runner in ``engine/rounds/phases.py``'s
 ``RUNNERS``, its own ``seeding.Stream`` if it draws randomness, ledger rows
 for what crosses the wire, and a row in this table.  A method that does not declare it must run
 exactly as before (no extra task, the same numbers).
@@ -267,7 +267,7 @@ class ClientUpdate:
     samples_stepped: int = 0  # ``LocalResult.samples``
     global_eval: GlobalEval | None = None  # set in ``Phase.EVALUATE_ON_CLIENTS``
     sizes: dict[str, int] = field(default_factory=dict)  # bytes of each uploaded tensor, folded or not (the ledger)
-    unclipped: bool | None = None  # DP-FedAvg: whether the update's norm was within the clip (engine/dp.py)
+    unclipped: bool | None = None  # DP-FedAvg: whether its norm was within the clip (engine/privacy/updates.py)
 
 
 @torch.no_grad()

@@ -2,7 +2,7 @@
 and data stages declare (``shared_payloads``, group -> what one record is),
 the groups a config releases, and the check of ``privacy.payloads`` against
 them (a group nobody shares, or one of integers, is bad input).  The
-clipping and noise themselves are the engine's (``engine/dp_payloads.py``);
+clipping and noise themselves are the engine's (``engine/privacy/payloads.py``);
 this module is light enough for the config's validation to call.
 """
 from __future__ import annotations

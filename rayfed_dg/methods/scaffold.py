@@ -23,7 +23,7 @@ with S the sampled clients and N the number of all clients:
   update did not arrive are not in S: their c_i did not change either, so c
   stays the mean of all N clients' c_i (the invariant tests/ check).
 
-The server step for x is the server optimizer's (``engine/server_opt.py``),
+The server step for x is the server optimizer's (``engine/aggregation/server_opt.py``),
 not this method's.  With avg = (1/|S|) sum_{i in S} y_i (the engine's reduce
 under this method's unit weights) and Delta_t = avg - x, line 16 is
       x <- x + eta_g Delta_t,

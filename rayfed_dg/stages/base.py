@@ -25,7 +25,7 @@ A stage has two halves:
 
 A client phase whose result leaves the client as a payload is mapped with
 ``releases=<group>`` (``gather_bank`` does): the worker clips and noises it
-there when ``privacy.payloads`` names the group (``engine/dp_payloads.py``).
+there when ``privacy.payloads`` names the group (``engine/privacy/payloads.py``).
 The stage declares each such group and what one record of it is in
 ``shared_payloads`` (as a method does, ``methods/base.py``).
 

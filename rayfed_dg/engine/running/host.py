@@ -32,9 +32,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from rayfed_dg.config import EngineConfig, ExperimentConfig
 from rayfed_dg.data.protocol import FederatedSplit
 from rayfed_dg.datasource import DataSource
-
-from .server import Server
-from .worker import Worker
+from rayfed_dg.engine.rounds.server import Server
+from rayfed_dg.engine.workers.worker import Worker
 
 
 def actor_key(e: EngineConfig) -> tuple:

@@ -45,19 +45,26 @@ import torch
 
 from rayfed_dg.config import DevicesConfig, ExperimentConfig
 from rayfed_dg.data.protocol import FederatedSplit
-from rayfed_dg.errors import EngineError
+from rayfed_dg.engine.aggregation.exact import Reducer
+from rayfed_dg.engine.aggregation.server_opt import ServerOptimizer, stepped_keys
+from rayfed_dg.engine.clock import asynchronous as aio
+from rayfed_dg.engine.clock.devices import DeviceModel, RoundPlan, model_bytes, plan_round, planned_steps
+from rayfed_dg.engine.privacy.updates import UpdateDP, float_keys
+from rayfed_dg.engine.store.clientstore import ClientStore
+from rayfed_dg.engine.store.records import ClientTask, Fold
+from rayfed_dg.engine.workers.worker import to_numpy_state
+from rayfed_dg.errors import ConfigError, EngineError
 from rayfed_dg.methods import ClientUpdate, Phase, build_method
 from rayfed_dg.seeding import Stream, numpy_rng, sample_clients, seed_int
 
-from . import asynchronous as aio
-from .aggregate import Reducer
-from .clientstore import ClientStore
-from .devices import DeviceModel, RoundPlan, model_bytes, plan_round, planned_steps
-from .dp import UpdateDP, float_keys
-from .plan import clients_per_round
-from .records import ClientTask, Fold
-from .server_opt import ServerOptimizer, stepped_keys
-from .worker import to_numpy_state
+
+def clients_per_round(cfg: ExperimentConfig, split: FederatedSplit) -> int:
+    """``training.clients_per_round``, where None means every client."""
+    k = cfg.training.clients_per_round
+    if k is not None and k > split.num_clients:
+        raise ConfigError(f"training.clients_per_round={k} exceeds the {split.num_clients} clients "
+                          f"of partition {cfg.partition.strategy}; lower it or add clients")
+    return split.num_clients if k is None else k
 
 
 class Federation:

@@ -30,9 +30,8 @@ import numpy as np
 
 if TYPE_CHECKING:
     from rayfed_dg.data.protocol import FederatedSplit
+    from rayfed_dg.engine.clock.devices import RoundPlan
     from rayfed_dg.methods import ClientUpdate
-
-    from .devices import RoundPlan
 
 
 @dataclass(frozen=True)

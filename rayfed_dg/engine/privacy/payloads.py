@@ -3,7 +3,7 @@ Gaussian noise where a payload leaves the client (issue 43, Deliver 2).
 
 Every payload a client sends goes through ``release``, in the worker, before
 the worker returns it: a method's ``upload_payload`` and ``round_prepare``
-results (engine/worker.py) and the result of a data stage's client phase
+results (engine/workers/worker.py) and the result of a data stage's client phase
 that its server half maps with ``releases=`` (stages/base.py). A payload
 group is the payload's name, the ledger's group after ``payload:`` or
 ``prepare:``; the server, the ledger and the accountant see the noised
@@ -27,11 +27,11 @@ from collections.abc import Mapping
 import numpy as np
 
 from rayfed_dg.config import PrivacyConfig
+from rayfed_dg.errors import DivergedError
 from rayfed_dg.methods.payloads import RECORDS
-from rayfed_dg.privacy import clip_rows, gaussian
 from rayfed_dg.seeding import Stream, numpy_rng
 
-from .faults import DivergedError
+from .mechanisms import clip_rows, gaussian
 
 
 def group_id(group: str) -> int:

@@ -7,15 +7,14 @@ from dataclasses import dataclass
 
 import torch
 
+from rayfed_dg.errors import DivergedError
+
 
 class InjectedFault(RuntimeError):
     pass
 
 
-class DivergedError(RuntimeError):
-    """A client's local loss became NaN or infinite: retrying would repeat it
-    (training is seeded), so the run stops instead of averaging garbage."""
-
+__all__ = ["OWN_FAULTS", "DivergedError", "InjectedFault", "JobFailed"]
 
 OWN_FAULTS = (InjectedFault, torch.OutOfMemoryError, MemoryError)
 

@@ -39,15 +39,15 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rayfed_dg.config import EngineConfig, ExperimentConfig
 from rayfed_dg.data import DomainDataset, FederatedSplit
+from rayfed_dg.engine.store.records import RoundResult
+from rayfed_dg.engine.store.rundir import RunDir
+from rayfed_dg.engine.workers.resources import ensure_workers, init_ray, plan_workers
 from rayfed_dg.errors import EngineError, ResourceError
 
 from . import schedule
 from .host import EngineHost, ExperimentActors, actor_key
 from .plan import clients_per_round, load_data, make_splits, preflight, resolve_variants, split_for
-from .records import RoundResult
-from .resources import ensure_workers, init_ray, plan_workers
 from .run import FederationRun, TargetResult, run_federation
-from .rundir import RunDir
 
 
 @dataclass

@@ -18,10 +18,9 @@ from typing import Any
 import numpy as np
 
 from rayfed_dg.data.protocol import FederatedSplit
+from rayfed_dg.engine.store.records import Ledger, MetricRow, Split
+from rayfed_dg.engine.workers.pool import WorkerPool
 from rayfed_dg.methods import ClientUpdate, GlobalEval
-
-from .pool import WorkerPool
-from .records import Ledger, MetricRow, Split
 
 EVAL_CHUNK = 2048
 

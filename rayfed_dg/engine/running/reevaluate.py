@@ -13,9 +13,8 @@ import numpy as np
 import torch
 
 from rayfed_dg.config import ConfigError, ExperimentConfig, apply_overrides, load_config, method_variants, validate
-
-from .records import Split, split_mean
-from .rundir import RunDir
+from rayfed_dg.engine.store.records import Split, split_mean
+from rayfed_dg.engine.store.rundir import RunDir
 
 # sections an evaluation may change; anything else would not describe the saved model or its data
 EVAL_SECTIONS = ("method", "evaluation", "engine")
@@ -48,8 +47,9 @@ def load_run_config(run_dir: Path, overrides: list[str]) -> ExperimentConfig:
 
 
 def _runner(cfg: ExperimentConfig, ds, target: str):
+    from rayfed_dg.engine.workers.worker import ClientRunner
+
     from .plan import split_for
-    from .worker import ClientRunner
 
     threads = torch.get_num_threads()
     # the model of some methods depends on the partition (COPA: one head per client)

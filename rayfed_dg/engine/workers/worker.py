@@ -13,7 +13,7 @@ blocking), or, with the dataset resident on the device
 normalised on the device.  Both give the same bits: the augmentation draws
 on the CPU generator whatever the device (data/augment.py).
 
-Every payload leaves a client through ``_release`` (engine/dp_payloads.py):
+Every payload leaves a client through ``_release`` (engine/privacy/payloads.py):
 a method's ``upload_payload`` and ``round_prepare`` results and a data
 stage's released client phases, clipped and noised here when
 ``privacy.payloads`` names their group.
@@ -34,15 +34,15 @@ import torch.nn.functional as F
 
 from rayfed_dg.config import ExperimentConfig
 from rayfed_dg.data.augment import augment
+from rayfed_dg.engine.aggregation.exact import BinnedSum, Partial
+from rayfed_dg.engine.privacy.payloads import release
+from rayfed_dg.engine.privacy.updates import clip_update
+from rayfed_dg.engine.store.records import ClientTask, Fold
 from rayfed_dg.methods import ClientContext, ClientUpdate, LocalResult, Precision, build_method
 from rayfed_dg.seeding import Stream, numpy_rng, seed_int, seed_torch, torch_generator
 from rayfed_dg.stages import StageClient, build_stages
 
-from .aggregate import BinnedSum, Partial
-from .dp import clip_update
-from .dp_payloads import release
 from .faults import OWN_FAULTS, DivergedError, InjectedFault, JobFailed
-from .records import ClientTask, Fold
 
 
 def run_each(items: Sequence[Any], fn: Callable[[Any], Any]) -> list[Any]:

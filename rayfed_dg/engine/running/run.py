@@ -29,17 +29,17 @@ import ray
 
 from rayfed_dg.config import ConfigError, ExperimentConfig
 from rayfed_dg.data import FederatedSplit
+from rayfed_dg.engine.privacy.accountant import Accountant, releases
+from rayfed_dg.engine.store.records import RoundResult, Split, split_mean, stage_rows, table_rows
+from rayfed_dg.engine.store.rundir import RunDir
+from rayfed_dg.engine.store.selection import select_round
+from rayfed_dg.engine.workers.resources import ensure_workers
 from rayfed_dg.methods import build_method
 from rayfed_dg.methods.payloads import released_payload_groups
 from rayfed_dg.utils import render_table
 
-from .accountant import Accountant, releases
 from .host import EngineHost
 from .plan import clients_per_round
-from .records import RoundResult, Split, split_mean, stage_rows, table_rows
-from .resources import ensure_workers
-from .rundir import RunDir
-from .selection import select_round
 
 
 @dataclass
@@ -198,13 +198,15 @@ def _callbacks(cfg: ExperimentConfig, target: str, res: TargetResult, run_dir: R
         tensorboard = run_dir.tensorboard()
     callbacks: list[Any] = [ProgressBar(cfg, res, bar)] if bar is not None else []
     if tensorboard is not None:
-        from .tblog import TensorBoardLogger
+        from rayfed_dg.engine.store.tblog import TensorBoardLogger
 
         # a resumed run hides what the killed one logged from the first round it repeats
         purge = res.rounds_done + 1 if res.rounds_done else None
         callbacks.append(TensorBoardLogger(tensorboard / target, purge))
     if run_dir is not None and (cfg.output.wandb is not None or cfg.output.mlflow is not None):
-        from .trackers import tracker_callbacks  # W&B / MLflow: imported only when the config asks for them
+        from rayfed_dg.engine.store.trackers import (
+            tracker_callbacks,  # W&B / MLflow: imported only when the config asks for them
+        )
 
         callbacks += tracker_callbacks(cfg, run_dir.path, target)
     callbacks += [RunDirWriter(cfg, run_dir, target)] if run_dir is not None else []

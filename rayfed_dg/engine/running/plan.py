@@ -6,12 +6,14 @@ from __future__ import annotations
 
 from rayfed_dg.config import ExperimentConfig
 from rayfed_dg.data import DomainDataset, FederatedSplit, leave_one_domain_out, load_dataset
+from rayfed_dg.engine.clock.asynchronous import check_async
+from rayfed_dg.engine.clock.devices import check_devices, model_bytes
+from rayfed_dg.engine.privacy.updates import check_privacy
+from rayfed_dg.engine.rounds.federation import clients_per_round
+from rayfed_dg.engine.workers.resources import ensure_workers, init_ray
 from rayfed_dg.errors import ConfigError, DataError, ModelError
 
-from .asynchronous import check_async
-from .devices import check_devices, model_bytes
-from .dp import check_privacy
-from .resources import ensure_workers, init_ray
+__all__ = ["clients_per_round"]  # re-exported: the CLI and tune.py resolve a run here
 
 
 def load_data(cfg: ExperimentConfig) -> DomainDataset:
@@ -39,13 +41,6 @@ def resolve_targets(ds: DomainDataset, target: str | None, heldout_val_domain: s
     return names
 
 
-def clients_per_round(cfg: ExperimentConfig, split: FederatedSplit) -> int:
-    """``training.clients_per_round``, where None means every client."""
-    k = cfg.training.clients_per_round
-    if k is not None and k > split.num_clients:
-        raise ConfigError(f"training.clients_per_round={k} exceeds the {split.num_clients} clients "
-                          f"of partition {cfg.partition.strategy}; lower it or add clients")
-    return split.num_clients if k is None else k
 
 
 def split_for(cfg: ExperimentConfig, ds: DomainDataset, target: str) -> FederatedSplit:

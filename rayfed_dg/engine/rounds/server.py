@@ -52,17 +52,26 @@ import ray
 
 from rayfed_dg.config import ExperimentConfig
 from rayfed_dg.data.protocol import FederatedSplit
+from rayfed_dg.engine.aggregation.exact import Reducer
+from rayfed_dg.engine.clock.devices import RoundPlan
+from rayfed_dg.engine.store.records import (
+    ClientRow,
+    ClientTask,
+    DropRow,
+    Fold,
+    Ledger,
+    MetricRow,
+    RoundResult,
+    client_rows,
+)
+from rayfed_dg.engine.workers.pool import Launching, WorkerPool
+from rayfed_dg.engine.workers.resources import autoscaler_launching
 from rayfed_dg.errors import EngineError
 from rayfed_dg.methods import ClientUpdate, Slot
 
-from .aggregate import Reducer
-from .devices import RoundPlan
 from .evaluation import evaluate_global
 from .federation import Federation
 from .phases import RoundWork, run_phases
-from .pool import Launching, WorkerPool
-from .records import ClientRow, ClientTask, DropRow, Fold, Ledger, MetricRow, RoundResult, client_rows
-from .resources import autoscaler_launching
 from .stagehost import run_stages
 
 

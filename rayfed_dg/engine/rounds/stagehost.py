@@ -11,12 +11,12 @@ from typing import Any
 import numpy as np
 import ray
 
+from rayfed_dg.engine.store.records import Ledger
+from rayfed_dg.engine.workers.pool import WorkerPool
 from rayfed_dg.stages import Stage, build_stages
 from rayfed_dg.stages.base import ClientPhase
 
 from .federation import Federation
-from .pool import WorkerPool
-from .records import Ledger
 
 
 def run_stages(pool: WorkerPool, fed: Federation) -> dict:

@@ -47,12 +47,11 @@ import numpy as np
 import torch
 
 from rayfed_dg.config import ExperimentConfig, UpdatePrivacyConfig
-from rayfed_dg.errors import ConfigError
+from rayfed_dg.errors import ConfigError, DivergedError
 from rayfed_dg.methods import Method
-from rayfed_dg.privacy import clip_l2, gaussian
 from rayfed_dg.seeding import Stream, numpy_rng
 
-from .faults import DivergedError
+from .mechanisms import clip_l2, gaussian
 
 # the hooks whose override makes a method's new global model more than the weighted mean of the uploads
 _NOT_A_MEAN = {

@@ -3,7 +3,7 @@ total, after each round, from Google's ``dp-accounting``.
 
 What is composed (docs/privacy.md):
 
-* ``updates`` (DP-FedAvg, ``engine/dp.py``): one Gaussian mechanism a round
+* ``updates`` (DP-FedAvg, ``engine/privacy/updates.py``): one Gaussian mechanism a round
   on the sum of the sampled clients' clipped updates, noise multiplier z
   (with adaptive clipping the update and count noises together make z,
   Andrew et al.'s z_Delta).  The engine samples m of the N clients without
@@ -61,9 +61,8 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 
 from rayfed_dg.config import PrivacyConfig
+from rayfed_dg.engine.store.records import PrivacyRow
 from rayfed_dg.errors import ConfigError
-
-from .records import PrivacyRow
 
 UPDATES = "updates"  # the group of the model updates (DP-FedAvg)
 TOTAL = "total"  # every group composed

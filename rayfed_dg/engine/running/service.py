@@ -18,9 +18,8 @@ from typing import Any
 
 from rayfed_dg._version import __version__
 from rayfed_dg.config import ConfigError, ExperimentConfig, load_config
+from rayfed_dg.engine.store.rundir import RUN_RECORD, RunDir
 from rayfed_dg.utils import environment, environment_changes
-
-from .rundir import RUN_RECORD, RunDir
 
 Configs = list[tuple[int | None, ExperimentConfig]]  # one config per seed (None: a run without --seeds)
 
@@ -195,9 +194,10 @@ def _open_run_dir(req: RunRequest, cfgs: Configs, resumed: RunDir | None) -> tup
 def execute_run(req: RunRequest) -> RunOutcome:
     """Everything ``rayfed-dg run`` does but print its closing table.
     Ctrl-C raises ``RunInterrupted``."""
+    from rayfed_dg.engine.store.trackers import require_trackers
+
     from .experiment import plan_experiment, run_planned
     from .plan import load_data, resolve_targets
-    from .trackers import require_trackers
 
     seeds = parse_seeds(req.seeds)
     fixed = [o for o in req.overrides if o.split("=", 1)[0].strip() == "training.seed"]

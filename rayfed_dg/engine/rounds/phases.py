@@ -10,12 +10,12 @@ from typing import Any
 
 import numpy as np
 
+from rayfed_dg.engine.store.records import Ledger
+from rayfed_dg.engine.workers.pool import WorkerPool
 from rayfed_dg.methods import ClientUpdate, Phase, Slot
 
 from .evaluation import evaluate_on_clients
 from .federation import Federation
-from .pool import WorkerPool
-from .records import Ledger
 
 
 @dataclass

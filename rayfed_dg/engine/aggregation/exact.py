@@ -2,7 +2,7 @@
 
 The round's average is sum_i w_i v_i / sum_i w_i over the clients that
 returned.  Workers fold the uploads of the clients they trained into one
-partial sum each (``BinnedSum``, ``engine/worker.py``), the server merges
+partial sum each (``BinnedSum``, ``engine/workers/worker.py``), the server merges
 one partial per worker (``Reducer.add_partial``), and methods that read
 each client's upload send it whole and have it folded on the server
 (``Reducer.add``).  Any split of the clients into partials, any order of

@@ -1,0 +1,9 @@
+"""How uploads become the next global model: the exact, order-independent
+sum that workers fold into (``exact.py``), the pipeline of declared parts a
+round's uploads pass through (``pipeline.py``), its estimators (the weighted
+mean, the buffered and mixing asynchronous updates, the robust rules) and
+the server optimizers.
+
+May import: store (the records a fold is addressed by).
+"""
+MAY_IMPORT: tuple[str, ...] = ("store",)
