@@ -24,8 +24,10 @@ from . import (  # noqa: F401
                    stablefdg,
 )
 from .base import (
+                   SERVER_HOOKS,
                    ClientContext,
                    ClientUpdate,
+                   Declarations,
                    GlobalEval,
                    LocalResult,
                    Method,
@@ -33,10 +35,12 @@ from .base import (
                    Precision,
                    Slot,
                    build_method,
+                   declarations,
                    get_method_class,
                    method_names,
                    register_method,
 )
 
-__all__ = ["ClientContext", "ClientUpdate", "GlobalEval", "LocalResult", "Method", "Phase", "Precision", "Slot",
-           "build_method", "get_method_class", "method_names", "register_method"]
+__all__ = ["SERVER_HOOKS", "ClientContext", "ClientUpdate", "Declarations", "GlobalEval", "LocalResult", "Method",
+           "Phase", "Precision", "Slot", "build_method", "declarations", "get_method_class", "method_names",
+           "register_method"]

@@ -19,6 +19,7 @@ and round per task.
 | ``phases`` | (attribute or property) the optional round phases it needs (below) | server, each round |
 | ``folds_on_workers`` | (attribute or property) uploads are read only as their average (below) | server, each round |
 | ``shared_payloads`` | (attribute) each payload it uploads -> what one record is (below) | driver, workers |
+| ``declare`` | (classmethod) params -> the three above, the server hooks overridden | driver, unbuilt |
 | ``__init__`` | params, model and training config, ``num_clients`` (the partition's) | everywhere |
 | ``build_model`` | number of classes -> the network, identical everywhere | server, workers |
 | ``local_keys`` | model -> state kept per client, never broadcast | server, workers |
@@ -125,9 +126,10 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -325,6 +327,31 @@ def train_steps(opt: torch.optim.Optimizer, batches: Callable[[], Iterator[Batch
             return LocalResult(loss=total / max(n, 1), steps=done, samples=n)
 
 
+# the server-side hooks whose override the engine reads from ``Declarations.overrides``
+SERVER_HOOKS = ("aggregation_weights", "assemble_global", "after_round", "server_payloads")
+# the declarations a class states as attributes; a property of them (of ``self.p``) needs its own ``declare``
+DECLARED = ("phases", "folds_on_workers", "shared_payloads")
+
+
+@dataclass(frozen=True)
+class Declarations:
+    """What the engine reads of a method before anything is built."""
+    name: str
+    phases: tuple[Phase, ...]
+    folds_on_workers: bool
+    shared_payloads: Mapping[str, str]
+    overrides: frozenset[str]  # which server-side hooks the class overrides, of SERVER_HOOKS
+
+
+def _class_value(cls: type, attr: str) -> Any:
+    """``attr`` as the nearest class in ``cls``'s MRO states it, skipping properties (their value is of the
+    params, given by the class's own ``declare``)."""
+    for k in cls.__mro__:
+        if attr in vars(k) and not isinstance(vars(k)[attr], property):
+            return vars(k)[attr]
+    raise AttributeError(f"{cls.__qualname__} declares no {attr}")
+
+
 class Method:
     """FedAvg (McMahan et al., 2017): local SGD on cross-entropy, weighted
     averaging of all weights by client sample counts (gPerXAN paper Eq. 1)."""
@@ -348,6 +375,18 @@ class Method:
         self.model_cfg = model_cfg
         self.training = training_cfg
         self.num_clients = num_clients  # the partition's clients (COPA's heads, SCAFFOLD's and FedDyn's 1/N)
+
+    @classmethod
+    def declare(cls, params: Any) -> Declarations:
+        """The method's declarations for ``params`` (its validated ``Params``), read without building it: the
+        class attributes ``phases``, ``folds_on_workers`` and ``shared_payloads``, and the server hooks it
+        overrides.  A class that makes one of them a property of ``self.p`` overrides this to give the same
+        value from ``params`` (its property reads ``self.declare(self.p)``)."""
+        return Declarations(
+            name=cls.name, phases=tuple(_class_value(cls, "phases")),
+            folds_on_workers=bool(_class_value(cls, "folds_on_workers")),
+            shared_payloads=MappingProxyType(dict(_class_value(cls, "shared_payloads"))),
+            overrides=frozenset(h for h in SERVER_HOOKS if getattr(cls, h) is not getattr(Method, h)))
 
     @classmethod
     def check(cls, cfg) -> None:
@@ -466,6 +505,11 @@ def register_method(cls: type[Method]) -> type[Method]:
     if "num_clients" not in inspect.signature(cls.__init__).parameters:
         raise TypeError(f"{where}: __init__ takes (params, model_cfg, training_cfg, num_clients) in method "
                         "contract v2; pass num_clients on to Method.__init__")
+    own_declare = inspect.getattr_static(cls, "declare") is not vars(Method)["declare"]
+    for attr in DECLARED:
+        if isinstance(inspect.getattr_static(cls, attr), property) and not own_declare:
+            raise TypeError(f"{where}: {attr} is a property of the params, which the engine reads before building "
+                            f"the method: override the classmethod declare(params) to give it")
     return _REGISTRY.add(cls.name, cls)
 
 
@@ -486,6 +530,11 @@ def build_method(cfg, num_clients: int) -> Method:
     return get_method_class(cfg.method.name)(cfg.method.params, cfg.model, cfg.training, num_clients)
 
 
-__all__ = ["Batch", "ClientContext", "ClientUpdate", "ConfigError", "GlobalEval", "LocalResult", "Method", "NoParams",
-           "Phase", "Precision", "Slot", "build_method", "evaluate_on_val", "frozen", "get_method_class",
-           "method_names", "register_method", "train_steps"]
+def declarations(cfg) -> Declarations:
+    """The configured method's declarations (``Method.declare``), without building it."""
+    return get_method_class(cfg.method.name).declare(cfg.method.params)
+
+
+__all__ = ["SERVER_HOOKS", "Batch", "ClientContext", "ClientUpdate", "ConfigError", "Declarations", "GlobalEval",
+           "LocalResult", "Method", "NoParams", "Phase", "Precision", "Slot", "build_method", "declarations",
+           "evaluate_on_val", "frozen", "get_method_class", "method_names", "register_method", "train_steps"]

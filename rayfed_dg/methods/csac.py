@@ -42,6 +42,7 @@ local_steps``), SGD lr 0.01 momentum 0.5, batch 64, 40 rounds.
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from typing import Literal
 
 import numpy as np
@@ -52,7 +53,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rayfed_dg.errors import ConfigError
 
-from .base import Method, register_method, train_steps
+from .base import Declarations, Method, register_method, train_steps
 
 KERNEL_ALPHAS = tuple(3.0 ** u for u in range(-3, 2))
 PRIVATE = "private."
@@ -91,10 +92,14 @@ class CSAC(Method):
         pretrain_steps: int | None = Field(1800, ge=1)  # None: one round's local budget
         aggregation: Literal["l2", "fedavg"] = "l2"  # l2: data-free semantic (layer-wise) weights; fedavg: |D_i|
 
+    @classmethod
+    def declare(cls, params) -> Declarations:
+        # the layer-wise weights read every client's tensors (assemble_global)
+        return replace(super().declare(params), folds_on_workers=params.aggregation == "fedavg")
+
     @property
     def folds_on_workers(self) -> bool:  # type: ignore[override]
-        # the layer-wise weights read every client's tensors (assemble_global)
-        return self.p.aggregation == "fedavg"
+        return self.declare(self.p).folds_on_workers
 
     @classmethod
     def check(cls, cfg) -> None:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from rayfed_dg.errors import ConfigError
 from rayfed_dg.stages import build_stages, get_stage_class, stage_names
 
-from .base import build_method, get_method_class, method_names
+from .base import declarations, get_method_class, method_names
 
 if TYPE_CHECKING:
     from rayfed_dg.config import ExperimentConfig
@@ -29,7 +29,7 @@ RECORDS = {
 def released_payload_groups(cfg: ExperimentConfig) -> dict[str, str]:
     """The payload groups a run of ``cfg``'s method and data stages releases, group -> what one record is
     (``RECORDS``).  A compare row is a config of its own (``config.method_variants``)."""
-    groups = dict(build_method(cfg, 1).shared_payloads)
+    groups = dict(declarations(cfg).shared_payloads)
     for stage in build_stages(cfg):
         groups.update(stage.shared_payloads)
     return groups

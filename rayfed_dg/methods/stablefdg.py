@@ -49,6 +49,7 @@ Federated Domain Generalization", NeurIPS 2023.  Modules in
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Literal
 
 import numpy as np
@@ -67,7 +68,7 @@ from rayfed_dg.models.style import (
     style_information,
 )
 
-from .base import Method, Phase, register_method
+from .base import Declarations, Method, Phase, register_method
 
 
 @register_method
@@ -140,10 +141,15 @@ class StableFDG(Method):
         sigs = torch.cat([c[1] for c in captured]).cpu()
         return style_information(mus, sigs)
 
+    @classmethod
+    def declare(cls, params) -> Declarations:
+        # the attention-only ablation shares no style
+        phases = (Phase.PREPARE, Phase.PERSONAL_EVAL) if params.style else (Phase.PERSONAL_EVAL,)
+        return replace(super().declare(params), phases=phases)
+
     @property
     def phases(self) -> tuple[Phase, ...]:  # type: ignore[override]
-        # the attention-only ablation shares no style
-        return (Phase.PREPARE, Phase.PERSONAL_EVAL) if self.p.style else (Phase.PERSONAL_EVAL,)
+        return self.declare(self.p).phases
 
     def round_prepare(self, model, ctx):
         """Phi_n with the round's global model, before any client trains."""

@@ -34,7 +34,7 @@ from rayfed_dg.engine.store.records import RoundResult, Split, split_mean, stage
 from rayfed_dg.engine.store.rundir import RunDir
 from rayfed_dg.engine.store.selection import select_round
 from rayfed_dg.engine.workers.resources import ensure_workers
-from rayfed_dg.methods import build_method
+from rayfed_dg.methods import declarations
 from rayfed_dg.methods.payloads import released_payload_groups
 from rayfed_dg.utils import render_table
 
@@ -237,7 +237,7 @@ class FederationRun:
             Accountant(cfg.privacy, split.num_clients, clients_per_round(cfg, split), released_payload_groups(cfg))
         # the method's payloads configured for noise: the first round's forecast (one release each, per round)
         self.per_round: Counter[str] = Counter() if cfg.privacy is None else Counter(
-            {g: 1 for g in build_method(cfg, split.num_clients).shared_payloads if g in cfg.privacy.payloads})
+            {g: 1 for g in declarations(cfg).shared_payloads if g in cfg.privacy.payloads})
         self.released: Counter[str] = Counter()  # payload releases so far, by group (accountant.releases)
         self.server: Any = None
         self.callbacks: list[Any] = []
