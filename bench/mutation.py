@@ -52,6 +52,9 @@ def _method(*files: str, k: str) -> list[str]:
 MODULES: dict[str, list[str]] = {
     "engine/aggregation/exact.py": ["tests/test_aggregate.py", "-m", "not slow"],
     "engine/aggregation/server_opt.py": ["tests/test_server_opt.py", "-m", "not slow"],
+    "engine/aggregation/robust.py": ["tests/test_robust.py", "-m", "not slow"],
+    "engine/aggregation/pipeline.py": ["tests/test_robust.py", "tests/test_async.py", "tests/test_privacy_updates.py",
+                                       "tests/test_server_opt.py", "-m", "not slow"],
     "engine/store/selection.py": ["tests/test_selection.py", "-m", "not slow"],
     "engine/workers/pool.py": ["tests/test_pool.py", "-m", "not slow"],
     "engine/workers/dispatch.py": ["tests/test_dispatch.py"],  # the pool's failure accounting and dispatch, without Ray

@@ -269,6 +269,10 @@ class ServerConfig(_Strict):
     momentum: float = Field(0.9, ge=0.0, lt=1.0)
     beta2: float = Field(0.99, ge=0.0, lt=1.0)  # FedAdam / FedYogi (Reddi et al.: 0.99)
     tau: float = Field(1e-3, gt=0.0)  # adaptivity (epsilon) of FedAdam / FedYogi / FedAdagrad (Reddi et al.: 1e-3)
+    # the estimator of a synchronous round (engine/aggregation/): mean (weighted, FedAvg), median, trimmed_mean
+    # (coordinate-wise, Yin et al. 2018), or a registered plugin's name
+    aggregator: str = "mean"
+    trim: float = Field(0.1, ge=0.0, lt=0.5)  # trimmed_mean: beta, the fraction trimmed from each end
     # sync: rounds of sampled clients (the default); fedbuff / fedasync: asynchronous server updates on a virtual
     # clock, training.rounds counting server updates (engine/clock/asynchronous.py, docs/asynchronous.md)
     mode: Literal["sync", "fedbuff", "fedasync"] = "sync"
@@ -287,6 +291,9 @@ class ServerConfig(_Strict):
 
     @model_validator(mode="after")
     def _async(self) -> ServerConfig:
+        if self.trim != type(self).model_fields["trim"].default and self.aggregator != "trimmed_mean":
+            raise ValueError(f"server.trim applies to server.aggregator trimmed_mean only (not {self.aggregator}); "
+                             "drop it or set server.aggregator trimmed_mean")
         if self.mode == "sync":
             odd = [k for k in ASYNC_KEYS if getattr(self, k) != type(self).model_fields[k].default]
             if odd:
@@ -506,6 +513,10 @@ class ExperimentConfig(_Strict):
                 tree["stages"][name].update(_resolved_params(sc))
         if self.server.mode == "sync":  # likewise the asynchronous modes' keys: a sync run's config.yaml is as before
             for k in ASYNC_KEYS:
+                del tree["server"][k]
+        for k, applies in (("aggregator", self.server.aggregator != "mean"),
+                           ("trim", self.server.aggregator == "trimmed_mean")):
+            if not applies:  # the default estimator's config.yaml is as before the choice existed
                 del tree["server"][k]
         if self.training.local_steps is not None:  # local_epochs has no effect then: the dump names only what applies
             del tree["training"]["local_epochs"]

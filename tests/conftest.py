@@ -1,8 +1,8 @@
 """Shared fixtures and the test tiers.
 
 ``python -m pytest -q -m "not slow"`` is the fast tier (every value test and
-the in-process engine tests on one shared local Ray); ``python -m pytest -q``
-runs everything, as CI does.  Markers: ``slow`` (CLI subprocesses with their
+the in-process engine tests on one shared local Ray), the README's test
+command; ``.ci/run`` runs it, then the slow tier (``-m slow``).  Markers: ``slow`` (CLI subprocesses with their
 own Ray, sweeps, real-data decoding), ``ray`` (uses the session's local
 Ray), ``data`` (reads the real datasets under the data root; skipped when
 absent), ``cluster`` (multi-node Ray on this machine).

@@ -1,5 +1,5 @@
-"""Buffered asynchronous aggregation (engine/clock/asynchronous.py): the staleness
-functions, FedBuff's and FedAsync's server updates and the event simulation
+"""Buffered asynchronous aggregation (engine/aggregation/buffered.py, engine/clock/asynchronous.py): the
+staleness functions, FedBuff's and FedAsync's server updates and the event simulation
 against hand-computed values; the refusals through the CLI; end to end on
 local Ray, the same tables on one and two workers and after a resume."""
 import numpy as np
@@ -8,17 +8,18 @@ from conftest import REPO, tiny_cfg, tiny_federation
 
 from rayfed_dg.cli import main
 from rayfed_dg.config import DevicesConfig, load_config
-from rayfed_dg.engine.clock.asynchronous import (
-    AsyncClock,
+from rayfed_dg.engine.aggregation.buffered import (
+    FedBuff,
     fedasync_alpha,
     fedasync_step,
     fedbuff_delta,
     fedbuff_step,
-    refusal,
     staleness_weight,
 )
+from rayfed_dg.engine.aggregation.pipeline import refusal
+from rayfed_dg.engine.clock.asynchronous import AsyncClock
 from rayfed_dg.engine.clock.devices import DeviceModel
-from rayfed_dg.methods import build_method
+from rayfed_dg.methods import declarations
 from rayfed_dg.seeding import Stream
 
 
@@ -197,7 +198,7 @@ def test_which_methods_can_run_asynchronously():
     after-aggregation phase, or uploads read whole are refused."""
     def why(name, *sets):
         cfg = tiny_cfg(f"method.name={name}", *sets)
-        return refusal(build_method(cfg, 3))
+        return refusal(FedBuff, [FedBuff], declarations(cfg))
 
     for ok in ("fedavg", "fedprox", "fedbn", "silobn", "gperxan", "mixstyle", "dsu", "fedsr", "moon"):
         assert why(ok) is None, ok

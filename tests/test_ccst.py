@@ -112,7 +112,7 @@ def test_engine_stage_grows_training_sets_without_validation_images(ray_session,
     server = host.open(cfg, split, 10)
     info = ray.get(server.setup.remote())
     fed = ray.get(server.current.remote())
-    received = [fed.training_set(c) for c in range(split.num_clients)]
+    received = [fed.data.training_set(c) for c in range(split.num_clients)]
     sizes = [len(c) for c in split.clients]
     # overall style: each client's whole set restyled once per other client's style (K = 2 of 3 clients)
     st = info["info"]["ccst"]

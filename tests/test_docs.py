@@ -125,7 +125,9 @@ def test_plain_docstrings_keep_laid_out_paragraphs():
 def test_readme_is_small_and_its_links_exist():
     readme = (ROOT / "README.md").read_text()
     assert len(readme.encode()) <= 12 * 1024
-    assert "pip install -e '.[dev]' && rayfed-dg run configs/quickstart.yaml\npython -m pytest -q\n" in readme
+    fast = 'python -m pytest -q -m "not slow"'
+    assert f"pip install -e '.[dev]' && rayfed-dg run configs/quickstart.yaml\n{fast}\n" in readme
     links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme)
     assert links and all((ROOT / link).is_file() for link in links), [l for l in links if not (ROOT / l).is_file()]
-    assert "\npython -m pytest -q\n" in (ROOT / ".ci" / "run").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()  # the README's command, then the slow tier after it
+    assert f"\n{fast}\n" in ci and ci.index(f"\n{fast}\n") < ci.index("\npython -m pytest -q -m slow\n")

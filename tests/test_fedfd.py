@@ -190,9 +190,9 @@ def test_server_gives_each_client_validation_of_its_own_domain(tiny_ds):
     split = leave_one_domain_out(tiny_ds, "texture", 0.2, 0)
     fed, again = Federation(cfg, split, 10, 1), Federation(cfg, split, 10, 2)
     for c in range(split.num_clients):
-        v = fed.client_val(c)
+        v = fed.data.client_val(c)
         assert len(v) == 7 and set(v) <= set(split.val[split.client_domains[c]])
-        assert np.array_equal(v, fed.client_val(c)) and np.array_equal(v, again.client_val(c))  # seeded, fixed
+        assert np.array_equal(v, fed.data.client_val(c)) and np.array_equal(v, again.data.client_val(c))  # seeded, fixed
 
 
 def test_client_side_selection_normalises_with_the_received_global_statistics():

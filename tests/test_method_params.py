@@ -111,10 +111,11 @@ def _probe(name: str, sets: tuple[str, ...]) -> Iterator[tuple[str, np.ndarray]]
     fed = Federation(cfg, split, ds.num_classes, 0)
     runner = ClientRunner(cfg, ds.images, ds.labels, ds.num_classes, split.num_clients)
     if SHARED in fed.method.stages_needed:
-        fed.add_stage_outputs({}, {SHARED: _amplitude_bank(ds, split, cfg)})
+        fed.data.add_stage_outputs({}, {SHARED: _amplitude_bank(ds, split, cfg)})
     bs = cfg.evaluation.batch_size
     for r in range(1, ROUNDS + 1):
-        sampled = fed.sample(r)
+        cohort = fed.cohort()
+        sampled = cohort.train
         prepared = {c: runner.prepare(fed.task(r, c, {}, 0), fed.global_state) for c in sampled} \
             if Phase.PREPARE in fed.method.phases else {}
         payloads = fed.payloads(r, sampled, prepared)
@@ -131,12 +132,12 @@ def _probe(name: str, sets: tuple[str, ...]) -> Iterator[tuple[str, np.ndarray]]
             yield f"r{r}/c{c}/loss", np.array([upd.train_loss, upd.steps, upd.samples_stepped])
             for part in ("stats", "update", "private", "payload"):
                 yield from _named(f"r{r}/c{c}/{part}", getattr(upd, part))
-        fed.aggregate(r, reducer, results)
+        fed.aggregate(cohort, reducer, {u.client: u for u in results})
         if Phase.EVALUATE_ON_CLIENTS in fed.method.phases:  # as engine/rounds/evaluation.py's evaluate_on_clients
             for u in results:
-                correct, loss, n = runner.evaluate(fed.global_state, fed.client_val(u.client), bs)
+                correct, loss, n = runner.evaluate(fed.global_state, fed.data.client_val(u.client), bs)
                 u.global_eval = GlobalEval(accuracy=correct / max(n, 1), loss=loss / max(n, 1), samples=n)
-        fed.end_round(r, results)
+        fed.end_round(cohort, results)
         yield from _named(f"r{r}/global", fed.global_state)
         yield from _named(f"r{r}/server", fed.server_state)
     held_out = np.concatenate([split.test[d] for d in sorted(split.test)])[:64]

@@ -16,8 +16,9 @@ from rayfed_dg.cli import main
 from rayfed_dg.config import ConfigError, PrivacyConfig, UpdatePrivacyConfig
 from rayfed_dg.data import leave_one_domain_out
 from rayfed_dg.engine import ClientRunner, run_federation
+from rayfed_dg.engine.aggregation.pipeline import refusal as pipeline_refusal
 from rayfed_dg.engine.privacy.accountant import UPDATES, Accountant, releases
-from rayfed_dg.engine.privacy.updates import UpdateDP, check_privacy, clip_update, refusal, update_noise
+from rayfed_dg.engine.privacy.updates import DPMean, UpdateDP, check_privacy, clip_update, update_noise
 from rayfed_dg.engine.store.rundir import RunDir
 from rayfed_dg.engine.workers.faults import DivergedError
 from rayfed_dg.methods import Method, get_method_class
@@ -225,6 +226,12 @@ def test_what_leaves_a_client_without_noise_makes_epsilon_infinite(accountant):
                                                                                    "noise_multiplier": 3.0}}), 3, 3)
     by = {r.group: r for r in payloads_only.rows(1, payloads_only.counts(1, {"style": 1}), None)}
     assert math.isinf(by[UPDATES].epsilon) and math.isinf(by["total"].epsilon) and math.isfinite(by["style"].epsilon)
+
+
+def refusal(cls) -> str | None:
+    """DP-FedAvg's refusal of method class ``cls`` at its default parameters, its reason alone."""
+    why = pipeline_refusal(DPMean, [DPMean], cls.declare(cls.Params()))
+    return None if why is None else why.split(f"method {cls.name} ")[1].split("; ")[0]
 
 
 def test_methods_whose_aggregation_is_not_a_weighted_mean_refuse_dp():

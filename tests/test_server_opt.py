@@ -337,6 +337,7 @@ def test_server_optimizer_steps_what_the_method_does_not_assemble(tiny_ds, monke
     model) beside FedAvgM (beta 0, eta 0.5): that parameter is the method's,
     the other parameters take the half step, buffers the average; setting a
     key the method did not declare stops the round."""
+    from rayfed_dg.engine.rounds.cohort import Cohort
     from rayfed_dg.engine.rounds.federation import Federation
     from rayfed_dg.errors import EngineError
     from rayfed_dg.methods import Method, base, register_method
@@ -356,7 +357,7 @@ def test_server_optimizer_steps_what_the_method_does_not_assemble(tiny_ds, monke
     cfg = tiny_cfg("method.name=own_head_bias", "server.optimizer=fedavgm", "server.momentum=0", "server.lr=0.5")
     split = leave_one_domain_out(tiny_ds, TARGET, cfg.data.val_fraction, cfg.data.split_seed)
     fed = Federation(cfg, split, tiny_ds.num_classes, 1)
-    assert fed.server_opt is not None and "head.bias" not in fed.server_opt.keys and "head.weight" in fed.server_opt.keys
+    assert fed.pipeline.optimizer is not None and "head.bias" not in fed.pipeline.optimizer.keys and "head.weight" in fed.pipeline.optimizer.keys
     x0 = dict(fed.global_state)
     sampled = list(range(split.num_clients))
     red = fed.reducer(sampled)
@@ -365,7 +366,7 @@ def test_server_optimizer_steps_what_the_method_does_not_assemble(tiny_ds, monke
                     for k, v in x0.items()})
     sizes = split.client_sizes().astype(np.float64)
     delta = float(sizes @ (np.arange(len(sampled)) + 1.0) / sizes.sum())
-    fed.aggregate(1, red, [])
+    fed.aggregate(Cohort(1, sampled, sampled), red, {})
     g = fed.global_state
     np.testing.assert_allclose(g["head.weight"], x0["head.weight"] + 0.5 * delta, rtol=1e-6)  # stepped
     np.testing.assert_allclose(g["body.1.running_mean"], x0["body.1.running_mean"] + delta, rtol=1e-6)  # averaged
@@ -375,4 +376,4 @@ def test_server_optimizer_steps_what_the_method_does_not_assemble(tiny_ds, monke
         red.add(c, g)
     monkeypatch.setattr(fed.method, "assemble_global", lambda *a: {"head.weight": g["head.weight"]})
     with pytest.raises(EngineError, match=r"own_head_bias: assemble_global set \['head.weight'\].*assembles"):
-        fed.aggregate(2, red, [])
+        fed.aggregate(Cohort(2, sampled, sampled), red, {})

@@ -7,3 +7,8 @@ the server optimizers.
 May import: store (the records a fold is addressed by).
 """
 MAY_IMPORT: tuple[str, ...] = ("store",)
+
+from . import robust  # noqa: E402  (registers median and trimmed_mean)
+from .pipeline import Estimator, Uploads, register_aggregator  # noqa: E402
+
+__all__ = ["MAY_IMPORT", "Estimator", "Uploads", "register_aggregator", "robust"]

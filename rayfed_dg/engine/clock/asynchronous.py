@@ -1,40 +1,12 @@
-"""Buffered asynchronous aggregation on a virtual clock: FedBuff and FedAsync,
-pure (no Ray, no wall time): the staleness functions, the two server updates
-on numpy state dicts, and the event simulation that decides who trains from
-which model version and when each upload arrives.  ``server.py``'s
-``run_async_round`` runs one server update with them; ``docs/asynchronous.md``
-is the user's page.
+"""The asynchronous server modes' virtual clock (FedBuff, FedAsync): the event
+simulation that decides who trains from which model version and when each
+upload arrives, pure (no Ray, no wall time).  Their server updates are
+aggregation parts (``engine/aggregation/buffered.py``, which has the
+papers' equations); ``docs/asynchronous.md`` is the user's page.
 
 Staleness tau_i of an upload: the server updates applied between the
 download of the model the client trained from and the update that takes
 its upload (0: it trained on the newest model).
-
-* FedBuff (Nguyen, Malik, Zhan, Yousefpour, Rabbat, Malek, Huba, "Federated
-  Learning with Buffered Asynchronous Aggregation", AISTATS 2022,
-  Algorithm 1): the server adds each arriving Delta_i = y_i - x_{v_i} (the
-  client's upload minus the version it downloaded) to a buffer and, every K
-  arrivals, steps
-      x <- x + eta_g (1/K) sum_{i=1..K} s(tau_i) Delta_i,
-  s(tau) = 1 / sqrt(1 + tau) in the paper (``polynomial`` with a = 1/2).
-  Here the 1/K mean is the method's reduce weights' mean, sum_i w_i s(tau_i)
-  Delta_i / sum_i w_i (w_i = 1 is the paper's; FedAvg's sample counts
-  otherwise), and with a server optimizer (``server.optimizer``) the
-  optimizer steps along that mean instead of eta_g (Algorithm 1's
-  ServerUpdate).
-* FedAsync (Xie, Koyejo, Gupta, "Asynchronous Federated Optimization",
-  2019, Algorithm 1): every arrival mixes in at once,
-      x_t = (1 - alpha_t) x_{t-1} + alpha_t x_new,  alpha_t = alpha s(t - tau),
-  with the paper's counter: a client that downloaded the newest model
-  x_{t-1} has t - tau = 1, so t - tau = tau_i + 1.  Its local objective's
-  proximal term (rho/2) ||x - x_tau||^2 is FedProx's (``method: fedprox``).
-
-Staleness functions (Xie et al., Sec. 5.2), of the staleness x (tau_i for
-FedBuff, t - tau for FedAsync): constant s(x) = 1; polynomial
-s_a(x) = (x + 1)^-a; hinge s_{a,b}(x) = 1 if x <= b, else 1 / (a (x - b) + 1).
-
-Both updates compute in float64 over the buffer in the order given (the
-simulation's: by finish time, then client), so the bits depend on neither
-the worker count nor the order Ray returns results in.
 
 The simulation (``AsyncClock``): ``concurrency`` clients start at t = 0
 with version 0; arrivals pop in (finish time, client) order; each frees its
@@ -53,11 +25,8 @@ The clock's state is plain data for the checkpoint.
 from __future__ import annotations
 
 import heapq
-import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from rayfed_dg.errors import ConfigError, EngineError
 from rayfed_dg.seeding import Stream, numpy_rng
@@ -67,65 +36,6 @@ from .devices import Devices
 MODES = ("fedbuff", "fedasync")
 FEDBUFF_K = 10  # Nguyen et al.'s buffer size (their experiments: K = 10 of 100-1000 concurrent clients)
 IDLE_RETRIES = 100_000  # consecutive fruitless tries of an idle population before the simulation gives up
-
-
-# ------------------------------------------------------------------ server updates
-
-def staleness_weight(kind: str, x: float, a: float = 0.5, b: float = 4.0) -> float:
-    """s(x) (module docstring): ``constant``, ``polynomial`` (x + 1)^-a, ``hinge``."""
-    if kind == "constant":
-        return 1.0
-    if kind == "polynomial":
-        return float((x + 1.0) ** -a)
-    if kind == "hinge":
-        return 1.0 if x <= b else 1.0 / (a * (x - b) + 1.0)
-    raise ValueError(f"unknown staleness function {kind!r}")
-
-
-def fedasync_alpha(alpha: float, kind: str, staleness: int, a: float = 0.5, b: float = 4.0) -> float:
-    """alpha_t = alpha s(t - tau), with t - tau = ``staleness`` + 1 (Xie et al.'s counter starts at 1)."""
-    return alpha * staleness_weight(kind, staleness + 1, a, b)
-
-
-def _cast(new: np.ndarray, like: np.ndarray) -> np.ndarray:
-    like = np.asarray(like)
-    if np.issubdtype(like.dtype, np.integer):
-        new = np.rint(new)
-    return np.asarray(new).astype(like.dtype)
-
-
-def fedbuff_delta(x: Mapping[str, np.ndarray], buffer: Sequence[tuple[Mapping[str, np.ndarray],
-                                                                      Mapping[str, np.ndarray], float, float]]
-                  ) -> dict[str, np.ndarray]:
-    """The buffer's mean update sum_i w_i s_i (y_i - x_{v_i}) / sum_i w_i, in
-    float64, for each key of ``x`` that every upload holds; ``buffer``: (y_i
-    the upload, x_{v_i} the version it trained from, w_i its reduce weight,
-    s_i its staleness weight), summed in the order given."""
-    wsum = math.fsum(w for _, _, w, _ in buffer)
-    if not buffer or wsum <= 0:
-        raise ValueError("a FedBuff update needs uploads with a positive weight sum")
-    out = {}
-    for k in x:
-        if all(k in y for y, _, _, _ in buffer):
-            acc = np.zeros(np.shape(x[k]), np.float64)
-            for y, start, w, s in buffer:
-                acc += (w * s) * (np.asarray(y[k], np.float64) - np.asarray(start[k], np.float64))
-            out[k] = acc / wsum
-    return out
-
-
-def fedbuff_step(x: Mapping[str, np.ndarray], delta: Mapping[str, np.ndarray], eta: float) -> dict[str, np.ndarray]:
-    """x + eta ``delta`` (``fedbuff_delta``; eta = 1 gives the point a server
-    optimizer steps towards), cast to x's dtypes; keys without a delta keep x's value."""
-    return {k: _cast(np.asarray(v, np.float64) + eta * delta[k], v) if k in delta else v for k, v in x.items()}
-
-
-def fedasync_step(x: Mapping[str, np.ndarray], upload: Mapping[str, np.ndarray], alpha_t: float
-                  ) -> dict[str, np.ndarray]:
-    """FedAsync's mixing: (1 - alpha_t) x + alpha_t x_new for each uploaded
-    key (the others keep x's value), in float64, cast to x's dtypes."""
-    return {k: _cast((1.0 - alpha_t) * np.asarray(v, np.float64) + alpha_t * np.asarray(upload[k], np.float64), v)
-            if k in upload else v for k, v in x.items()}
 
 
 # ------------------------------------------------------------------ the clock
@@ -266,40 +176,14 @@ class AsyncClock:
 
 # ------------------------------------------------------------------ what a run may do
 
-def refusal(method) -> str | None:
-    """Why ``method`` (an instance) cannot run asynchronously, or None: its
-    aggregation must be a weighted average of the uploads, decided from its
-    hooks (the engine never names a method)."""
-    from rayfed_dg.methods import Method, Slot
-
-    cls = type(method)
-    for hook, what in (("after_round", "keeps server state across rounds (after_round)"),
-                       ("assemble_global", "sets global tensors of its own (assemble_global)"),
-                       ("server_payloads", "sends clients payloads made on the server (server_payloads)")):
-        if getattr(cls, hook) is not getattr(Method, hook):
-            return what
-    if not method.folds_on_workers:
-        return "reads each client's upload on the server (folds_on_workers False)"
-    odd = [p.label for p in method.phases if p.slot is not Slot.AT_EVALUATION]
-    if odd:
-        return f"declares the round phase {odd[0]}, which needs the whole cohort at one model"
-    return None
-
-
 def check_async(cfg, num_clients: int) -> None:
-    """Refuse, in one line, an asynchronous run that cannot work: a method
-    whose aggregation is not a weighted average, or a population smaller
-    than ``server.concurrency``."""
+    """Refuse, in one line, an asynchronous run the clock cannot simulate: a
+    round-shaping device key, or a population smaller than
+    ``server.concurrency`` (which methods it takes is the aggregation
+    pipeline's check)."""
     s = cfg.server
     if s.mode not in MODES:
         return
-    from rayfed_dg.methods import build_method
-
-    why = refusal(build_method(cfg, num_clients))
-    if why is not None:
-        raise ConfigError(f"server.mode={s.mode}: method {cfg.method.name} {why}; asynchronous modes take methods "
-                          "whose aggregation is a weighted average of the uploads (docs/asynchronous.md lists them): "
-                          "change method.name or use server.mode sync")
     d = cfg.devices
     if d.deadline_s is not None or d.over_selection != 1.0:
         key = "deadline_s" if d.deadline_s is not None else "over_selection"

@@ -20,7 +20,8 @@ weights would let a large client's update weigh more than C.  A client
 whose task failed for good adds nothing and the denominator stays m (the
 update shrinks a little; the bound holds).  The method's own
 ``aggregation_weights`` are therefore not used, and a method that
-overrides them refuses DP (``refusal``).
+overrides them refuses DP (``DPMean.refuses``, checked by the aggregation
+pipeline's ``refusal``).
 
 What is averaged, and so clipped: every uploaded floating-point tensor,
 BatchNorm's running statistics included (they are part of the uploaded
@@ -47,30 +48,11 @@ import numpy as np
 import torch
 
 from rayfed_dg.config import ExperimentConfig, UpdatePrivacyConfig
+from rayfed_dg.engine.aggregation.pipeline import Estimator, Uploads
 from rayfed_dg.errors import ConfigError, DivergedError
-from rayfed_dg.methods import Method
 from rayfed_dg.seeding import Stream, numpy_rng
 
 from .mechanisms import clip_l2, gaussian
-
-# the hooks whose override makes a method's new global model more than the weighted mean of the uploads
-_NOT_A_MEAN = {
-    "aggregation_weights": "weighs clients from their data or its own state",
-    "assemble_global": "sets global tensors from the clients' results itself",
-    "after_round": "reads the clients' results on the server",
-}
-
-
-def refusal(mcls: type[Method]) -> str | None:
-    """Why method class ``mcls`` cannot take DP-FedAvg (None: it can): its
-    new global model must be the mean of the uploads and nothing else
-    (``folds_on_workers``; no hook of ``_NOT_A_MEAN`` overridden)."""
-    if mcls.folds_on_workers is not True:
-        return "reads each client's upload whole (folds_on_workers is not True)"
-    for hook, why in _NOT_A_MEAN.items():
-        if getattr(mcls, hook) is not getattr(Method, hook):
-            return f"{why} ({hook})"
-    return None
 
 
 def count_noise(u: UpdatePrivacyConfig, per_round: int) -> float:
@@ -145,8 +127,6 @@ class UpdateDP:
 def check_privacy(cfg: ExperimentConfig, num_clients: int, per_round: int, train_samples: int) -> None:
     """Refuse, in one line naming the key, a privacy section the run cannot
     honour: before anything is written (``plan.preflight``)."""
-    from rayfed_dg.methods import get_method_class
-
     from .accountant import UPDATES, Accountant
 
     p = cfg.privacy
@@ -154,11 +134,6 @@ def check_privacy(cfg: ExperimentConfig, num_clients: int, per_round: int, train
         return
     u = p.updates
     if u is not None:
-        why = refusal(get_method_class(cfg.method.name))
-        if why is not None:
-            raise ConfigError(f"privacy.updates: method {cfg.method.name} {why}, so its aggregation is not a "
-                              "weighted mean of the updates that DP-FedAvg can bound; drop privacy.updates "
-                              "or use another method")
         if cfg.server.mode != "sync" or cfg.devices.enabled:
             key = "server.mode" if cfg.server.mode != "sync" else "devices.enabled"
             raise ConfigError(f"privacy.updates: {key} picks the aggregated clients on a clock, not by the "
@@ -192,3 +167,54 @@ def check_privacy(cfg: ExperimentConfig, num_clients: int, per_round: int, train
             raise ConfigError(f"privacy.target_epsilon={p.target_epsilon:g}: the {cfg.training.rounds} rounds of "
                               f"updates alone would spend epsilon {eps:.4g} at delta {p.delta:g}; raise "
                               "privacy.updates.noise_multiplier (rayfed-dg privacy calibrate) or lower training.rounds")
+
+
+class DPMean(Estimator):
+    """DP-FedAvg's estimator as an aggregation part (the module docstring):
+    every client weighs 1; for the uploaded float keys x_t + (sum of the
+    clipped updates + noise) / m, the noise inside (the fixed denominator
+    divides the noised sum); the adaptive clip moves after the round.  Its
+    ``client_clip`` is the transform each client applies before its upload leaves."""
+
+    name = "dp_fedavg"
+    key = "privacy.updates"
+    weighted = False
+    sensitivity_bounded = True
+    noises = True
+    # its new global model must be the mean of the uploads and nothing else
+    refuses = {
+        "reads_uploads": "reads each client's upload whole (folds_on_workers is not True)",
+        "aggregation_weights": "weighs clients from their data or its own state (aggregation_weights)",
+        "assemble_global": "sets global tensors from the clients' results itself (assemble_global)",
+        "after_round": "reads the clients' results on the server (after_round)",
+    }
+    advice = ("so its aggregation is not a weighted mean of the updates that DP-FedAvg can bound: drop "
+              "privacy.updates or use another method")
+
+    def __init__(self, dp: UpdateDP):
+        self.dp = dp
+        self.round_clip = dp.clip
+
+    def client_clip(self) -> float:
+        """The clip of the round about to train."""
+        return self.dp.clip
+
+    def weights(self, clients, method_weights) -> dict[int, float]:
+        return dict.fromkeys(clients, 1.0)
+
+    def estimate(self, u: Uploads) -> dict[str, np.ndarray]:
+        self.round_clip = self.dp.clip  # this round's: adapting sets the next one's
+        out = u.reducer.result(u.x)
+        out.update(self.dp.release(u.round, u.reducer.sums(self.dp.keys), u.x))
+        returned = [u.updates[c] for c in u.order if c in u.updates]
+        self.dp.adapt(u.round, sum(bool(r.unclipped) for r in returned), len(returned))
+        return out
+
+    def record(self) -> dict:
+        return {"dp_clip": self.round_clip}
+
+    def state_dict(self) -> dict:
+        return {"dp_clip": self.dp.clip}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.dp.clip = float(state["dp_clip"])

@@ -51,7 +51,7 @@ def prepare(work: RoundWork) -> None:
 
 def global_on_clients(work: RoundWork) -> None:
     """The new global model on each participant's validation samples (``ClientUpdate.global_eval``)."""
-    evaluate_on_clients(work.pool, work.fed.id, work.global_ref, work.results, work.fed.client_val,
+    evaluate_on_clients(work.pool, work.fed.id, work.global_ref, work.results, work.fed.data.client_val,
                         work.fed.cfg.evaluation.batch_size, work.ledger)
 
 

@@ -3,7 +3,7 @@ stage's client phases on the worker pool, and what the stage produces,
 held here until the stage returns: the clients' new training sets, the
 arrays it shares with every client, its ledger rows (round 0).
 ``run_stages`` runs the configured stages in order and hands each one's
-sets and arrays to the federation (``Federation.add_stage_outputs``)."""
+sets and arrays to the federation (``ClientData.add_stage_outputs``)."""
 from __future__ import annotations
 
 from typing import Any
@@ -27,7 +27,7 @@ def run_stages(pool: WorkerPool, fed: Federation) -> dict:
     for i, stage in enumerate(build_stages(fed.cfg)):
         host = StageHost(pool, fed, stage, i, ledger)
         info[stage.name] = stage.run(host)
-        fed.add_stage_outputs(host.training_sets, host.shared)
+        fed.data.add_stage_outputs(host.training_sets, host.shared)
     return {"ledger": ledger.rows, "info": info}
 
 
@@ -41,7 +41,7 @@ class StageHost:
         self.shared: dict[str, Any] = {}  # name -> ObjectRef of arrays the stage shares with every client
 
     def training_set(self, client_id: int) -> np.ndarray:
-        return self.training_sets.get(client_id, self._fed.training_set(client_id))[0]
+        return self.training_sets.get(client_id, self._fed.data.training_set(client_id))[0]
 
     def map(self, phase: ClientPhase, args: dict[int, dict], releases: str | None = None) -> dict[int, object]:
         if getattr(phase, "__self__", None) is not self._stage:

@@ -10,6 +10,7 @@ from rayfed_dg.engine.clock.asynchronous import check_async
 from rayfed_dg.engine.clock.devices import check_devices, model_bytes
 from rayfed_dg.engine.privacy.updates import check_privacy
 from rayfed_dg.engine.rounds.federation import clients_per_round
+from rayfed_dg.engine.rounds.parts import check_pipeline
 from rayfed_dg.engine.workers.resources import ensure_workers, init_ray
 from rayfed_dg.errors import ConfigError, DataError, ModelError
 
@@ -123,7 +124,8 @@ def resolve_variants(cfg: ExperimentConfig, ds: DomainDataset,
 
 def preflight(cfg: ExperimentConfig, splits: list[FederatedSplit], num_classes: int) -> None:
     """Fail before anything is written: the model builds (weights found, the
-    method accepts the backbone), the stages can run, the privacy section
+    method accepts the backbone), the stages can run, the aggregation parts
+    combine (``parts.check_pipeline``), the privacy section
     can be honoured (``dp.check_privacy``), and the worker pool fits the Ray
     cluster."""
 
@@ -142,6 +144,7 @@ def preflight(cfg: ExperimentConfig, splits: list[FederatedSplit], num_classes: 
             check_devices(cfg, s, model_bytes(model.state_dict()))
     for stage in build_stages(cfg):
         stage.preflight()
+    check_pipeline(cfg)
     for s in splits:
         check_async(cfg, s.num_clients)
         check_privacy(cfg, s.num_clients, clients_per_round(cfg, s), int(s.client_sizes().sum()))

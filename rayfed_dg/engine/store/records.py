@@ -39,7 +39,7 @@ class Fold:
     """The worker adds the client's upload, times ``weight``, to its partial
     sum of (federation, round, epoch) instead of returning it; epoch 0 is
     the round's training, 1, 2, ... re-runs of clients whose partial was
-    lost with its worker's process (``Server.gather``)."""
+    lost with its worker's process (``rounds/round.py``'s ``gather``)."""
     federation: int
     round: int
     epoch: int
