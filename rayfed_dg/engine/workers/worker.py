@@ -114,8 +114,8 @@ def to_numpy_state(sd: dict[str, torch.Tensor], keys, copy: bool = True) -> dict
 
 
 def configure_cuda(e: EngineConfig) -> None:
-    """``engine``'s CUDA settings: process-wide, so set on every bind that a
-    federation never inherits the previous one's."""
+    """Apply ``engine``'s CUDA settings.  They are process-wide: ``bind``
+    sets them every time, so a federation never inherits the previous one's."""
     if e.num_gpus_per_worker > 0:
         # fractional num_gpus caps nothing in Ray: bound memory ourselves
         torch.cuda.set_per_process_memory_fraction(min(1.0, e.num_gpus_per_worker))
