@@ -16,6 +16,7 @@ import argparse
 import math
 import sys
 from pathlib import Path
+from typing import TypeAlias
 
 from rayfed_dg._version import __version__
 from rayfed_dg.utils import render_table, run_cli, write_table, write_text
@@ -27,11 +28,22 @@ def _debug_flag(parser: argparse.ArgumentParser, top: bool = False) -> None:
                         help="show the traceback of an error")
 
 
+Subcommands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"  # what add_subparsers returns
+
+
 def _build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rayfed-dg", description=__doc__.splitlines()[0])
     p.add_argument("--version", action="version", version=f"rayfed-dg {__version__}")
     _debug_flag(p, top=True)
     sub = p.add_subparsers(dest="command", required=True)
+    # in this order in ``--help``
+    for add in (_add_run, _add_partition, _add_evaluate, _add_data, _add_report, _add_collect, _add_privacy,
+                _add_plot):
+        add(sub)
+    return p
+
+
+def _add_run(sub: Subcommands) -> None:
     run = sub.add_parser("run", help="train leave-one-domain-out federations")
     run.add_argument("config", nargs="?", default=None,
                      help="experiment YAML file (optional with --resume: the run directory holds its config)")
@@ -57,6 +69,9 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="also log them to MLflow, e.g. sqlite:///mlflow.db (output.mlflow.tracking_uri; "
                           "needs mlflow: pip install 'rayfed_dg[mlflow]')")
     _debug_flag(run)
+
+
+def _add_partition(sub: Subcommands) -> None:
     part = sub.add_parser("partition", help="summarise a config's partition, write its manifest and heatmap")
     part.add_argument("config")
     part.add_argument("--target", default=None, help="target domain (default: the first)")
@@ -64,6 +79,9 @@ def _build_parser() -> argparse.ArgumentParser:
     part.add_argument("--out", default="partitions",
                       help="folder for the manifest, the per-client table and the heatmap (default: partitions)")
     _debug_flag(part)
+
+
+def _add_evaluate(sub: Subcommands) -> None:
     ev = sub.add_parser("evaluate", help="evaluate a run's saved models again with evaluation-time settings changed")
     ev.add_argument("run_dir", help="a run directory (one method's: RUN/LABEL for a compare run)")
     ev.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -72,6 +90,9 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="the selected round's model (default) or the last round's")
     ev.add_argument("--target", default=None, help="target domain or comma list (default: the run's targets)")
     _debug_flag(ev)
+
+
+def _add_data(sub: Subcommands) -> None:
     data = sub.add_parser("data", help="fetch the public datasets into the data root ($RAYFED_DG_DATA, ~/data)")
     _debug_flag(data)
     dsub = data.add_subparsers(dest="data_command", required=True)
@@ -83,15 +104,24 @@ def _build_parser() -> argparse.ArgumentParser:
     _debug_flag(fetch)
     dlist = dsub.add_parser("list", help="the datasets 'data fetch' knows, where they go and whether they are there")
     _debug_flag(dlist)
+
+
+def _add_report(sub: Subcommands) -> None:
     rep = sub.add_parser("report", help="target accuracy per method and model-selection rule, mean +- SE over seeds")
     rep.add_argument("run_dirs", nargs="+", help="run directories (a --seeds run, compare runs, or one per seed)")
     rep.add_argument("--format", choices=("md", "csv", "latex", "text"), default="md")
     _debug_flag(rep)
+
+
+def _add_collect(sub: Subcommands) -> None:
     col = sub.add_parser("collect", help="sweep folders (tune.py) to a paper table: values chosen per seed on "
                                          "source validation, target accuracy mean +- SE over seeds")
     col.add_argument("sweep_dirs", nargs="+", help="sweep folders, as tune.py prints them (runs/tune/NAME)")
     col.add_argument("--format", choices=("md", "csv", "latex", "text"), default="md")
     _debug_flag(col)
+
+
+def _add_privacy(sub: Subcommands) -> None:
     priv = sub.add_parser("privacy", help="differential privacy: the noise a run needs for a target epsilon")
     _debug_flag(priv)
     psub = priv.add_subparsers(dest="privacy_command", required=True)
@@ -102,6 +132,9 @@ def _build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     cal.add_argument("--target", default=None, help="target domain whose partition counts (default: the first)")
     _debug_flag(cal)
+
+
+def _add_plot(sub: Subcommands) -> None:
     plot = sub.add_parser("plot", help="figures of runs: learning curves, per-client loss, t-SNE / PCA of features")
     plot.add_argument("run_dirs", nargs="+", help="run directories (as for report)")
     plot.add_argument("--kind", choices=("curves", "clients", "tsne", "pca"), default="curves")
@@ -115,7 +148,6 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="curves: against rounds (default) or the simulated seconds of the device model's clock "
                            "(runs with devices.enabled)")
     _debug_flag(plot)
-    return p
 
 
 def _partition(args) -> int:

@@ -106,6 +106,48 @@ def _common_x(per_seed: list[dict], x: str) -> tuple[list, list[dict]]:
     return xs, [{t: c[max(s for s in c if s <= t)] for t in xs} for c in per_seed]
 
 
+def _mean_curve(ax, label: str, split: str, per_seed: list[dict], x: str, color, legend: bool) -> dict:
+    """The mean over seeds of ``per_seed``'s curves drawn on ``ax`` (with a
+    band of ± one standard error over several seeds); returns it by point."""
+    rounds, per_seed = _common_x(per_seed, x)
+    mean = {r: 100 * float(np.mean([c[r] for c in per_seed])) for r in rounds}
+    n = len(per_seed)
+    name = f"{label} (own client models)" if split == "personal_val" else \
+        f"{label}" + (f" ({n} seeds, band ± SE)" if n > 1 else "")
+    ax.plot(rounds, [mean[r] for r in rounds], color=color, lw=1.6, ls="--" if split == "personal_val" else "-",
+            drawstyle="default" if x == "round" else "steps-post", label=name if legend else None)
+    if n > 1:  # the spread over seeds: mean ± standard error, as report's cells
+        se = np.array([100 * np.std([c[r] for c in per_seed], ddof=1) / np.sqrt(n) for r in rounds])
+        m = np.array([mean[r] for r in rounds])
+        ax.fill_between(rounds, m - se, m + se, color=color, lw=0, step=None if x == "round" else "post",
+                        alpha=0.12 if split == "personal_val" else 0.22)
+    return mean
+
+
+def _mark_selected(ax, ms: list[list[dict]], target: str, x: str, mean: dict, color) -> None:
+    """Each seed's selected round (training-domain validation) as a star on the mean curve ``mean``."""
+    for rows in ms:
+        sel = TrainingDomainValidation().choose([r for r in rows if r["target"] == target])
+        if sel is not None and x == "sim_time":
+            sel = next((r["sim_time"] for r in rows if r["target"] == target and r["round"] == sel), None)
+        if sel in mean:
+            ax.plot([sel], [mean[sel]], marker="*", ms=12, color=color, mec="black", mew=0.6, ls="none", zorder=5)
+
+
+def _legend_below(plt, fig, axes) -> None:
+    """One legend under the figure: the first column's lines and the selection's star."""
+    handles, labels = [], []
+    for ax in axes[:, 0]:
+        h, lab = ax.get_legend_handles_labels()
+        handles += h
+        labels += lab
+    handles.append(plt.Line2D([], [], marker="*", ms=11, color="grey", mec="black", ls="none"))
+    labels.append("round selected by training-domain validation")
+    ncol = max(1, min(len(labels), int(fig.get_figwidth() // 2.6)))
+    fig.tight_layout()
+    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=ncol, fontsize=8, frameon=False)
+
+
 def learning_curves(runs: dict[str, list[RunRecord]], targets: list[str] | None, path: Path,
                     x: str = "round") -> Path:
     """``x``: ``round``, or ``sim_time``: the virtual clock's seconds (runs with ``devices.enabled``)."""
@@ -132,30 +174,10 @@ def learning_curves(runs: dict[str, list[RunRecord]], targets: list[str] | None,
                 per_seed = [c for c in curves[split] if c]
                 if not per_seed:
                     continue
-                rounds, per_seed = _common_x(per_seed, x)
-                mean = {r: 100 * float(np.mean([c[r] for c in per_seed])) for r in rounds}
-                n = len(per_seed)
-                name = f"{label} (own client models)" if split == "personal_val" else \
-                    f"{label}" + (f" ({n} seeds, band ± SE)" if n > 1 else "")
-                axes[row, j].plot(rounds, [mean[r] for r in rounds], color=color, lw=1.6,
-                                  ls="--" if split == "personal_val" else "-",
-                                  drawstyle="default" if x == "round" else "steps-post",
-                                  label=name if (j == 0 and (row == 1 or split == "personal_val")) else None)
-                if n > 1:  # the spread over seeds: mean ± standard error, as report's cells
-                    se = np.array([100 * np.std([c[r] for c in per_seed], ddof=1) / np.sqrt(n) for r in rounds])
-                    m = np.array([mean[r] for r in rounds])
-                    axes[row, j].fill_between(rounds, m - se, m + se, color=color, lw=0,
-                                              step=None if x == "round" else "post",
-                                              alpha=0.12 if split == "personal_val" else 0.22)
-                if split == "personal_val":
-                    continue
-                for rows in ms:  # each seed's selected round (training-domain validation) on the mean curve
-                    sel = TrainingDomainValidation().choose([r for r in rows if r["target"] == t])
-                    if sel is not None and x == "sim_time":
-                        sel = next((r["sim_time"] for r in rows if r["target"] == t and r["round"] == sel), None)
-                    if sel in mean:
-                        axes[row, j].plot([sel], [mean[sel]], marker="*", ms=12, color=color, mec="black",
-                                          mew=0.6, ls="none", zorder=5)
+                mean = _mean_curve(axes[row, j], label, split, per_seed, x, color,
+                                   legend=j == 0 and (row == 1 or split == "personal_val"))
+                if split != "personal_val":
+                    _mark_selected(axes[row, j], ms, t, x, mean, color)
         axes[0, j].set_title(f"target {t}", fontsize=10)
         axes[1, j].set_xlabel("round" if x == "round" else "simulated time (s)")
     axes[0, 0].set_ylabel("mean source-validation accuracy (%)")
@@ -164,16 +186,7 @@ def learning_curves(runs: dict[str, list[RunRecord]], targets: list[str] | None,
         ax.grid(alpha=0.3)
         if x == "round":
             _integer_rounds(ax)
-    handles, labels = [], []
-    for ax in axes[:, 0]:
-        h, lab = ax.get_legend_handles_labels()
-        handles += h
-        labels += lab
-    handles.append(plt.Line2D([], [], marker="*", ms=11, color="grey", mec="black", ls="none"))
-    labels.append("round selected by training-domain validation")
-    ncol = max(1, min(len(labels), int(fig.get_figwidth() // 2.6)))
-    fig.tight_layout()
-    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=ncol, fontsize=8, frameon=False)
+    _legend_below(plt, fig, axes)
     return _save(fig, path)
 
 

@@ -459,6 +459,21 @@ def _interrupt_watch():
     return InterruptWatch()
 
 
+def _trial_label(trial, params: list[str]) -> str:
+    return " ".join(f"{k}={trial.config[k]}" for k in [*params, "training.seed", "target"] if k in trial.config)
+
+
+def _note_result(progress, trial, result: dict) -> None:
+    """``_sweep_progress``'s record of a trial's report: its round (moving
+    the bar) and its best source validation so far."""
+    progress.done[trial.trial_id] = int(result.get("round", 0))
+    if result.get("selected_src_val") is not None:
+        progress.best[trial.trial_id] = 100 * float(result["selected_src_val"])
+    if progress.bar is not None:
+        progress.bar.n = sum(progress.done.values())
+        progress.bar.refresh()
+
+
 def _sweep_progress(where: str, rounds: int, params: list[str]):
     """A Tune callback that replaces Tune's status tables (dozens of lines a
     minute, and a TensorBoard hint into Ray's session folder) with one
@@ -482,26 +497,18 @@ def _sweep_progress(where: str, rounds: int, params: list[str]):
                             desc=f"{total_num_samples} trials", dynamic_ncols=True)
             self.bar.write(f"sweep folder {where} (tensorboard --logdir {where})")
 
-        def _label(self, trial) -> str:
-            return " ".join(f"{k}={trial.config[k]}" for k in [*params, "training.seed", "target"] if k in trial.config)
-
         def on_trial_result(self, iteration, trials, trial, result, **info):
-            self.done[trial.trial_id] = int(result.get("round", 0))
-            if result.get("selected_src_val") is not None:
-                self.best[trial.trial_id] = 100 * float(result["selected_src_val"])
-            if self.bar is not None:
-                self.bar.n = sum(self.done.values())
-                self.bar.refresh()
+            _note_result(self, trial, result)
 
         def on_trial_complete(self, iteration, trials, trial, **info):
             if self.bar is not None:
                 best = self.best.get(trial.trial_id)
-                self.bar.write(f"{self._label(trial)}: finished after {self.done.get(trial.trial_id, 0)} rounds"
-                               + (f", best source val {best:.2f}%" if best is not None else ""))
+                self.bar.write(f"{_trial_label(trial, params)}: finished after {self.done.get(trial.trial_id, 0)} "
+                               "rounds" + (f", best source val {best:.2f}%" if best is not None else ""))
 
         def on_trial_error(self, iteration, trials, trial, **info):
             if self.bar is not None:
-                self.bar.write(f"{self._label(trial)}: failed at round {self.done.get(trial.trial_id, 0)} "
+                self.bar.write(f"{_trial_label(trial, params)}: failed at round {self.done.get(trial.trial_id, 0)} "
                                f"(its error: {trial.local_path}/error.txt)")
 
         def on_experiment_end(self, trials, **info):
@@ -533,6 +540,41 @@ def _records(results, params: list[str], at_interrupt: dict[str, str] | None) ->
     return records
 
 
+def _saved_watch(tuner, verbose: int):
+    """The interrupt watch the sweep runs with: a restored sweep runs with the
+    callbacks saved with it (a copy of the watch made when it started), whose
+    progress bar is dropped when it resumes without one (``verbose`` not 1)."""
+    local = getattr(tuner, "_local_tuner", None)
+    saved = local.get_run_config().callbacks if local is not None else None
+    watch = next((cb for cb in saved or [] if hasattr(cb, "at_interrupt")), None)
+    if saved is not None and verbose != 1:  # a sweep started with a bar, resumed without one
+        saved[:] = [cb for cb in saved if not hasattr(cb, "best")]
+    if watch is not None:
+        watch.at_interrupt, watch.trials = None, []
+    return watch
+
+
+def _write_chosen(sw: Sweep, path: Path, chosen: dict | None) -> None:
+    """``chosen_config.yaml``: the config with the chosen values, or none
+    while the sweep is unfinished (``chosen`` None)."""
+    if chosen is not None:
+        chosen_cfg = load_config(sw.config_path, sw.fixed + overrides_of(chosen))
+        write_text(yaml.safe_dump(chosen_cfg.to_dict(), sort_keys=False), path)
+    elif path.exists():  # written by an earlier collection of this sweep; an unfinished one chooses nothing
+        path.unlink()
+
+
+def _publish(exp_path: Path, where: str) -> None:
+    """Upload the local folder of a remote sweep's tables to its storage
+    ``where``, deleting a stale ``chosen_config.yaml`` there, then remove the folder."""
+    from rayfed_dg.engine.store.remote import delete_file, upload_files
+
+    upload_files(sorted(exp_path.iterdir()), where)
+    if not (exp_path / "chosen_config.yaml").exists():
+        delete_file(f"{where}/chosen_config.yaml")
+    shutil.rmtree(exp_path.parent, ignore_errors=True)
+
+
 def run_sweep(space_name: str, config: str | None, target: str, samples: int, scheduler: str, resume: bool,
               overrides: list[str], storage: str, space_dir: Path = SPACE_DIR, verbose: int = 1,
               wandb_project: str | None = None, mlflow_uri: str | None = None,
@@ -552,14 +594,7 @@ def run_sweep(space_name: str, config: str | None, target: str, samples: int, sc
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "1")
     progress = [_sweep_progress(sw.where, sw.cfg.training.rounds, list(sw.space["params"]))] if verbose == 1 else []
     tuner = _tuner(sw, resume, 1 if verbose == 2 else 0, [*callbacks, *progress, _interrupt_watch()])
-    # a restored sweep runs with the callbacks saved with it (a copy of the watch made above, when it started)
-    local = getattr(tuner, "_local_tuner", None)
-    saved = local.get_run_config().callbacks if local is not None else None
-    watch = next((cb for cb in saved or [] if hasattr(cb, "at_interrupt")), None)
-    if saved is not None and verbose != 1:  # a sweep started with a bar, resumed without one
-        saved[:] = [cb for cb in saved if not hasattr(cb, "best")]
-    if watch is not None:
-        watch.at_interrupt, watch.trials = None, []
+    watch = _saved_watch(tuner, verbose)
     # Tune's newer console output prints its experiment box and a TensorBoard hint into Ray's session folder
     # whatever the verbosity; its legacy output at verbosity 0 prints nothing
     with env_set("RAY_AIR_NEW_OUTPUT", "1" if verbose == 2 else "0"):
@@ -587,18 +622,8 @@ def run_sweep(space_name: str, config: str | None, target: str, samples: int, sc
     else:
         md = markdown_table(rows, sw.targets, params)
     write_text(md + "\n", exp_path / "selection.md")
-    stale = exp_path / "chosen_config.yaml"
-    if complete and chosen is not None:
-        chosen_cfg = load_config(sw.config_path, sw.fixed + overrides_of(chosen))
-        write_text(yaml.safe_dump(chosen_cfg.to_dict(), sort_keys=False), stale)
-    elif stale.exists():  # written by an earlier collection of this sweep; an unfinished one chooses nothing
-        stale.unlink()
+    _write_chosen(sw, exp_path / "chosen_config.yaml", chosen if complete else None)
     if sw.remote:  # the tables go beside the trials, in the sweep's storage
-        from rayfed_dg.engine.store.remote import delete_file, upload_files
-
-        upload_files(sorted(exp_path.iterdir()), sw.where)
-        if not stale.exists():
-            delete_file(f"{sw.where}/{stale.name}")
-        shutil.rmtree(exp_path.parent, ignore_errors=True)
+        _publish(exp_path, sw.where)
     return {"path": sw.where if sw.remote else str(exp_path), "chosen": chosen if complete else None, "table": md,
             "records": records, "complete": complete}

@@ -76,56 +76,76 @@ def _bar(total: int | None, initial: int, desc: str, progress: bool):
                 leave=False, disable=None if progress else True)  # None: only on a terminal
 
 
+class _Retry(Exception):
+    """This attempt at a download failed in a way the next one may not (its message: why)."""
+
+
+def _request(url: str, part: Path, have: int, timeout: float):
+    """The response to a request for ``url`` from byte ``have`` on, or None
+    when the server has nothing left to send because ``part`` is complete."""
+    headers = {"User-Agent": USER_AGENT}
+    if have:
+        headers["Range"] = f"bytes={have}-"
+    try:
+        return urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout)
+    except urllib.error.HTTPError as e:
+        if e.code == 416 and have:  # nothing left to send: complete, or not what the server has
+            _, total = _content_range(e.headers.get("Content-Range"))
+            if total == have:
+                return None
+            part.unlink()
+            raise _Retry("the partial file did not match the server's; restarting") from None
+        raise _Unreachable(f"HTTP {e.code} {e.reason}") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise _Unreachable(_one_line(getattr(e, "reason", e))) from None
+
+
+def _receive(resp, url: str, part: Path, have: int, progress: bool) -> int | None:
+    """Write the body of ``resp`` into ``part`` (appended at byte ``have`` for
+    a range); returns the file's whole size where the server gives it."""
+    if resp.status == 206:
+        start, total = _content_range(resp.headers.get("Content-Range"))
+        if start != have:  # not the range asked for: start over
+            part.unlink()
+            raise _Retry(f"the server answered a range from byte {start}, not {have}")
+        mode = "ab"
+    else:  # 200: the whole file (a server without Range support restarts it)
+        have, mode = 0, "wb"
+        length = resp.headers.get("Content-Length")
+        total = int(length) if length and length.isdigit() else None
+    if (resp.headers.get("Content-Type") or "").startswith("text/html"):
+        raise _Unreachable("the server sent a web page instead of the file (a quota, sign-in or "
+                           "confirmation page)")
+    desc = part.name.removesuffix(".part")
+    shown = f"{total / 2**20:,.1f} MiB" if total is not None else "size unknown"
+    _say(f"downloading {desc} ({shown}{f', resuming at byte {have}' if have else ''}) from {url}")
+    try:
+        with open(part, mode) as f, _bar(total, have, desc, progress) as bar:
+            while chunk := resp.read1(CHUNK):  # what has arrived: a stall loses nothing
+                f.write(chunk)
+                bar.update(len(chunk))
+    except (http.client.IncompleteRead, ConnectionError, TimeoutError) as e:
+        raise _Retry(f"connection lost ({_one_line(e) or type(e).__name__})") from None  # resume from what arrived
+    return total
+
+
 def _download(url: str, part: Path, expected_size: int | None, progress: bool, timeout: float,
               attempts: int) -> None:
     """Fill ``part`` with the body of ``url``, resuming what it already holds."""
-    desc = part.name.removesuffix(".part")
     last = ""
     for _ in range(attempts):
         have = part.stat().st_size if part.exists() else 0
         if expected_size is not None and have == expected_size:
             return
-        headers = {"User-Agent": USER_AGENT}
-        if have:
-            headers["Range"] = f"bytes={have}-"
         try:
-            resp = urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout)
-        except urllib.error.HTTPError as e:
-            if e.code == 416 and have:  # nothing left to send: complete, or not what the server has
-                _, total = _content_range(e.headers.get("Content-Range"))
-                if total == have:
-                    return
-                part.unlink()
-                last = "the partial file did not match the server's; restarting"
-                continue
-            raise _Unreachable(f"HTTP {e.code} {e.reason}") from None
-        except (urllib.error.URLError, OSError) as e:
-            raise _Unreachable(_one_line(getattr(e, "reason", e))) from None
-        with resp:
-            if resp.status == 206:
-                start, total = _content_range(resp.headers.get("Content-Range"))
-                if start != have:  # not the range asked for: start over
-                    part.unlink()
-                    last = f"the server answered a range from byte {start}, not {have}"
-                    continue
-                mode = "ab"
-            else:  # 200: the whole file (a server without Range support restarts it)
-                have, mode = 0, "wb"
-                length = resp.headers.get("Content-Length")
-                total = int(length) if length and length.isdigit() else None
-            if (resp.headers.get("Content-Type") or "").startswith("text/html"):
-                raise _Unreachable("the server sent a web page instead of the file (a quota, sign-in or "
-                                   "confirmation page)")
-            shown = f"{total / 2**20:,.1f} MiB" if total is not None else "size unknown"
-            _say(f"downloading {desc} ({shown}{f', resuming at byte {have}' if have else ''}) from {url}")
-            try:
-                with open(part, mode) as f, _bar(total, have, desc, progress) as bar:
-                    while chunk := resp.read1(CHUNK):  # what has arrived: a stall loses nothing
-                        f.write(chunk)
-                        bar.update(len(chunk))
-            except (http.client.IncompleteRead, ConnectionError, TimeoutError) as e:
-                last = f"connection lost ({_one_line(e) or type(e).__name__})"
-                continue  # resume from what arrived
+            resp = _request(url, part, have, timeout)
+            if resp is None:
+                return
+            with resp:
+                total = _receive(resp, url, part, have, progress)
+        except _Retry as e:
+            last = str(e)
+            continue
         size = part.stat().st_size
         if total is not None and size < total:
             last = f"connection closed at byte {size} of {total}"

@@ -105,6 +105,42 @@ class _Task:
     many: bool
 
 
+def _send(worker: Any, group: list[Attempt], submit: Callable[[Any, Any, int], Any],
+          submit_many: Callable[[Any, list[tuple[Any, int]]], Any] | None) -> Any:
+    """The ObjectRef of a task carrying ``group`` to ``worker``: a list of
+    jobs with ``submit_many``, else its one job."""
+    if submit_many is not None:
+        return submit_many(worker, [(q.job, q.attempt) for q in group])
+    return submit(worker, group[0].job, group[0].attempt)
+
+
+def _failed(task: _Task, err: Exception, ledger: FailureLedger,
+            recover: Callable[[int], _Recovery | None]) -> list[Verdict]:
+    """The verdicts on a task that raised: a diverged client stops the
+    run, and an error that is neither a worker's death nor the job's
+    own fault is a bug, raised.  ``recover(worker)`` starts waiting for a
+    dead worker's restart (None: it is out of the pool)."""
+    cause = getattr(err, "cause", None)
+    if isinstance(cause, DivergedError):
+        raise EngineError(str(cause)) from None
+    reason = repr(err).splitlines()[0][:200]
+    if isinstance(err, ray.exceptions.RayActorError):  # judged when the worker answers: did its process die?
+        return ledger.worker_died(task.runs, reason, in_pool=recover(task.worker) is not None)
+    if own_fault(err):
+        return [ledger.charge(run, reason) for run in task.runs]
+    raise err
+
+
+def _waiting_line(lost: int, ready: int, waited: float, left: float, launch: str | None,
+                  restart_timeout_s: float, replacement_timeout_s: float) -> str:
+    """What a pool with ``lost`` workers away says on stderr now and then."""
+    what = f"the autoscaler is launching {launch}" if launch is not None else "no node is being launched for them"
+    return (f"rayfed-dg: waiting for {lost} lost worker(s) ({ready} others ready), "
+            f"{waited:.0f} s so far; {what}; giving up in {max(0.0, left):.0f} s "
+            f"(engine.worker_restart_timeout_s={restart_timeout_s:g}, "
+            f"worker_replacement_timeout_s={replacement_timeout_s:g})")
+
+
 class WorkerPool:
     PING_EVERY_S = 0.5  # while a worker restarts; a ping to a restarting actor fails at once
 
@@ -175,13 +211,8 @@ class WorkerPool:
             self.next_say = now + SAY_EVERY_S
             first = min(rec.lost_at for rec in self.recovering.values())
             end = max(self._deadline(rec) for rec in self.recovering.values())
-            ready = len(self._ready())
-            what = (f"the autoscaler is launching {self.launch}" if self.launch is not None else
-                    "no node is being launched for them")
-            print(f"rayfed-dg: waiting for {len(self.recovering)} lost worker(s) ({ready} others ready), "
-                  f"{now - first:.0f} s so far; {what}; giving up in {max(0.0, end - now):.0f} s "
-                  f"(engine.worker_restart_timeout_s={self.restart_timeout_s:g}, "
-                  f"worker_replacement_timeout_s={self.replacement_timeout_s:g})", file=sys.stderr, flush=True)
+            print(_waiting_line(len(self.recovering), len(self._ready()), now - first, end - now, self.launch,
+                                self.restart_timeout_s, self.replacement_timeout_s), file=sys.stderr, flush=True)
 
     def _poll_recovering(self, answer: Answer) -> None:
         """Ping each restarting worker that has no ping out and is due; one
@@ -257,28 +288,6 @@ class WorkerPool:
             return None
         return ready[0] if ready else None
 
-    def _send(self, w: int, group: list[Attempt], submit: Callable[[Any, Any, int], Any],
-              submit_many: Callable[[Any, list[tuple[Any, int]]], Any] | None) -> Any:
-        """The ObjectRef of a task carrying ``group`` to worker ``w``: a list
-        of jobs with ``submit_many``, else its one job."""
-        if submit_many is not None:
-            return submit_many(self.workers[w], [(q.job, q.attempt) for q in group])
-        return submit(self.workers[w], group[0].job, group[0].attempt)
-
-    def _failed(self, task: _Task, err: Exception, ledger: FailureLedger) -> list[Verdict]:
-        """The verdicts on a task that raised: a diverged client stops the
-        run, and an error that is neither a worker's death nor the job's
-        own fault is a bug, raised."""
-        cause = getattr(err, "cause", None)
-        if isinstance(cause, DivergedError):
-            raise EngineError(str(cause)) from None
-        reason = repr(err).splitlines()[0][:200]
-        if isinstance(err, ray.exceptions.RayActorError):  # judged when the worker answers: did its process die?
-            return ledger.worker_died(task.runs, reason, in_pool=self._recover(task.worker) is not None)
-        if own_fault(err):
-            return [ledger.charge(run, reason) for run in task.runs]
-        raise err
-
     # ---------------------------------------------------------------- jobs
     def map(self, jobs: Sequence[J], submit: Callable[[Any, J, int], Any],
             on_result: Callable[[J, Any], None], cost: Mapping[J, float] | None = None,
@@ -300,7 +309,7 @@ class WorkerPool:
             while plan.queue or inflight or ledger.awaiting:
                 while (step := plan.next(self._ready())) is not None:
                     runs = ledger.start(*step)
-                    ref = self._send(*step, submit, submit_many if plan.grouping else None)
+                    ref = _send(self.workers[step[0]], step[1], submit, submit_many if plan.grouping else None)
                     inflight[ref] = _Task(step[0], runs, many=plan.grouping)
                 if not inflight and not self.recovering:
                     raise EngineError("no worker left in the pool")
@@ -313,7 +322,7 @@ class WorkerPool:
                 try:
                     res = ray.get(ref)
                 except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as err:
-                    _apply(self._failed(task, err, ledger), plan, on_result)
+                    _apply(_failed(task, err, ledger, self._recover), plan, on_result)
                     continue
                 for run, out in zip(task.runs, res if task.many else [res]):
                     if isinstance(out, JobFailed):

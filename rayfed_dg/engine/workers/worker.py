@@ -32,13 +32,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from rayfed_dg.config import ExperimentConfig
+from rayfed_dg.config import EngineConfig, ExperimentConfig
 from rayfed_dg.data.augment import augment
 from rayfed_dg.engine.aggregation.exact import BinnedSum, Partial
 from rayfed_dg.engine.privacy.payloads import release
 from rayfed_dg.engine.privacy.updates import clip_update
 from rayfed_dg.engine.store.records import ClientTask, Fold
-from rayfed_dg.methods import ClientContext, ClientUpdate, LocalResult, Precision, build_method
+from rayfed_dg.methods import ClientContext, ClientUpdate, LocalResult, Method, Precision, build_method
 from rayfed_dg.seeding import Stream, numpy_rng, seed_int, seed_torch, torch_generator
 from rayfed_dg.stages import StageClient, build_stages
 
@@ -113,6 +113,134 @@ def to_numpy_state(sd: dict[str, torch.Tensor], keys, copy: bool = True) -> dict
     return {k: v.copy() for k, v in out.items()} if copy else out
 
 
+def configure_cuda(e: EngineConfig) -> None:
+    """Apply ``engine``'s CUDA settings.  They are process-wide: ``bind``
+    sets them every time, so a federation never inherits the previous one's."""
+    if e.num_gpus_per_worker > 0:
+        # fractional num_gpus caps nothing in Ray: bound memory ourselves
+        torch.cuda.set_per_process_memory_fraction(min(1.0, e.num_gpus_per_worker))
+    torch.backends.cuda.matmul.allow_tf32 = e.tf32
+    torch.backends.cudnn.allow_tf32 = e.tf32
+    torch.backends.cudnn.benchmark = e.cudnn_benchmark
+    torch.backends.cudnn.deterministic = not e.cudnn_benchmark
+
+
+def batch_positions(n: int, batch_size: int, steps: int | None, epochs: int,
+                    gen: torch.Generator) -> Iterator[np.ndarray]:
+    """The positions among ``n`` samples of each seeded mini-batch: ``steps``
+    batches, or ``epochs`` passes when ``steps`` is None.  Lazy, so that the
+    permutations and the batches' augmentations draw on ``gen`` in turn."""
+    done = 0
+    epoch = 0
+    while True:
+        order = torch.randperm(n, generator=gen).numpy()
+        for s in range(0, n, batch_size):
+            chunk = order[s:s + batch_size]
+            if len(chunk) < 2 and n >= 2:  # BatchNorm needs two samples
+                continue
+            yield chunk
+            done += 1
+            if steps is not None and done >= steps:
+                return
+        epoch += 1
+        if steps is None and epoch >= epochs:
+            return
+
+
+def mixed_arrays(images: np.ndarray, labels: np.ndarray, indices: np.ndarray, extra: dict,
+                 chunk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The host arrays (images, labels) of ``chunk``: positions below
+    ``len(indices)`` are the client's own samples, the rest are rows of the
+    data stage's additions ``extra``."""
+    nb = len(indices)
+    base = chunk < nb
+    raw = np.empty((len(chunk),) + images.shape[1:], np.uint8)
+    lab = np.empty(len(chunk), np.int64)
+    raw[base] = images[indices[chunk[base]]]
+    lab[base] = labels[indices[chunk[base]]]
+    raw[~base] = extra["images"][chunk[~base] - nb]
+    lab[~base] = extra["labels"][chunk[~base] - nb]
+    return raw, lab
+
+
+def fetched(extra: Any) -> dict | None:
+    """A task's ``extra`` arrays: an ObjectRef (in an actor) read zero-copy, or a plain dict or None."""
+    if extra is None or isinstance(extra, dict):
+        return extra
+    import ray
+
+    return ray.get(extra)
+
+
+def stage_arrays(stage_data: dict) -> dict:
+    """Data stages' shared arrays: ObjectRefs (in an actor) read zero-copy, or plain dicts (in tests)."""
+    if not stage_data or all(isinstance(v, dict) for v in stage_data.values()):
+        return dict(stage_data)
+    import ray
+
+    return {k: v if isinstance(v, dict) else ray.get(v) for k, v in stage_data.items()}
+
+
+def inject_fault(cfg: ExperimentConfig, task: ClientTask) -> None:
+    """Fail ``task`` when ``engine.fault_clients`` names its client or its
+    seeded draw falls under ``task.fault_p``: raise, or kill the process."""
+    e, cid, rnd = cfg.engine, task.client, task.round
+    if cid in e.fault_clients or (task.fault_p > 0 and numpy_rng(
+            cfg.training.seed, Stream.FAULT, rnd, cid, task.attempt).random() < task.fault_p):
+        if e.fault_mode == "kill":
+            os._exit(1)  # a dead worker process, as after an OOM kill
+        raise InjectedFault(f"injected fault in client {cid} round {rnd} attempt {task.attempt}")
+
+
+def checked_loss(method: Method, res: Any, precision: Precision, cid: int, rnd: int) -> float:
+    """The loss of ``local_train``'s result ``res``, once it keeps the method
+    contract (a ``LocalResult``, trained at ``training.precision``) and the
+    loss is finite."""
+    if not isinstance(res, LocalResult):
+        raise TypeError(f"method {method.name}: local_train returned {type(res).__name__}; in method contract "
+                        "v2 it returns a LocalResult (train_steps returns one)")
+    if precision.dtype is not None and res.steps and not precision.autocasts:
+        raise TypeError(f"method {method.name}: local_train ignored training.precision="
+                        f"{precision.name}: pass precision=ctx.precision to train_steps (or refuse the "
+                        "precision in its check)")
+    loss = float(res.loss)
+    if not math.isfinite(loss):
+        raise DivergedError(f"client {cid} round {rnd}: local training diverged (loss {loss}); "
+                            "lower training.lr or the method's loss weights")
+    return loss
+
+
+class PartialSums:
+    """One process's partial sums of its clients' uploads (``Fold``), by
+    (federation, round, epoch), each with the clients folded into it."""
+
+    def __init__(self) -> None:
+        self.sums: dict[tuple[int, int, int], tuple[list[int], BinnedSum]] = {}
+
+    def fold(self, to: Fold, client: int, upload: dict[str, torch.Tensor]) -> None:
+        """Add ``client``'s upload to the partial sum of ``to``'s (federation,
+        round, epoch); an older one of that federation was abandoned by the
+        server (``take``) and is dropped."""
+        key = (to.federation, to.round, to.epoch)
+        for k in [k for k in self.sums if k[0] == to.federation and k != key]:
+            del self.sums[k]
+        part = self.sums.setdefault(key, ([], BinnedSum()))
+        try:
+            part[1].add(to.weight, upload)
+        except BaseException:  # half folded: the whole partial is lost, and the server re-runs its clients
+            del self.sums[key]
+            raise
+        part[0].append(client)
+
+    def take(self, federation: int, round: int, epoch: int) -> Partial | None:
+        """The partial sum of (federation, round, epoch), handed over once
+        (None: none was folded, or the process was restarted)."""
+        part = self.sums.pop((federation, round, epoch), None)
+        for k in [k for k in self.sums if k[0] == federation]:
+            del self.sums[k]
+        return None if part is None else Partial(sorted(part[0]), part[1].pack())
+
+
 class ClientRunner:
     """Model, data and method hooks of one worker; used by the actor and by
     tests that want the exact client computation without Ray."""
@@ -122,7 +250,7 @@ class ClientRunner:
         self.images = images  # zero-copy view of the object store
         self.labels = labels
         self.resident: tuple[torch.Tensor, torch.Tensor] | None = None  # (images, labels) on the device
-        self.partials: dict[tuple[int, int, int], tuple[list[int], BinnedSum]] = {}  # ``fold``'s sums, by key
+        self.partials = PartialSums()
         self.bind(cfg, num_classes, num_clients)
 
     def bind(self, cfg: ExperimentConfig, num_classes: int, num_clients: int) -> None:
@@ -135,14 +263,7 @@ class ClientRunner:
         torch.set_num_threads(self.threads)
         self.device = resolve_device(e.device, e.num_gpus_per_worker, e.gpus_declared_only)
         if self.device.type == "cuda":
-            if e.num_gpus_per_worker > 0:
-                # fractional num_gpus caps nothing in Ray: bound memory ourselves
-                torch.cuda.set_per_process_memory_fraction(min(1.0, e.num_gpus_per_worker))
-            # process-wide: set on every bind, so a federation never inherits the previous one's
-            torch.backends.cuda.matmul.allow_tf32 = e.tf32
-            torch.backends.cudnn.allow_tf32 = e.tf32
-            torch.backends.cudnn.benchmark = e.cudnn_benchmark
-            torch.backends.cudnn.deterministic = not e.cudnn_benchmark
+            configure_cuda(e)
         self._place_data()
         d = self.cfg.data
         self.mean = torch.tensor(d.mean, dtype=torch.float32).view(1, 3, 1, 1).to(self.device)
@@ -215,35 +336,12 @@ class ClientRunner:
         """Seeded mini-batches over the client's samples; ``extra`` holds
         data-stage additions (CCST's stylized copies) as arrays."""
         t = self.cfg.training
-        nb = len(indices)
-        n_extra = 0 if extra is None else len(extra["labels"])
-        n, bs = nb + n_extra, t.batch_size
-        steps = t.local_steps
-        done = 0
-        epoch = 0
-        while True:
-            order = torch.randperm(n, generator=gen).numpy()
-            for s in range(0, n, bs):
-                chunk = order[s:s + bs]
-                if len(chunk) < 2 and n >= 2:  # BatchNorm needs two samples
-                    continue
-                if extra is None:
-                    yield self._tensors(indices[chunk], gen)
-                else:
-                    base = chunk < nb
-                    raw = np.empty((len(chunk),) + self.images.shape[1:], np.uint8)
-                    lab = np.empty(len(chunk), np.int64)
-                    raw[base] = self.images[indices[chunk[base]]]
-                    lab[base] = self.labels[indices[chunk[base]]]
-                    raw[~base] = extra["images"][chunk[~base] - nb]
-                    lab[~base] = extra["labels"][chunk[~base] - nb]
-                    yield self._to_tensors(raw, lab, gen)
-                done += 1
-                if steps is not None and done >= steps:
-                    return
-            epoch += 1
-            if steps is None and epoch >= t.local_epochs:
-                return
+        n = len(indices) + (0 if extra is None else len(extra["labels"]))
+        for chunk in batch_positions(n, t.batch_size, t.local_steps, t.local_epochs, gen):
+            if extra is None:
+                yield self._tensors(indices[chunk], gen)
+            else:
+                yield self._to_tensors(*mixed_arrays(self.images, self.labels, indices, extra, chunk), gen)
 
     # ---------------------------------------------------------------- tasks
     def _client(self, task: ClientTask, global_state: dict[str, np.ndarray], stream: Stream) -> ClientContext:
@@ -257,7 +355,7 @@ class ClientRunner:
         return ClientContext(client_id=task.client, round=task.round, device=self.device, generator=gen,
                              num_samples=len(task.indices), payload=task.payload, indices=task.indices,
                              labels=self.labels[task.indices], fetch=lambda idx: self._tensors(idx, None),
-                             val_indices=task.val_indices, stage_data=self._resolve(task.stage_data),
+                             val_indices=task.val_indices, stage_data=stage_arrays(task.stage_data),
                              pixel_mean=self.mean, pixel_std=self.std, precision=self._precision())
 
     def _precision(self) -> Precision:
@@ -268,15 +366,6 @@ class ClientRunner:
                  owner: str) -> dict[str, np.ndarray]:
         """What of ``payload`` leaves the client: ``privacy.payloads``' groups clipped and noised here."""
         return release(payload, declared, self.cfg.privacy, self.cfg.training.seed, round, client, owner)
-
-    @staticmethod
-    def _resolve(stage_data: dict) -> dict:
-        """Data stages' shared arrays: ObjectRefs (in an actor) read zero-copy, or plain dicts (in tests)."""
-        if not stage_data or all(isinstance(v, dict) for v in stage_data.values()):
-            return dict(stage_data)
-        import ray
-
-        return {k: v if isinstance(v, dict) else ray.get(v) for k, v in stage_data.items()}
 
     def prepare(self, task: ClientTask, global_state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The method's per-round client phase, before any client trains."""
@@ -289,32 +378,13 @@ class ClientRunner:
         the model's tensors, for a result that Ray serializes before the
         model is touched again (saves a model-sized copy)."""
         t0 = time.perf_counter()
-        e = self.cfg.engine
         cid, rnd = task.client, task.round
-        if cid in e.fault_clients or (task.fault_p > 0 and numpy_rng(
-                self.cfg.training.seed, Stream.FAULT, rnd, cid, task.attempt).random() < task.fault_p):
-            if e.fault_mode == "kill":
-                os._exit(1)  # a dead worker process, as after an OOM kill
-            raise InjectedFault(f"injected fault in client {cid} round {rnd} attempt {task.attempt}")
+        inject_fault(self.cfg, task)
         ctx = self._client(task, global_state, Stream.TRAIN)
-        extra = task.extra
-        if extra is not None and not isinstance(extra, dict):
-            import ray
-
-            extra = ray.get(extra)
+        extra = fetched(task.extra)
         self.method.round_start(self.model, ctx)
         res = self.method.local_train(self.model, lambda: self.batches(task.indices, ctx.generator, extra), ctx)
-        if not isinstance(res, LocalResult):
-            raise TypeError(f"method {self.method.name}: local_train returned {type(res).__name__}; in method contract "
-                            "v2 it returns a LocalResult (train_steps returns one)")
-        if ctx.precision.dtype is not None and res.steps and not ctx.precision.autocasts:
-            raise TypeError(f"method {self.method.name}: local_train ignored training.precision="
-                            f"{ctx.precision.name}: pass precision=ctx.precision to train_steps (or refuse the "
-                            "precision in its check)")
-        loss = float(res.loss)
-        if not math.isfinite(loss):
-            raise DivergedError(f"client {cid} round {rnd}: local training diverged (loss {loss}); "
-                                "lower training.lr or the method's loss weights")
+        loss = checked_loss(self.method, res, ctx.precision, cid, rnd)
         sd = self.model.state_dict()
         out = ClientUpdate(
             client=cid,
@@ -336,27 +406,13 @@ class ClientRunner:
         return out
 
     def fold(self, to: Fold, client: int, upload: dict[str, torch.Tensor]) -> None:
-        """Add ``client``'s upload to this process's partial sum of ``to``'s
-        (federation, round, epoch); an older one of that federation was
-        abandoned by the server (``take_partial``) and is dropped."""
-        key = (to.federation, to.round, to.epoch)
-        for k in [k for k in self.partials if k[0] == to.federation and k != key]:
-            del self.partials[k]
-        part = self.partials.setdefault(key, ([], BinnedSum()))
-        try:
-            part[1].add(to.weight, upload)
-        except BaseException:  # half folded: the whole partial is lost, and the server re-runs its clients
-            del self.partials[key]
-            raise
-        part[0].append(client)
+        """Add ``client``'s upload to this process's partial sum of ``to``'s (``PartialSums.fold``)."""
+        self.partials.fold(to, client, upload)
 
     def take_partial(self, federation: int, round: int, epoch: int) -> Partial | None:
         """This process's partial sum of (federation, round, epoch), handed
         over once (None: it folded none, or its process was restarted)."""
-        part = self.partials.pop((federation, round, epoch), None)
-        for k in [k for k in self.partials if k[0] == federation]:
-            del self.partials[k]
-        return None if part is None else Partial(sorted(part[0]), part[1].pack())
+        return self.partials.take(federation, round, epoch)
 
     def run_client(self, client: int, round: int, indices: np.ndarray, global_state: dict[str, np.ndarray],
                    local_state: dict | None = None, payload: dict | None = None, *, extra: dict | None = None,
@@ -421,7 +477,7 @@ class Worker(ClientRunner):
         self.images, self.labels = ray.get(refs)
         self.resident = None
         self.federation: int | None = None
-        self.partials = {}
+        self.partials = PartialSums()
         # torch.optim's first optimizer imports torch._dynamo (about 2 s of CPU): a start-up cost of the
         # process, paid here while the pool starts rather than inside round 1's time
         import torch._dynamo  # noqa: F401
