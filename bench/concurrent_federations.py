@@ -1,5 +1,5 @@
 """The quickstart's federations side by side against one after another, in
-one run (issue 39).
+one run.
 
 ``configs/quickstart.yaml`` (2 rows x 4 targets: 8 federations, 8 rounds)
 with ``engine.concurrent_federations: 1`` and with ``auto``, each through

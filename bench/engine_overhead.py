@@ -1,7 +1,7 @@
 """Engine overhead vs a plain sequential PyTorch loop, measured in one run.
 
 Two workloads, FedAvg, one local epoch, evaluation of the global model once
-at the end (issues 2 and 39):
+at the end:
 
 * ``resnet``: 30 clients of 64 samples, 10 sampled per round, ResNet-18 at
   32 px, batch 32, SGD lr 0.01 with momentum;
@@ -17,9 +17,8 @@ The plain loop runs in this process with ``--cpus`` threads; the engine on
 core (one worker): the same kernels on both sides, so the ratio is the
 engine's orchestration alone.  (Two threads in one process, on a machine
 other work shares, can make each step ten times slower: OpenMP's threads
-wait for each other; 693 against 57 ms per step of simple_cnn at load 16 on
-2 cores.)  Plain and engine alternate, shape by shape, ``--repeat`` times,
-so machine noise hits both alike.  Prints seconds
+wait for each other; docs/results/cost.md.)  Plain and engine alternate,
+shape by shape, ``--repeat`` times, so machine noise hits both alike.  Prints seconds
 per round of each, the ratio engine / plain (target <= 1.05 on both shapes),
 with and without each repetition's round 1 (fresh worker processes:
 first-iteration kernel set-up the plain loop pays once), and the engine's

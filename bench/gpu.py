@@ -1,4 +1,4 @@
-"""The engine on a GPU, measured in one run (issue 39).
+"""The engine on a GPU, measured in one run.
 
 On the CUDA GPU torch finds, prints:
 
@@ -53,7 +53,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 
 
-# bench/engine_overhead.py's two shapes (issues 2 and 39): the ResNet one, and pfl-research's CIFAR10 cross-device
+# bench/engine_overhead.py's two shapes: the ResNet one, and pfl-research's CIFAR10 cross-device
 # benchmark with its 2-conv CNN (model.arch simple_cnn)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_overhead import SHAPES, Shape  # noqa: E402

@@ -19,7 +19,7 @@ from collections import defaultdict
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="resnet18")
-    # the paper baselines of issue 20; CSAC pre-trains one step in round 1 (its default is 1,800)
+    # the paper baselines; CSAC pre-trains one step in round 1 (its default is 1,800)
     ap.add_argument("--methods", nargs="*", default=["fedbn", "silobn", "gperxan", "rsc", "elcfs", "copa",
                                                       "csac:pretrain_steps=1", "dson"])
     args = ap.parse_args()

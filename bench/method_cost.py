@@ -24,7 +24,7 @@ import time
 import numpy as np
 import torch
 
-# the paper baselines of issue 20: CSAC pre-trains one step in the warm-up round (its default is 1,800)
+# the paper baselines: CSAC pre-trains one step in the warm-up round (its default is 1,800)
 DEFAULT = ["fedavg", "fedprox", "gperxan", "fedfd", "fedfda", "stablefdg", "rsc", "elcfs", "copa",
            "csac:pretrain_steps=1", "dson"]
 

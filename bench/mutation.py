@@ -82,9 +82,9 @@ MODULES: dict[str, list[str]] = {
     "methods/fedfd.py": _method("tests/test_fedfd.py", k="fedfd"),
 }
 
-# module -> the functions (or classes, by name) whose mutants are run; the rest of the module is not scored: code
-# the issue names (the sweep's selection and collection, the pool's failure accounting, the splits), not the
-# plumbing around it that only end-to-end tests reach
+# module -> the functions (or classes, by name) whose mutants are run; the rest of the module is not scored: the
+# decisions (the sweep's selection and collection, the pool's failure accounting, the splits), not the plumbing
+# around them that only end-to-end tests reach
 SCOPES: dict[str, list[str]] = {
     "tuning.py": ["select_value", "select_per_seed", "collect_row", "collect", "markdown_table"],
     "engine/workers/dispatch.py": ["FailureLedger", "DispatchPlan"],

@@ -1,10 +1,10 @@
-"""What the engine costs around training, measured in one run (issue 26).
+"""What the engine costs around training, measured in one run.
 
 1. Start-up per federation: one experiment's actors (``EngineHost``) start
    once; the first federation pays for the processes, each later one (other
    targets and methods of the quickstart) only for ``open`` + the data
-   stages.  Compared with starting fresh actors per federation (the engine
-   before issue 26), in the same run.
+   stages.  Compared with starting fresh actors per federation, in the
+   same run.
 2. Per-client orchestration cost: a model whose training costs almost
    nothing (conv net of width 4 at 16 px, one local step of batch 2), 300
    clients a round, 1 worker.  ``orchestration / client`` = (round's
@@ -47,7 +47,7 @@ def startup() -> None:
     refs = [ray.put(ds.images), ray.put(ds.labels)]
     feds = [(_cfg(f"method.name={m}"), leave_one_domain_out(ds, t, 0.2, 0))
             for m in ("fedavg", "gperxan") for t in ds.domain_names]
-    # fresh actors per federation (before issue 26): start, open, set up, shut down
+    # fresh actors per federation (the baseline): start, open, set up, shut down
     fresh = []
     for cfg, split in feds[:3]:
         t0 = time.perf_counter()

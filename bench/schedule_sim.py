@@ -2,8 +2,8 @@
 (``rayfed_dg/engine/running/schedule.py``) replayed on measured per-federation costs,
 makespan over the ideal (total work / GPUs; target at most 1.1).
 
-Costs, by default, the pretrained PACS table of docs/results/pacs.md
-(session 16): wall seconds per method and seed for its four targets, the two
+Costs, by default, the pretrained PACS table of docs/results/pacs.md:
+wall seconds per method and seed for its four targets, the two
 ends of each recorded range taken as the two seeds, 8 rows (CCST with a warm
 style cache), so 64 federations.  The config steps every client 12 x 32
 images whatever its size, so a federation's wall is split evenly over its 4
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from rayfed_dg.engine.running.schedule import FedJob, simulate
 
-# docs/results/pacs.md, "Wall per method and seed (four targets, session 16 ...)": (low, high) seconds
+# docs/results/pacs.md, the first "Wall per method and seed (four targets, ...)": (low, high) seconds
 PACS_WALL = {"fedavg": (229, 231), "silobn": (236, 273), "fedbn": (242, 412), "stablefdg": (693, 948),
              "fedfda": (957, 964), "gperxan": (655, 695), "gperxan_stages3": (497, 515), "ccst": (548, 548)}
 PACS_TARGETS = ("photo", "art_painting", "cartoon", "sketch")

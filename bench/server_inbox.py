@@ -1,13 +1,13 @@
 """The server's inbox per round, before and after workers fold their clients' uploads, measured in one run.
 
-Workload (issue 39): FedAvg, ResNet-18 at 32 px on random data, 50 clients
+Workload: FedAvg, ResNet-18 at 32 px on random data, 50 clients
 a round, 2 workers, one local step of batch 8.  One round's clients train
 twice on the same worker actors from the same global model:
 
 * before: every client's whole upload travels to the server (``ClientTask.fold``
   None, the path the engine keeps for a method that reads uploads), which
-  folds it as it did before this change: a float64 ``add_`` per tensor
-  (the old fold, called here directly; it is gone from the engine).  The new
+  folds it with a float64 ``add_`` per tensor (the plain fold, the
+  baseline, called here directly; the engine does not use it).  The
   server-side fold of the same uploads (``Reducer.add``, the binned sum) is
   timed beside it;
 * after: each worker folds the uploads of its clients into one partial sum
@@ -17,7 +17,7 @@ twice on the same worker actors from the same global model:
 Bytes received: the pickled size (protocol 5, out-of-band buffers counted) of
 every object the server gets with ``ray.get``.  Prints both, their ratio, the
 server's folding seconds, the per-client cost of the worker's fold on this
-CPU (binned vs the old float64 add), and checks that both paths give the same
+CPU (binned vs the plain float64 add), and checks that both paths give the same
 average bit for bit.
 
     python bench/server_inbox.py [--clients 50] [--workers 2]
@@ -41,8 +41,8 @@ def wire_bytes(obj) -> int:
     return len(head) + sum(b.raw().nbytes for b in bufs)
 
 
-def old_fold(acc: dict[str, torch.Tensor], update: dict[str, np.ndarray], w: float) -> None:
-    """The server's fold until this change (``OrderedReducer.add``): float64 ``add_`` in place."""
+def plain_fold(acc: dict[str, torch.Tensor], update: dict[str, np.ndarray], w: float) -> None:
+    """The plain fold: float64 ``add_`` in place, tensor by tensor, in arrival order (no binning)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for k, v in update.items():
@@ -53,7 +53,7 @@ def old_fold(acc: dict[str, torch.Tensor], update: dict[str, np.ndarray], w: flo
 
 
 def fold_cost_ms(state: dict[str, torch.Tensor], reps: int = 5) -> tuple[float, float]:
-    """Median ms to fold one ResNet-18 upload: the binned sum, the old float64 add."""
+    """Median ms to fold one ResNet-18 upload: the binned sum, the plain float64 add."""
     from rayfed_dg.engine.aggregation.exact import BinnedSum
 
     b = BinnedSum()
@@ -110,15 +110,15 @@ def main() -> None:
 
         # ---- before: whole uploads, folded by the server as they arrive
         whole, acc = fed.reducer(sampled), {}
-        before = {"bytes": 0, "old": 0.0, "binned": 0.0}
+        before = {"bytes": 0, "plain": 0.0, "binned": 0.0}
 
         def on_whole(cid, upd):
             before["bytes"] += wire_bytes(upd)
             t0 = time.perf_counter()
-            old_fold(acc, upd.update, whole.weights[cid])
+            plain_fold(acc, upd.update, whole.weights[cid])
             t1 = time.perf_counter()
             whole.add(cid, upd.update)
-            before["old"] += t1 - t0
+            before["plain"] += t1 - t0
             before["binned"] += time.perf_counter() - t1
 
         t0 = time.perf_counter()
@@ -153,14 +153,14 @@ def main() -> None:
     print(f"workload: FedAvg, ResNet-18 ({params / 1e6:.1f} M values), 32 px, {n} clients a round, "
           f"{args.workers} workers, 1 local step of batch 8")
     print(f"before: server received {mb(before['bytes']):.1f} MB in {n} whole uploads; folding took "
-          f"{before['old']:.2f} s (old float64 add_, called directly) / {before['binned']:.2f} s (binned, on the "
+          f"{before['plain']:.2f} s (plain float64 add_, called directly) / {before['binned']:.2f} s (binned, on the "
           f"server); clients' phase {wall_before:.1f} s")
     print(f"after:  server received {mb(after['bytes']):.1f} MB: {n} updates without tensors + {len(parts)} "
           f"partial sums ({', '.join(f'{len(p.clients)} clients' for p in parts)}); merging took "
           f"{after['merge']:.2f} s; clients' phase {wall_after:.1f} s")
     print(f"bytes ratio after / before: {after['bytes'] / before['bytes']:.3f}  (workers / clients = "
           f"{args.workers / n:.3f}; a partial carries 16 bytes a value, an upload 4)")
-    print(f"fold per client on a worker, this CPU, 1 thread: binned {binned_ms:.0f} ms, old float64 add_ "
+    print(f"fold per client on a worker, this CPU, 1 thread: binned {binned_ms:.0f} ms, plain float64 add_ "
           f"{plain_ms:.0f} ms (x{binned_ms / plain_ms:.2f})")
     print(f"same average, bit for bit: {same}")
 

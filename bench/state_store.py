@@ -20,8 +20,8 @@ client trained since the previous checkpoint, and the piece's index, the
 checkpoint's manifest (which client is where: the clients it wrote).  A
 last run at 10^5 trains twice the clients a round, so the pieces'
 proportionality shows.  Then: the memory ratio 10^5 / 10^3 (target <= 1.2),
-and what the store before issue 40 (a dict in the server, all of it in
-every checkpoint) would have held: clients touched x state size, and the
+and what a plain store (a dict in the server, all of it in every
+checkpoint) would have held: clients touched x state size, and the
 population x state size once every client is touched.
 
 A last case (``--many``, FedBN only) touches many clients: 10^5 clients,
@@ -180,7 +180,7 @@ def main() -> None:
             print(f"server peak RSS 10^5 / 10^3: {peak[big] / peak[SCALES[0]]:.3f} (target <= 1.2); piece per round "
                   f"at {2 * args.per_round} / {args.per_round} clients a round: "
                   f"{pieces[0] / pieces[1]:.3f}")
-            print(f"the store before issue 40 (all of it in memory and in every checkpoint), {size / 1024:.1f} KiB "
+            print(f"a plain store (a dict, all of it in memory and in every checkpoint), {size / 1024:.1f} KiB "
                   f"a client: {touched * size / mib:.1f} MiB after these {touched} clients, "
                   + ", ".join(f"{n * size / mib:,.0f} MiB" for n in SCALES) + " with every client of "
                   + ", ".join(f"{n:,}" for n in SCALES) + " touched")

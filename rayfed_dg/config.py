@@ -211,8 +211,8 @@ class EngineConfig(_Strict):
     # resources hold a worker, under v2 (what `ray up` starts) any pending node
     worker_restart_timeout_s: float = Field(300.0, gt=0.0)
     # while the autoscaler launches such a node, the wait for a lost worker (and for a pool whose every worker was lost)
-    # goes on up to this long after the loss: a cold g5 node boots, installs and joins in 5-10 min (issue 41); 30 min
-    # covers that three times over, or a launch the cloud refused and retried
+    # goes on up to this long after the loss: a cold g5 node boots, installs and joins in 5-10 min; 30 min covers
+    # that three times over, or a launch the cloud refused and retried
     worker_replacement_timeout_s: float = Field(1800.0, gt=0.0)  # bound on the wait that follows the autoscaler
     # a sweep's trial that failed (its node lost with the trial's own process, a driver killed) starts again from its
     # last checkpoint this many times (Ray Tune's FailureConfig.max_failures); -1: without limit
@@ -225,8 +225,7 @@ class EngineConfig(_Strict):
     scale_up_timeout_s: float = Field(600.0, ge=0.0)
     # niceness added to the driver's for the workers, when rayfed-dg starts Ray itself (a cluster's nodes keep what
     # their `ray start` gave them).  Ray's own default, 15, puts the clients' training below every other busy
-    # process: beside two busy loops of the same shell, a 3-round quickstart had not finished round 1 in 240 s
-    # (97 s at 0)
+    # process, so a run beside other busy work slows several-fold (docs/configs.md, Worker niceness)
     worker_niceness: int = Field(0, ge=0, le=19)
     # federations (seed x row x target) run side by side: auto, as many as the cluster's workers fit (longest expected
     # first, engine/running/schedule.py); N, at most N at once; 1, one after another.  The numbers do not depend on it

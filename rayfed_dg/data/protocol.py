@@ -271,7 +271,8 @@ def leave_one_domain_out(
     """The target's split.  ``source_test_fraction`` > 0 first sets aside
     that fraction of each source domain (per class, its own seed) as the
     in-domain test split, then ``val_fraction`` of the domain for
-    validation; 0 leaves the train / val split exactly as before.
+    validation; 0 sets nothing aside and draws nothing more: the train / val
+    split is the one without a test split.
     ``heldout_val_domain`` is neither trained on nor a target: all of it
     validates (FedDG-Benchmark's held-out-domain validation)."""
     t = ds.domain_index(target)

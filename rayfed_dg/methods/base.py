@@ -106,7 +106,7 @@ model the existing hooks never see), and only as an optional phase: a
 ``Phase`` member with its ``Slot``, one runner in ``engine/rounds/phases.py``'s
 ``RUNNERS``, its own ``seeding.Stream`` if it draws randomness, ledger rows
 for what crosses the wire, and a row in this table.  A method that does not declare it must run
-exactly as before (no extra task, the same numbers).
+exactly as without it (no extra task, the same numbers).
 
 ## Contract v1
 
@@ -154,7 +154,7 @@ class Precision:
     the optimizer's step, through a gradient scaler for fp16.  The weights
     and the optimizer stay fp32.  The worker makes one per client task, so a
     scaler's state never passes from one client (or retry) to another; fp32
-    runs exactly the operations it ran before precisions existed."""
+    adds nothing to the plain operations (no autocast, no scaler)."""
 
     DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 

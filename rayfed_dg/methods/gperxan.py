@@ -73,7 +73,7 @@ class GPerXAN(Method):
         norm: Literal["xan", "bn", "ibn"] = "xan"  # xan: gPerXAN; bn, ibn: the paper's gFedAvg ablations
         personalize: bool = True  # PerXAN: BN side of XAN stays local
         placement: str = "auto"  # see models/norms.py; auto = the paper's per backbone
-        # XAN's w_bn at initialisation: auto = 0.9 on a pretrained backbone (measured, docs/results/pacs.md), 0.5
+        # XAN's w_bn at initialisation: auto = 0.9 on a pretrained backbone (PRETRAINED_BN_WEIGHT), 0.5
         # from scratch (the reference code's); 0.5 is the paper's setting on any backbone
         bn_weight: float | Literal["auto"] = "auto"
 

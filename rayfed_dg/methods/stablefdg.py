@@ -30,7 +30,7 @@ Federated Domain Generalization", NeurIPS 2023.  Modules in
   firing with probability 0.5; only the first firing one enlarges the batch.
   The extrapolated styles are AdaIN targets without gradient, as the
   reference code detaches every target style; differentiated through
-  (``detach_explored: false``, as this engine did until issue 28.4) half of each
+  (``detach_explored: false``, kept for the ablation) half of each
   enlarged batch carried 4 times the gradient along its style directions, and from
   scratch the model fitted its own source domains far worse than FedAvg
   (digits: mean source validation 67.3% vs 91.6%; docs/results.md).  The
@@ -85,7 +85,7 @@ class StableFDG(Method):
         oversample: str = Field("balanced", pattern="^(balanced|random|none)$")  # Table 12
         oversample_size: int | None = Field(None, ge=1)  # default: the batch size
         alpha: float = Field(3.0, ge=0.0)  # exploration level
-        # the extrapolated styles as AdaIN targets without gradient (models/style.py explore; issue 28.4)
+        # the extrapolated styles as AdaIN targets without gradient (models/style.py explore)
         detach_explored: bool = True
         explore_p: float = Field(0.5, ge=0.0, le=1.0)  # probability per block (Table 13)
         mix_alpha: float = Field(0.1, gt=0.0)

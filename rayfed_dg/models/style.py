@@ -170,7 +170,7 @@ def explore(x: torch.Tensor, pick: torch.Tensor, alpha: float, detach: bool = Tr
     mean and std directions (1 + alpha) = 4 times the gradient, on half of
     the enlarged batch:
     from scratch the model then fits its own source domains far worse
-    (issue 28.4, docs/results.md); ``method.detach_explored: false`` keeps
+    (docs/results.md); ``method.detach_explored: false`` keeps
     that variant for the ablation."""
     extra = x[pick]
     mu_all, sig_all = channel_stats(torch.cat([x, extra]))

@@ -1,5 +1,5 @@
 """Differential privacy of the statistics a client shares: clipping and
-Gaussian noise where a payload leaves the client (issue 43, Deliver 2).
+Gaussian noise where a payload leaves the client.
 
 Every payload a client sends goes through ``release``, in the worker, before
 the worker returns it: a method's ``upload_payload`` and ``round_prepare``

@@ -126,8 +126,8 @@ def worker_slots(engine: EngineConfig, most_clients: int) -> int:
     """Worker actors of ``engine``'s resources the cluster fits, for all the
     federations together (``resources.plan_workers`` without the cap of one
     federation's clients).  When none fits yet and an autoscaler runs, it is
-    asked for one federation's pool only, as before federations ran side by
-    side (``ensure_workers``): the slots are that pool."""
+    asked for one federation's pool only (``ensure_workers``): the slots are
+    that pool."""
     try:
         return plan_workers(engine.model_copy(update={"num_workers": None}), 1 << 30, ray.cluster_resources())
     except ResourceError:
