@@ -510,21 +510,26 @@ class ExperimentConfig(_Strict):
         for name, sc in self.stages.items():
             if sc is not None:
                 tree["stages"][name].update(_resolved_params(sc))
-        if self.server.mode == "sync":  # likewise the asynchronous modes' keys: a sync run's config.yaml is as before
-            for k in ASYNC_KEYS:
-                del tree["server"][k]
-        for k, applies in (("aggregator", self.server.aggregator != "mean"),
-                           ("trim", self.server.aggregator == "trimmed_mean")):
-            if not applies:  # the default estimator's config.yaml is as before the choice existed
-                del tree["server"][k]
-        if self.training.local_steps is not None:  # local_epochs has no effect then: the dump names only what applies
-            del tree["training"]["local_epochs"]
-        unset = (("output", "wandb"), ("output", "mlflow"), (None, "plugins"), (None, "privacy"))
-        for section, key in unset:  # not written when unset
-            node = tree if section is None else tree[section]
-            if not node[key]:
-                del node[key]
+        self._drop_inapplicable(tree)
         return tree
+
+    def _drop_inapplicable(self, tree: dict[str, Any]) -> None:
+        """Leave out of the dump the keys that have no effect in this config, so
+        that a config.yaml written without them reads as the same config."""
+        s = self.server
+        gone: list[tuple[str | None, str]] = []
+        if s.mode == "sync":  # a sync run's asynchronous keys
+            gone += [("server", k) for k in ASYNC_KEYS]
+        if s.aggregator == "mean":  # the default estimator
+            gone.append(("server", "aggregator"))
+        if s.aggregator != "trimmed_mean":
+            gone.append(("server", "trim"))
+        if self.training.local_steps is not None:  # local_epochs has no effect then
+            gone.append(("training", "local_epochs"))
+        gone += [(sec, key) for sec, key in (("output", "wandb"), ("output", "mlflow"), (None, "plugins"),
+                                             (None, "privacy")) if not (tree if sec is None else tree[sec])[key]]
+        for sec, key in gone:
+            del (tree if sec is None else tree[sec])[key]
 
     def active_stages(self) -> list[tuple[str, Any]]:
         """(name, typed params) of the configured data stages, in order."""

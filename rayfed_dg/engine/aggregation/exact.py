@@ -32,9 +32,9 @@ Why the order does not matter: the boundaries are fixed and a part depends
 only on the term and its bin, so each limb holds exactly the sum over the
 terms of their part in that bin, and the window is set by max|y| over all
 terms; a dropped limb holds exactly what would never have been deposited
-had the largest term come first.  (This is the brief's truncation scheme
-with rounding in place of truncation: torch's ``round`` is vectorised on
-the CPU and ``trunc`` is not, ten times slower.)
+had the largest term come first.  (Parts are rounded to the nearest rather
+than truncated: torch's ``round`` is vectorised on the CPU and ``trunc`` is
+not, ten times slower; either gives an order-independent sum.)
 
 Error against the exact sum of the terms: each term loses at most half of
 bin t-2's unit, 2^((t-2)W - 1) <= 2^-64 max|y| (max over the tensor), and

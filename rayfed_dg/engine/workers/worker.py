@@ -326,7 +326,7 @@ class ClientRunner:
         x = raw.permute(0, 3, 1, 2).float().div_(255.0)
         x = augment(x, self.cfg.data.augment, gen, self.cfg.data.resolution)
         # channels-last, as the permuted uint8 batch already is without a crop: conv layers on the CPU
-        # run about twice as fast on it than on a crop's NCHW output (measured, bench/augment_cost.py)
+        # run faster on it than on a crop's NCHW output (bench/augment_cost.py measures it)
         x = x.contiguous(memory_format=torch.channels_last)
         x = (x - self.mean) / self.std
         return x, y
