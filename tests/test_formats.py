@@ -68,6 +68,26 @@ def test_what_today_writes_carries_its_format_and_reads_back(tmp_path):
     assert marker["format"] == formats.SWEEP and records == _trials()
     assert collect([sweep.path], "csv").splitlines()[0] == "method,seeds,b,a,avg,chosen on source validation"
     assert SweepDir.kind(sweep.path) == "sweep" and SweepDir.kind(rd.path) is None
+    trial = sweep.path / "trainable_00000"  # as Tune names a trial's folder
+    trial.mkdir()
+    (trial / "params.json").write_text("{}")
+    (trial / "result.json").write_text("")
+    assert sweep.trial_dirs() == [trial] and SweepDir.kind(trial) == "trial"
+
+
+def test_only_sweepdir_names_the_sweep_folders_files():
+    """A sweep folder has one owner, as a run directory has (``test_rundir``)."""
+    import ast
+
+    from conftest import REPO
+
+    names = {"sweep.json", "trials.parquet", "selection.parquet", "selection.md", "chosen_config.yaml"}
+    for path in [*(REPO / "rayfed_dg").rglob("*.py"), REPO / "tune.py"]:
+        if path.name == "sweepdir.py":
+            continue
+        found = {n.value for n in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(n, ast.Constant) and n.value in names}
+        assert not found, (path, found)
 
 
 def _newer(path, **tree):
