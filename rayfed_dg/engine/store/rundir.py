@@ -33,7 +33,7 @@ that already holds files.
 ``run.json`` and the checkpoints carry their format versions
 (``formats.py``); whatever older run directories hold in another shape
 (``summary.json`` files above the rows, tables in one Parquet file, a
-``run.json`` without them) is read through ``formats.py``, and a run
+``run.json`` without seeds) is read through ``formats.py``, and a run
 directory of a newer format is refused in one line.  Sweep folders have
 their owner beside this one (``sweepdir.SweepDir``).
 """
