@@ -6,6 +6,9 @@
     result.metrics          # DataFrame: every evaluation row of every method and seed
     print(result.table())   # what ``rayfed-dg report RUN_DIR`` prints
     again = rayfed_dg.load(result.run_dir)  # the same, from the run directory
+    rayfed_dg.run(resume="s3://bucket/runs/NAME")  # continue a run (a folder, or its output.sync_to copy)
+    z = rayfed_dg.calibrate("configs/quickstart.yaml", epsilon=4)  # rayfed-dg privacy calibrate
+    print(rayfed_dg.collect(["runs/tune/lambda"]))  # rayfed-dg collect: sweeps to a paper table
 
 It is the CLI's own run (the run service, ``engine.running.service.execute_run``:
 the same checks, run directory, ``run.json`` and federations), so the
@@ -25,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RunResult", "load", "run"]
+__all__ = ["RunResult", "calibrate", "collect", "load", "run"]
 
 TABLES = ("metrics", "clients", "ledger", "privacy")
 
@@ -116,12 +119,18 @@ def load(run_dir: str | Path) -> RunResult:
 def run(config: str | Path | None = None, overrides: Mapping[str, Any] | None = None, *,
         target: str | Sequence[str] | None = None, run_dir: str | Path | None = None,
         seeds: Sequence[int] | str | None = None, resume: str | Path | None = None,
-        progress: bool = True) -> RunResult:
+        progress: bool = True, dry_run: bool = False) -> RunResult:
     """``rayfed-dg run CONFIG [--set k=v ...] [--target T] [--run-dir DIR]
-    [--seeds S,S] [--resume RUN]``: trains, writes the run directory and
-    returns its tables.  ``target``: a domain, a list, or "all" (default);
-    ``seeds``: ``[0, 1, 2]``; ``resume``: a run directory to continue (its
-    own config, targets and seeds).  Bad input raises ``ConfigError`` (or
+    [--seeds S,S] [--resume RUN] [--dry-run]``: trains, writes the run
+    directory and returns its tables.  ``target``: a domain, a list, or
+    "all" (default); ``seeds``: ``[0, 1, 2]``; ``resume``: a run directory
+    to continue (its own config, targets and seeds), or the URI of its copy
+    (``s3://bucket/prefix/NAME``, what ``output.sync_to`` keeps: downloaded
+    to ``$RAYFED_DG_CACHE/runs`` first, and the resumed run updates that
+    copy); ``dry_run``: one round of one step on a few images, in a
+    temporary directory unless ``run_dir`` is given (the tables are read
+    before it goes).  ``--wandb`` / ``--mlflow`` are ``overrides``
+    (``{"output.wandb.project": ...}``, ``{"output.mlflow.tracking_uri": ...}``).  Bad input raises ``ConfigError`` (or
     ``DataError``) with the CLI's one-line message; Ctrl-C raises
     ``engine.running.service.RunInterrupted`` (a ``KeyboardInterrupt``) naming the resume."""
     from rayfed_dg.engine.running.service import RunRequest, execute_run
@@ -130,7 +139,32 @@ def run(config: str | Path | None = None, overrides: Mapping[str, Any] | None = 
         target = ",".join(target)
     req = RunRequest(config=None if config is None else str(config), target=target, overrides=_overrides(overrides),
                      run_dir=None if run_dir is None else str(run_dir), resume=None if resume is None else str(resume),
-                     seeds=_seeds(seeds), no_progress=not progress)
+                     seeds=_seeds(seeds), dry_run=dry_run, no_progress=not progress)
     out = execute_run(req)
     return _result(out.run_dir.path, [(row.label, row.cfg.training.seed, out.exp.row_dir(out.run_dir, row))
                                       for row in out.exp.rows])
+
+
+def calibrate(config: str | Path, epsilon: float, overrides: Mapping[str, Any] | None = None, *,
+              target: str | None = None) -> float:
+    """``rayfed-dg privacy calibrate CONFIG --epsilon E [--set k=v ...]
+    [--target T]``: the update noise multiplier z (rounded up to 4 decimals:
+    never past ``epsilon``) at which the config's rounds spend ``epsilon``
+    at ``privacy.delta``, for the model updates alone (what the CLI prints
+    as ``privacy.updates.noise_multiplier=z``).  ``target``: the domain
+    whose partition counts (default: the first)."""
+    from rayfed_dg.engine.running.service import calibrate as calibrate_noise
+
+    return calibrate_noise(config, epsilon, _overrides(overrides), target)[0]
+
+
+def collect(sweep_dirs: Sequence[str | Path], fmt: str = "md") -> str:
+    """``rayfed-dg collect SWEEP_DIR ... [--format F]``: sweep folders
+    (``tune.py``'s) as one table, a row per sweep: target accuracy (%) at
+    the values each seed chose on source validation, mean ± SE over seeds.
+    ``fmt``: md, csv, latex or text."""
+    from rayfed_dg.tuning import collect as collect_sweeps
+
+    if isinstance(sweep_dirs, (str, Path)):
+        sweep_dirs = [sweep_dirs]
+    return collect_sweeps([Path(d) for d in sweep_dirs], fmt)

@@ -13,7 +13,6 @@ run directory (``engine/store/rundir.py``) and ``reporting``.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 from typing import TypeAlias
@@ -183,8 +182,6 @@ def _run(args) -> int:
     from rayfed_dg.engine.running.service import RunInterrupted, RunRequest, execute_run
     from rayfed_dg.reporting import SE_NOTE, run_table, seeds_table
 
-    if args.resume and "://" in args.resume:
-        args.resume = str(_fetch_run(args.resume))
     req = RunRequest(config=args.config, target=args.target, overrides=list(args.overrides), run_dir=args.run_dir,
                      resume=args.resume, seeds=args.seeds, dry_run=args.dry_run, no_progress=args.no_progress)
     try:
@@ -205,24 +202,6 @@ def _run(args) -> int:
         print(f"\nTarget accuracy (%) over seeds {','.join(map(str, out.seeds))} ({SE_NOTE}); {where_to}")
         print(seeds_table([out.run_dir.path], "text"))
     return 0
-
-
-def _fetch_run(uri: str) -> Path:
-    """The run directory copied to ``uri`` (``output.sync_to``), downloaded
-    to this machine's cache; the resumed run updates the same copy."""
-    from rayfed_dg.data.folders import cache_dir
-    from rayfed_dg.engine.store.remote import download, local_files, open_uri
-    from rayfed_dg.engine.store.rundir import RUN_RECORD, RunDir
-
-    local = cache_dir() / "runs" / open_uri(uri)[1].lstrip("/")
-    copy = RunDir(download(uri, local, RUN_RECORD)).mirror()
-    if copy is not None:  # the copy holds exactly what was downloaded: not sent back, and a rewrite is sent
-        copy.sent = local_files(local, copy.scratch)
-    print(f"rayfed-dg: downloaded {uri} to {local}", file=sys.stderr)
-    if copy is None or copy.uri != uri.rstrip("/"):
-        print(f"rayfed-dg: warning: {uri} is a run whose output.sync_to names "
-              f"{'no copy' if copy is None else copy.uri}: the resumed run updates that, not {uri}", file=sys.stderr)
-    return local
 
 
 def _evaluate(args) -> int:
@@ -297,25 +276,11 @@ def _plot(args) -> int:
 
 def _privacy(args) -> int:
     """``privacy calibrate``: z for the model updates alone (payload releases are known only by running)."""
-    from rayfed_dg.config import ConfigError, PrivacyConfig, UpdatePrivacyConfig, load_config
-    from rayfed_dg.engine.privacy.accountant import Accountant
-    from rayfed_dg.engine.running.plan import clients_per_round, load_data, resolve_targets, split_for
+    from rayfed_dg.engine.running.service import calibrate
 
-    if not args.epsilon > 0:
-        raise ConfigError(f"--epsilon {args.epsilon:g}: give a positive epsilon, e.g. --epsilon 4")
-    cfg = load_config(args.config, args.overrides)
-    ds = load_data(cfg)
-    split = split_for(cfg, ds, resolve_targets(ds, args.target or "all", cfg.data.heldout_val_domain)[0])
-    p = cfg.privacy or PrivacyConfig()
-    if p.updates is None:
-        p = p.model_copy(update={"updates": UpdatePrivacyConfig(clip=1.0)})
-    n, m, rounds = split.num_clients, clients_per_round(cfg, split), cfg.training.rounds
-    acc = Accountant(p, n, m)
-    acc.check()
-    z = acc.calibrate(rounds, args.epsilon)
-    print(f"privacy.updates.noise_multiplier={math.ceil(z * 1e4) / 1e4:.4f}")  # rounded up: never past epsilon
-    print(f"rayfed-dg: epsilon {args.epsilon:g} at delta {p.delta:g} ({p.accountant}) over {rounds} rounds of {m} of "
-          f"{n} clients, for the model updates alone (shared statistics add their own)", file=sys.stderr)
+    z, note = calibrate(args.config, args.epsilon, args.overrides, args.target)
+    print(f"privacy.updates.noise_multiplier={z:.4f}")  # rounded up: never past epsilon
+    print(f"rayfed-dg: {note}", file=sys.stderr)
     return 0
 
 

@@ -16,6 +16,7 @@ from rayfed_dg.data import DomainDataset, FederatedSplit
 from rayfed_dg.engine import format_table
 from rayfed_dg.engine.store.rundir import RunDir
 from rayfed_dg.engine.store.selection import RULES, mean_se, select
+from rayfed_dg.engine.store.sweepdir import SweepDir
 from rayfed_dg.errors import ConfigError
 from rayfed_dg.utils import render_table
 
@@ -275,15 +276,6 @@ def run_table(summaries: dict[str, dict], run_dir: Path) -> str:
                          for label, s in summaries.items()})
 
 
-def _tune_folder(d: Path) -> str | None:
-    """What kind of Ray Tune folder ``d`` is, if it is one."""
-    if (d / "trials.parquet").exists() or (d / "tuner.pkl").exists() or any(d.glob("experiment_state-*.json")):
-        return "sweep"
-    if (d / "params.json").is_file() and ((d / "result.json").exists() or (d / "progress.csv").exists()):
-        return "trial"
-    return None
-
-
 def check_report_inputs(run_dirs: list[Path]) -> None:
     """Each argument of ``report`` is a folder holding finished runs, or one
     line saying what it is instead."""
@@ -292,21 +284,22 @@ def check_report_inputs(run_dirs: list[Path]) -> None:
             raise ConfigError(f"report: {d}: no such directory")
         if not d.is_dir():
             raise ConfigError(f"report: {d} is a file; give run directories (what rayfed-dg run writes)")
-        kind = _tune_folder(d)
+        kind = SweepDir.kind(d)
         if kind == "sweep":
             raise ConfigError(f"report: {d} is a Ray Tune sweep folder, not a run directory: its table is "
-                              f"{d / 'selection.md'} (python tune.py writes it when the sweep ends), "
+                              f"{SweepDir(d).selection_md} (python tune.py writes it when the sweep ends), "
                               f"or: rayfed-dg collect {d}")
         if kind == "trial":
             raise ConfigError(f"report: {d} is a Ray Tune trial folder, not a run directory: the sweep's table is "
-                              f"{d.parent / 'selection.md'}")
+                              f"{SweepDir(d.parent).selection_md}")
+        RunDir(d).experiment()  # a run directory of a newer format: refused in one line
     if not collect_runs(run_dirs):
         where = ", ".join(map(str, run_dirs))
         waiting = _expected_runs(run_dirs)
         if waiting:
             raise ConfigError(f"report: no finished runs under {where}: {len(waiting)} not finished yet "
                               f"({waiting[0][0]}: {waiting[0][2]}); resume with: {_resume_hint(waiting[0][1])}")
-        sweeps = [p for d in run_dirs for p in [d, *d.glob("*"), *d.glob("*/*")] if p.is_dir() and _tune_folder(p)]
+        sweeps = [p for d in run_dirs for p in [d, *d.glob("*"), *d.glob("*/*")] if p.is_dir() and SweepDir.kind(p)]
         hint = f" ({sweeps[0]} is a Ray Tune folder: see its selection.md)" if sweeps else \
             " (a finished run's directory holds summary.json)"
         raise ConfigError(f"report: no finished runs under {where}{hint}")

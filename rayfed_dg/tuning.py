@@ -50,7 +50,7 @@ import signal
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import yaml
@@ -59,7 +59,10 @@ from rayfed_dg.config import ConfigError, ExperimentConfig, load_config
 from rayfed_dg.data import DomainDataset
 from rayfed_dg.engine.store.records import Split
 from rayfed_dg.errors import EngineError
-from rayfed_dg.utils import did_you_mean, env_set, render_table, write_table, write_text
+from rayfed_dg.utils import did_you_mean, env_set, render_table
+
+if TYPE_CHECKING:
+    from rayfed_dg.engine.store.sweepdir import SweepDir
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SPACE_DIR = REPO_ROOT / "tuning"
@@ -254,10 +257,6 @@ def select_per_seed(records: list[dict], params: list[str]) -> dict[Any, tuple[d
     return {s: select_value(rs, params) for s, rs in sorted(by_seed.items(), key=lambda kv: str(kv[0]))}
 
 
-RECORD_KEYS = ("target", "seed", "finished", "status", "selected_round", "selected_src_val", "selected_target_acc",
-               "rounds_run", "resumed_from_round")
-
-
 def collect_row(records: list[dict], params: list[str], targets: list[str]) -> dict[str, Any]:
     """A sweep's result as a paper reports it: per seed, the value chosen on
     source validation and the target accuracy (fraction) at each target's
@@ -282,21 +281,17 @@ def collect(sweep_dirs: list[Path], fmt: str = "md") -> str:
     """``rayfed-dg collect``: one row per sweep folder (its method), target
     accuracy (%) at the values chosen per seed on source validation only,
     mean ± SE over seeds (DomainBed's ``collect_results``)."""
-    import pyarrow.parquet as pq
-
+    from rayfed_dg.engine.store.sweepdir import TRIALS, SweepDir
     from rayfed_dg.reporting import mean_se_cell
 
     sweeps = []
     for d in sweep_dirs:
-        if not (d / "trials.parquet").is_file():
+        if not SweepDir(d).has_trials():
             hint = " (it is unfinished or was never collected: run tune.py ... --resume)" if d.is_dir() else ""
-            raise ConfigError(f"collect: {d} is not a sweep folder with trials.parquet{hint}; "
+            raise ConfigError(f"collect: {d} is not a sweep folder with {TRIALS}{hint}; "
                               "pass the folders tune.py printed, e.g. runs/tune/lambda")
-        records = pq.read_table(d / "trials.parquet").to_pylist()
-        meta = json.loads((d / "sweep.json").read_text()) if (d / "sweep.json").is_file() else {}
-        params = meta.get("params") or [k for k in records[0] if k not in RECORD_KEYS]
-        targets = meta.get("targets") or list(dict.fromkeys(r["target"] for r in records))
-        sweeps.append((meta.get("label") or d.name, params, targets, records))
+        meta, records = SweepDir(d).read()
+        sweeps.append((meta["label"], meta["params"], meta["targets"], records))
     targets = list(dict.fromkeys(t for s in sweeps for t in s[2]))
     body = []
     for label, params, mine, records in sweeps:
@@ -554,25 +549,27 @@ def _saved_watch(tuner, verbose: int):
     return watch
 
 
-def _write_chosen(sw: Sweep, path: Path, chosen: dict | None) -> None:
-    """``chosen_config.yaml``: the config with the chosen values, or none
-    while the sweep is unfinished (``chosen`` None)."""
+def _write_chosen(sw: Sweep, folder: SweepDir, chosen: dict | None) -> str | None:
+    """``chosen_config.yaml``: the config with the chosen values; none while
+    the sweep is unfinished (``chosen`` None: one an earlier collection wrote goes)."""
+    chosen_yaml = None
     if chosen is not None:
         chosen_cfg = load_config(sw.config_path, sw.fixed + overrides_of(chosen))
-        write_text(yaml.safe_dump(chosen_cfg.to_dict(), sort_keys=False), path)
-    elif path.exists():  # written by an earlier collection of this sweep; an unfinished one chooses nothing
-        path.unlink()
+        chosen_yaml = yaml.safe_dump(chosen_cfg.to_dict(), sort_keys=False)
+    folder.write_chosen(chosen_yaml)
+    return chosen_yaml
 
 
-def _publish(exp_path: Path, where: str) -> None:
+def _publish(folder: SweepDir, where: str, chosen_yaml: str | None) -> None:
     """Upload the local folder of a remote sweep's tables to its storage
-    ``where``, deleting a stale ``chosen_config.yaml`` there, then remove the folder."""
+    ``where``, deleting a stale chosen config there, then remove the folder."""
     from rayfed_dg.engine.store.remote import delete_file, upload_files
+    from rayfed_dg.engine.store.sweepdir import CHOSEN
 
-    upload_files(sorted(exp_path.iterdir()), where)
-    if not (exp_path / "chosen_config.yaml").exists():
-        delete_file(f"{where}/chosen_config.yaml")
-    shutil.rmtree(exp_path.parent, ignore_errors=True)
+    upload_files(folder.files(), where)
+    if chosen_yaml is None:
+        delete_file(f"{where}/{CHOSEN}")
+    shutil.rmtree(folder.path.parent, ignore_errors=True)
 
 
 def run_sweep(space_name: str, config: str | None, target: str, samples: int, scheduler: str, resume: bool,
@@ -585,6 +582,7 @@ def run_sweep(space_name: str, config: str | None, target: str, samples: int, sc
     ``verbose``: 0 prints nothing, 1 a progress bar and a line per finished
     trial, 2 Ray Tune's own status tables instead."""
     from rayfed_dg.engine import init_ray
+    from rayfed_dg.engine.store.sweepdir import SweepDir
 
     callbacks = logger_callbacks(space_name, wandb_project, mlflow_uri)  # a missing package fails before any trial
     sw = plan_sweep(space_name, config, target, samples, scheduler, overrides, storage, space_dir, seeds, keep)
@@ -611,19 +609,16 @@ def run_sweep(space_name: str, config: str | None, target: str, samples: int, sc
         per_seed = select_per_seed(records, params)
         rows = [{"seed": s, **row} for s, (_, rs) in per_seed.items() for row in rs]
     exp_path = Path(sw.where) if not sw.remote else Path(tempfile.mkdtemp(prefix="rayfed-dg-sweep-")) / sw.name
-    exp_path.mkdir(parents=True, exist_ok=True)
-    write_table(records, exp_path / "trials.parquet")
-    write_table(rows, exp_path / "selection.parquet")
-    label = sw.cfg.method.label or sw.cfg.method.name
-    write_text(json.dumps({"label": label, "params": params, "targets": sw.targets}) + "\n", exp_path / "sweep.json")
+    folder = SweepDir(exp_path)
+    folder.write(sw.cfg.method.label or sw.cfg.method.name, params, sw.targets, records, rows)
     if seeded:
         md = "\n\n".join(f"seed {s}:\n" + markdown_table(rs, sw.targets, params) for s, (_, rs) in per_seed.items())
         md += f"\n\n{COLLECT_CAPTION} (rayfed-dg collect):\n\n" + collect([exp_path])
     else:
         md = markdown_table(rows, sw.targets, params)
-    write_text(md + "\n", exp_path / "selection.md")
-    _write_chosen(sw, exp_path / "chosen_config.yaml", chosen if complete else None)
+    folder.write_selection(md)
+    chosen_yaml = _write_chosen(sw, folder, chosen if complete else None)
     if sw.remote:  # the tables go beside the trials, in the sweep's storage
-        _publish(exp_path, sw.where)
+        _publish(folder, sw.where, chosen_yaml)
     return {"path": sw.where if sw.remote else str(exp_path), "chosen": chosen if complete else None, "table": md,
             "records": records, "complete": complete}

@@ -227,3 +227,78 @@ def test_mlflow_logs_the_tensorboard_scalars_and_the_config(ray_session, tmp_pat
                           for t in ("accuracy/source_val", "accuracy/target", "comm/bytes_up")}.items():
         hist = {h.step: h.value for h in client.get_metric_history(run.info.run_id, tag)}
         assert hist == pytest.approx(by_round, rel=1e-12, abs=1e-9), tag
+
+
+# ------------------------------------------------------------------ what the CLI offers besides run and load
+
+def test_calibrate_is_privacy_calibrate(capsys):
+    import rayfed_dg
+    from rayfed_dg.cli import main
+
+    sets = {"compare": None, "data.resolution": 16, "model.width": 8}
+    z = rayfed_dg.calibrate(REPO / "configs" / "quickstart.yaml", 6, sets)
+    assert main(["privacy", "calibrate", str(REPO / "configs" / "quickstart.yaml"),
+                 *_sets("compare=null", "data.resolution=16", "model.width=8"), "--epsilon", "6"]) == 0
+    assert capsys.readouterr().out.strip() == f"privacy.updates.noise_multiplier={z:.4f}" and z == 2.3025
+    from rayfed_dg.config import ConfigError
+
+    with pytest.raises(ConfigError, match="give a positive epsilon"):
+        rayfed_dg.calibrate(REPO / "configs" / "quickstart.yaml", 0, sets)
+
+
+def test_collect_is_rayfed_dg_collect(tmp_path, capsys):
+    import rayfed_dg
+    from rayfed_dg.cli import main
+    from rayfed_dg.engine.store.sweepdir import SweepDir
+
+    recs = [{"method.lam": lam, "target": t, "seed": s, "finished": True, "status": "TERMINATED",
+             "selected_round": 2, "selected_src_val": 0.5 + lam * (s - 0.5), "selected_target_acc": 0.25 + lam / 8,
+             "rounds_run": 2, "resumed_from_round": 0} for s in (0, 1) for lam in (0.0, 1.0) for t in ("a", "b")]
+    SweepDir(tmp_path / "lam").write("gperxan", ["method.lam"], ["a", "b"], recs, [])
+    assert main(["collect", str(tmp_path / "lam"), "--format", "csv"]) == 0
+    assert rayfed_dg.collect(tmp_path / "lam", "csv") + "\n" == capsys.readouterr().out
+    assert rayfed_dg.collect([str(tmp_path / "lam")]).startswith("| method | seeds | a | b |")
+
+
+def test_resume_takes_the_uri_of_a_runs_copy_and_downloads_it_first(tmp_path, monkeypatch):
+    """``rayfed_dg.run(resume="s3://...")`` as ``rayfed-dg run --resume s3://...``: the copy (here a folder
+    URI, as pyarrow opens it) is downloaded to the cache and resumed from there (the federations are not run
+    here: ``run_planned`` stops the test)."""
+    import shutil
+
+    import rayfed_dg
+    from rayfed_dg.config import ConfigError
+    from rayfed_dg.engine.running import experiment
+
+    old = Path(__file__).parent / "fixtures" / "rundir_12d6f0b" / "single"
+    shutil.copytree(old, tmp_path / "bucket" / "runs" / "single")
+    monkeypatch.setenv("RAYFED_DG_CACHE", str(tmp_path / "cache"))
+    seen = []
+
+    class Planned(Exception):
+        pass
+
+    def planned(exp, run_dir, progress=True):
+        seen.append((run_dir.path, list(exp.targets), progress))
+        raise Planned
+
+    monkeypatch.setattr(experiment, "run_planned", planned)
+    with pytest.raises(Planned):
+        rayfed_dg.run(resume=f"file://{tmp_path}/bucket/runs/single", progress=False)
+    local = tmp_path / "cache" / "runs" / str(tmp_path).lstrip("/") / "bucket" / "runs" / "single"
+    assert seen == [(local, ["mono", "colour"], False)]
+    assert sorted(p.relative_to(local) for p in local.rglob("*")) == \
+        sorted(p.relative_to(old) for p in old.rglob("*"))
+    with pytest.raises(ConfigError, match=r"no run there \(no run.json\)"):
+        rayfed_dg.run(resume=f"file://{tmp_path}/bucket/runs")
+
+
+@pytest.mark.slow
+def test_a_dry_run_trains_one_round_and_keeps_nothing(ray_session, tmp_path, monkeypatch):
+    import rayfed_dg
+
+    monkeypatch.chdir(tmp_path)
+    result = rayfed_dg.run(REPO / "configs" / "quickstart.yaml", {"compare": None, "data.resolution": 16,
+                                                                  "model.width": 8}, target="colour",
+                           dry_run=True, progress=False)
+    assert set(result.metrics["round"]) == {1} and not result.run_dir.exists() and not list(tmp_path.iterdir())

@@ -108,7 +108,7 @@ class Schedule:
                    if self.async_clock is not None else {})}
 
     def load_state_dict(self, state: dict, round: int, global_state: State) -> None:
-        self.clock = float(state.get("clock", 0.0))  # checkpoints written before the clock have none
+        self.clock = float(state["clock"])  # an older checkpoint has it from store/formats.py
         if self.async_clock is not None:  # a config in an asynchronous mode resumes only its own runs
             self.async_clock.load_state_dict(state["async"]["clock"])
             self.versions = {**state["async"]["versions"], round: global_state}

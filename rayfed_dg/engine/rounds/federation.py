@@ -152,7 +152,7 @@ class Federation:
         self.global_state = state["global_state"]
         if "client_pieces" in state:
             self.store.load(state["client_pieces"], Path(state["client_pieces"]["directory"]))
-        else:  # a checkpoint written before pieces: every state inside it
+        else:  # every client's state inside the state (``get_state`` without a folder; older checkpoints)
             self.store.load_states(state["client_store"])
         self.server_state = state["server_state"]
         self.schedule.load_state_dict(state, self.round, self.global_state)

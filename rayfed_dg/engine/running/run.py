@@ -30,6 +30,7 @@ import ray
 from rayfed_dg.config import ConfigError, ExperimentConfig
 from rayfed_dg.data import FederatedSplit
 from rayfed_dg.engine.privacy.accountant import Accountant, releases
+from rayfed_dg.engine.store.formats import check_resumable
 from rayfed_dg.engine.store.records import RoundResult, Split, split_mean, stage_rows, table_rows
 from rayfed_dg.engine.store.rundir import RunDir
 from rayfed_dg.engine.store.selection import select_round
@@ -180,14 +181,12 @@ def _resume(run_dir: RunDir | None, target: str) -> tuple[TargetResult, dict | N
     state = run_dir.latest_checkpoint(target) if run_dir is not None else None
     if state is None or run_dir is None:
         return TargetResult(target), None
-    res = TargetResult(**state["result"])
-    if state.get("rows") == "tables":  # this checkpoint's rounds' clients and ledger rows are the tables'
+    res = TargetResult(**state["result"])  # the checkpoint in today's shape (``formats.upgrade_checkpoint``)
+    if state["rows"] == "tables":  # this checkpoint's rounds' clients and ledger rows are the tables'
         res.clients = run_dir.read_target_rows("clients", target, res.rounds_done)
         res.ledger = run_dir.read_target_rows("ledger", target, res.rounds_done)
     if "client_pieces" in state["server"]:  # where the server reads the states the manifest names
         state["server"]["client_pieces"]["directory"] = str(run_dir.checkpoints(target))
-    # a checkpoint written before rounds recorded their clients' phase: unknown, one entry per round all the same
-    res.seconds_clients_per_round += [float("nan")] * (len(res.seconds_per_round) - len(res.seconds_clients_per_round))
     return res, state
 
 
@@ -360,11 +359,7 @@ def check_resume_dir(cfg: ExperimentConfig, run_dir: RunDir) -> None:
 
     if not run_dir.has_config():
         raise ConfigError(f"--resume {run_dir.path}: no config.yaml there; not a rayfed-dg run directory")
-    legacy = [p.name for name in ("metrics.parquet", "ledger.parquet") for p in run_dir.path.rglob(name)
-              if p.is_file()]
-    if legacy:
-        raise ConfigError(f"--resume {run_dir.path}: its {legacy[0]} is one file, written by an older rayfed-dg "
-                          "(records are now folders of per-round parts); start a new run")
+    check_resumable(run_dir.path)
     old = load_config(run_dir.config_path).to_dict()
     new = cfg.to_dict()
     diff = sorted(f"{s}.{k}" for s in new if s != "output" for k in (new[s] or {}) if isinstance(new[s], dict)

@@ -3,7 +3,7 @@ both (they only turn their arguments into a ``RunRequest`` and print or
 return the ``RunOutcome``).
 
 ``execute_run`` checks the config(s), data and targets, makes (or reopens,
-``plan_resume``) the run directory, records how the run was started
+``plan_resume``; a URI is downloaded first, ``fetch_run``) the run directory, records how the run was started
 (``write_record``: ``run.json`` and each seed's ``config.yaml``, before the
 first federation, so ``--resume RUN_DIR`` needs nothing else), then trains
 every seed, row and target.  Nothing is written before every check passed.
@@ -18,7 +18,8 @@ from typing import Any
 
 from rayfed_dg._version import __version__
 from rayfed_dg.config import ConfigError, ExperimentConfig, load_config
-from rayfed_dg.engine.store.rundir import RUN_RECORD, RunDir
+from rayfed_dg.engine.store.formats import resume_without_record
+from rayfed_dg.engine.store.rundir import RunDir
 from rayfed_dg.utils import environment, environment_changes
 
 Configs = list[tuple[int | None, ExperimentConfig]]  # one config per seed (None: a run without --seeds)
@@ -114,12 +115,25 @@ def _record_seeds(rec: dict | None, run_dir: RunDir, req: RunRequest, seeds: lis
             raise ConfigError(f"--seeds {req.seeds}: {run_dir.path} was started {was}; --resume continues those "
                               "seeds (drop --seeds)")
         return rec["seeds"], ",".join(rec["targets"])
-    if req.target is None:
-        raise ConfigError(f"--resume {run_dir.path}: it has no {RUN_RECORD} (made by an older rayfed-dg), so its "
-                          "targets are not recorded; give them again with --target (e.g. --target all)")
-    if seeds is None and not run_dir.has_config() and run_dir.has_seed_configs():
-        raise ConfigError(f"--resume {run_dir.path}: a --seeds run; resume it with the same --seeds")
-    return seeds, req.target
+    return resume_without_record(run_dir, req.target, seeds)
+
+
+def fetch_run(uri: str) -> Path:
+    """The run directory copied to ``uri`` (``output.sync_to``), downloaded
+    to this machine's cache; the resumed run updates the same copy."""
+    from rayfed_dg.data.folders import cache_dir
+    from rayfed_dg.engine.store.remote import download, local_files, open_uri
+    from rayfed_dg.engine.store.rundir import RUN_RECORD
+
+    local = cache_dir() / "runs" / open_uri(uri)[1].lstrip("/")
+    copy = RunDir(download(uri, local, RUN_RECORD)).mirror()
+    if copy is not None:  # the copy holds exactly what was downloaded: not sent back, and a rewrite is sent
+        copy.sent = local_files(local, copy.scratch)
+    print(f"rayfed-dg: downloaded {uri} to {local}", file=sys.stderr)
+    if copy is None or copy.uri != uri.rstrip("/"):
+        print(f"rayfed-dg: warning: {uri} is a run whose output.sync_to names "
+              f"{'no copy' if copy is None else copy.uri}: the resumed run updates that, not {uri}", file=sys.stderr)
+    return local
 
 
 def plan_resume(req: RunRequest, seeds: list[int] | None) -> tuple[RunDir, Configs, str, dict | None]:
@@ -134,6 +148,8 @@ def plan_resume(req: RunRequest, seeds: list[int] | None) -> tuple[RunDir, Confi
     if req.dry_run:
         raise ConfigError("--dry-run and --resume: a dry run trains one round in a temporary directory and "
                           "cannot continue a run; drop one of them")
+    if "://" in str(req.resume):
+        run_dir = RunDir(fetch_run(str(req.resume)))
     if not run_dir.path.is_dir():
         raise ConfigError(f"--resume {run_dir.path}: no such directory")
     rec = run_dir.record()
@@ -159,6 +175,36 @@ def plan_resume(req: RunRequest, seeds: list[int] | None) -> tuple[RunDir, Confi
         print(f"rayfed-dg: warning: {run_dir.path} was started with other code or libraries ({', '.join(changed)}); "
               "its remaining rounds may not give the numbers an uninterrupted run would", file=sys.stderr)
     return run_dir, cfgs, target_arg, rec
+
+
+def calibrate(config: str | Path, epsilon: float, overrides: list[str], target: str | None = None
+              ) -> tuple[float, str]:
+    """``rayfed-dg privacy calibrate``: (the update noise multiplier z, rounded
+    up to 4 decimals so it never spends past ``epsilon``, at which the
+    config's rounds spend ``epsilon`` at ``privacy.delta`` for the model
+    updates alone; a line saying so).  Payload releases are known only by
+    running: they add their own."""
+    import math
+
+    from rayfed_dg.config import PrivacyConfig, UpdatePrivacyConfig
+    from rayfed_dg.engine.privacy.accountant import Accountant
+
+    from .plan import clients_per_round, load_data, resolve_targets, split_for
+
+    if not epsilon > 0:
+        raise ConfigError(f"--epsilon {epsilon:g}: give a positive epsilon, e.g. --epsilon 4")
+    cfg = load_config(config, overrides)
+    ds = load_data(cfg)
+    split = split_for(cfg, ds, resolve_targets(ds, target or "all", cfg.data.heldout_val_domain)[0])
+    p = cfg.privacy or PrivacyConfig()
+    if p.updates is None:
+        p = p.model_copy(update={"updates": UpdatePrivacyConfig(clip=1.0)})
+    n, m, rounds = split.num_clients, clients_per_round(cfg, split), cfg.training.rounds
+    acc = Accountant(p, n, m)
+    acc.check()
+    z = math.ceil(acc.calibrate(rounds, epsilon) * 1e4) / 1e4
+    return z, (f"epsilon {epsilon:g} at delta {p.delta:g} ({p.accountant}) over {rounds} rounds of {m} of {n} "
+               "clients, for the model updates alone (shared statistics add their own)")
 
 
 def write_record(run_dir: RunDir, exp, req: RunRequest, seeds: list[int] | None) -> None:

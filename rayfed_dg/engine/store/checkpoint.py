@@ -11,7 +11,9 @@ a checkpoint without a matching digest, or whose pieces (their indexes
 included) are missing or do not match theirs, is incomplete or corrupt and
 the previous one is used, with a warning naming the file.  The two most
 recent checkpoints are kept, and the pieces either of them names; a piece
-both name (a client unchanged since) fails both.
+both name (a client unchanged since) fails both.  The digest carries its
+``format`` (``formats.CHECKPOINT``), read before anything else: a checkpoint
+of a newer format is refused in one line, not taken for a corrupt one.
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ import numpy as np
 import torch
 
 from rayfed_dg.utils import atomic_write
+
+from .formats import stamp, upgrade_digest
 
 KEEP = 2
 
@@ -68,7 +72,8 @@ def saved_rounds(directory: Path) -> list[int]:
 def _pieces(directory: Path, round: int) -> dict[str, dict]:
     """The pieces the checkpoint of ``round`` names ({} when its digest is unreadable: it cannot be used)."""
     try:
-        return dict(json.loads(checkpoint_path(directory, round).with_suffix(".json").read_text()).get("pieces", {}))
+        path = checkpoint_path(directory, round).with_suffix(".json")
+        return dict(upgrade_digest(json.loads(path.read_text()), path)["pieces"])
     except (OSError, ValueError, AttributeError):
         return {}
 
@@ -88,7 +93,8 @@ def save_checkpoint(directory: Path, round: int, state: dict, pieces: dict[str, 
     data = buf.getvalue()
     path = checkpoint_path(directory, round)
     atomic_write(path, data)
-    digest = {"round": round, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "pieces": pieces or {}}
+    digest = stamp("checkpoint", {"round": round, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
+                                  "pieces": pieces or {}})
     atomic_write(path.with_suffix(".json"), json.dumps(digest).encode())
     for old in saved_rounds(directory)[:-KEEP]:
         checkpoint_path(directory, old).unlink(missing_ok=True)
@@ -109,21 +115,31 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _unusable(path: Path, e: Exception) -> None:
+    warnings.warn(f"checkpoint {path} is incomplete or corrupt ({type(e).__name__}: {e}); "
+                  "falling back to the previous one", CheckpointWarning, stacklevel=3)
+
+
 def _verified(path: Path) -> dict | None:
-    meta_path = path.with_suffix(".json")
     try:
-        meta = json.loads(meta_path.read_text())
+        meta = json.loads(path.with_suffix(".json").read_text())
+        if not isinstance(meta, dict):
+            raise ValueError("its digest is not a JSON object")
+    except (OSError, ValueError) as e:
+        _unusable(path, e)
+        return None
+    meta = upgrade_digest(meta, path.with_suffix(".json"))  # outside the fallback: a newer format is refused
+    try:
         data = path.read_bytes()
         if hashlib.sha256(data).hexdigest() != meta["sha256"]:
             raise ValueError("digest mismatch")
-        for name, piece in meta.get("pieces", {}).items():  # every byte of a state a resume may read
+        for name, piece in meta["pieces"].items():  # every byte of a state a resume may read
             p = path.parent / name
             if not p.is_file() or p.stat().st_size != piece["bytes"] or _sha256(p) != piece["sha256"]:
                 raise ValueError(f"its client-state piece {p} is missing or corrupt")
         return to_numpy_tree(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
     except Exception as e:  # noqa: BLE001  any failure means: not usable
-        warnings.warn(f"checkpoint {path} is incomplete or corrupt ({type(e).__name__}: {e}); "
-                      "falling back to the previous one", CheckpointWarning, stacklevel=2)
+        _unusable(path, e)
         return None
 
 

@@ -55,10 +55,9 @@ checkpoint, and keeps the pieces a kept checkpoint names); ``load`` rebuilds
 the map from their indexes.  A checkpoint thus writes 16 bytes of index per
 record it writes (and a name and digest per piece still current), never a
 full manifest: the rewrite rule that bounds the pieces bounds their indexes
-to twice a full one, which is all a resume reads.  Checkpoints
-written before pieces had an index (the map's arrays inside the ``.pt``:
-``clients``, ``piece``, ``offset``, ``length``) load; the next checkpoint
-then rewrites every state into its piece.
+to twice a full one, which is all a resume reads.  The manifest carries
+its ``format`` (``formats.PIECES``); older manifests are read through
+``formats.piece_indexes``.
 
 Workers receive a client's state inside its task (``ClientTask.local_state``),
 as before: the bytes a worker would read from a shared file are the bytes
@@ -81,6 +80,8 @@ import numpy as np
 
 from rayfed_dg.utils import atomic_write_with
 
+from .formats import piece_indexes, stamp
+
 SPILL = "spill.bin"
 _LEN = struct.Struct("<Q")
 
@@ -90,7 +91,8 @@ def piece_name(round: int) -> str:
     return f"round_{round:05d}.clients"
 
 
-def _piece_round(name: str) -> int:
+def piece_round(name: str) -> int:
+    """The round of the checkpoint that wrote the piece ``name``."""
     return int(name.split("_")[1].split(".")[0])
 
 
@@ -353,8 +355,8 @@ class ClientStore:
 
     def manifest(self) -> dict:
         """The last checkpoint's manifest (``checkpoint``'s return value)."""
-        return {"pieces": {piece_name(p): {"sha256": info["sha256"], "bytes": info["bytes"]}
-                           for p, info in sorted(self._pieces.items())}}
+        pieces = {piece_name(p): {"sha256": i["sha256"], "bytes": i["bytes"]} for p, i in sorted(self._pieces.items())}
+        return stamp("client-state manifest", {"pieces": pieces})
 
     def locations(self) -> dict[str, np.ndarray]:
         """The last checkpoint's map, by client (tests and tools): ``clients``
@@ -367,25 +369,16 @@ class ClientStore:
         ``directory``: the map is their indexes, applied in round order."""
         self._reset()
         directory = Path(directory)
-        self._pieces = {_piece_round(name): dict(info, records=info["bytes"])
-                        for name, info in manifest["pieces"].items()}
-        if "clients" in manifest:  # written before pieces had an index: the map itself
-            ids = np.asarray(manifest["clients"], np.int64)
-            self._piece[ids] = manifest["piece"]
-            self._offset[ids] = manifest["offset"]
-            self._length[ids] = manifest["length"]
-            self._rewrite_all = True
-        else:
-            for p in sorted(self._pieces):
-                ids, offset, length = read_index(directory / piece_name(p))
-                self._piece[ids], self._offset[ids], self._length[ids] = p, offset, length
-                self._pieces[p]["records"] = int(length.sum())
+        indexes, self._rewrite_all = piece_indexes(manifest, directory)
+        for p, (ids, offset, length) in sorted(indexes.items()):
+            self._piece[ids], self._offset[ids], self._length[ids] = p, offset, length
+            self._pieces[p] = dict(manifest["pieces"][piece_name(p)], records=int(length.sum()))
         self._has[self._piece >= 0] = True
         self._piece_dir = directory
 
     def load_states(self, states: dict[int, dict[str, np.ndarray]]) -> None:
-        """Start over from every client's state (a checkpoint written before
-        pieces): each counts as changed, so the next checkpoint writes them all."""
+        """Start over from every client's state (``client_store``, a state
+        without pieces): each counts as changed, so the next checkpoint writes them all."""
         self._reset()
         for c in sorted(states):
             self._set(int(c), {k: np.array(v) for k, v in states[c].items()})

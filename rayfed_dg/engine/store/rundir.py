@@ -30,11 +30,12 @@ is brought up to date (``remote.Mirror``) when ``run.json`` is written, after
 every checkpoint and with every ``summary.json``; a new run refuses a copy
 that already holds files.
 
-``summary.json`` has one shape, a row's.  Run directories written before
-this module also hold aggregate summaries (a compare run's ``{label:
-summary}`` beside its rows, a ``--seeds`` run's ``{"seeds": ...}`` at the
-root) and tables in one Parquet file: ``summary`` reads the former as no run
-(its rows are below) and ``read_table`` the latter as it is.
+``run.json`` and the checkpoints carry their format versions
+(``formats.py``); whatever older run directories hold in another shape
+(``summary.json`` files above the rows, tables in one Parquet file, a
+``run.json`` without seeds) is read through ``formats.py``, and a run
+directory of a newer format is refused in one line.  Sweep folders have
+their owner beside this one (``sweepdir.SweepDir``).
 """
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ from rayfed_dg.errors import ConfigError
 from rayfed_dg.utils import atomic_write_with, write_text
 
 from .checkpoint import checkpoint_files, checkpoint_path, load_latest, save_checkpoint, saved_rounds
+from .formats import read_run_record, read_whole_table, row_summary, stamp, upgrade_checkpoint
 from .records import table_schema
 from .remote import Mirror
 
@@ -68,6 +70,15 @@ _MIRRORS: dict[Path, Mirror | None] = {}  # an experiment's root -> its copy, on
 def _part_key(p: Path) -> tuple[str, int]:
     target, _, rnd = p.stem.rpartition("-r")
     return target, int(rnd) if rnd.isdigit() else -1
+
+
+def _parts(folder: Path, schema, target: str | None = None, upto: int = 0) -> list:
+    """A table folder's part files as Arrow tables in (target, round) order:
+    all, or ``target``'s rounds up to ``upto``."""
+    import pyarrow.parquet as pq
+
+    keyed = sorted((_part_key(p), p) for p in folder.glob("*.parquet")) if folder.is_dir() else []
+    return [pq.read_table(p, schema=schema) for (t, r), p in keyed if target is None or (t == target and r <= upto)]
 
 
 class RunDir:
@@ -139,13 +150,14 @@ class RunDir:
         """``state`` as ``target``'s checkpoint of ``round`` (verifiable; the
         two newest are kept: ``checkpoint.py``); ``pieces``: the client-state
         pieces it names, already written beside it by the server's store."""
-        save_checkpoint(self.checkpoints(target), round, state, pieces)
+        save_checkpoint(self.checkpoints(target), round, stamp("checkpoint", state), pieces)
         self.sync()
 
     def latest_checkpoint(self, target: str) -> dict | None:
-        """``target``'s newest checkpoint that verifies, or None."""
+        """``target``'s newest checkpoint that verifies, in today's shape, or None."""
         d = self.checkpoints(target)
-        return load_latest(d) if d.is_dir() else None
+        state = load_latest(d) if d.is_dir() else None
+        return None if state is None else upgrade_checkpoint(state, d)
 
     def checkpoint_files(self, target: str, round: int) -> list[Path]:
         """The files of ``target``'s checkpoint of ``round``: what a copy of it needs."""
@@ -166,41 +178,28 @@ class RunDir:
         atomic_write_with(self.weights(kind, target), lambda buf: torch.save(
             {k: torch.from_numpy(np.array(v)) for k, v in state.items()}, buf))
 
-    def has_seed_configs(self) -> bool:
-        """Whether seed folders below hold configs (a ``--seeds`` run)."""
-        return any(self.path.glob("seed*/" + CONFIG))
-
     def tensorboard(self) -> Path:
         return self.path / "tensorboard"
 
     # ------------------------------------------------------------ run.json
 
     def write_record(self, record: dict) -> None:
-        write_text(json.dumps(record, indent=2) + "\n", self.path / RUN_RECORD)
+        write_text(json.dumps(stamp("run directory", record), indent=2) + "\n", self.path / RUN_RECORD)
         self.sync(strict=True)
 
     def record(self) -> dict | None:
         """This folder's ``run.json``; None when it has none (a seed's or a
         row's folder, or a run made before run.json).  Unreadable: ConfigError."""
         path = self.path / RUN_RECORD
-        if not path.is_file():
-            return None
-        try:
-            rec = json.loads(path.read_text())
-            rec["targets"], rec["seeds"] = list(rec["targets"]), rec.get("seeds")
-        except (ValueError, KeyError, TypeError):
-            raise ConfigError(f"{path} is unreadable; resume with the config, --target and --seeds the run was "
-                              "started with (rayfed-dg run CONFIG --resume RUN_DIR ...)") from None
-        return rec
+        return read_run_record(path) if path.is_file() else None
 
     def experiment(self) -> tuple[RunDir, dict] | None:
         """(the experiment's root, its ``run.json``) for this folder or the
         experiment it is in (a row, a seed, a seed's row); None for runs
         made before ``run.json``."""
         for d in [self.path, *list(self.path.parents)[:2]]:
-            rec = _json(d / RUN_RECORD)
-            if rec:
-                return RunDir(d), rec
+            if _json(d / RUN_RECORD):
+                return RunDir(d), read_run_record(d / RUN_RECORD)
         return None
 
     # ------------------------------------------------------------ config.yaml
@@ -221,13 +220,7 @@ class RunDir:
 
     def config_tree(self) -> dict:
         """``config.yaml`` as plain YAML (no validation, no plugins): {} when absent or unreadable."""
-        import yaml
-
-        try:
-            tree = yaml.safe_load(self.config_path.read_text()) if self.config_path.is_file() else None
-        except (OSError, yaml.YAMLError):
-            return {}
-        return tree if isinstance(tree, dict) else {}
+        return _yaml(self.config_path)
 
     def compare_labels(self) -> list[str]:
         """The row labels of the experiment whose config this folder holds, in
@@ -241,6 +234,17 @@ class RunDir:
     def write_summary(self, summary: dict) -> None:
         write_text(json.dumps(summary, indent=2), self.path / SUMMARY)
         self.sync()
+
+    def summary(self) -> dict | None:
+        """The finished row's summary; None while it runs (and above the rows: ``formats.row_summary``)."""
+        return row_summary(_json(self.path / SUMMARY))
+
+    def targets(self) -> list[str]:
+        """The targets a finished row ran, in order."""
+        s = self.summary()
+        if s is None:
+            raise ConfigError(f"{self.path}: no summary.json (the run did not finish); name the targets with --target")
+        return list(s["targets"])
 
     # ------------------------------------------------------------ the copy at output.sync_to
 
@@ -273,19 +277,6 @@ class RunDir:
             print(f"rayfed-dg: warning: output.sync_to: {copy.uri} was not brought up to date ({e}); the next "
                   "checkpoint tries again", file=sys.stderr)
 
-    def summary(self) -> dict | None:
-        """The finished row's summary; None while it runs, and for the
-        aggregate summaries older runs kept above their rows."""
-        s = _json(self.path / SUMMARY)
-        return s if "targets" in s else None
-
-    def targets(self) -> list[str]:
-        """The targets a finished row ran, in order."""
-        s = self.summary()
-        if s is None:
-            raise ConfigError(f"{self.path}: no summary.json (the run did not finish); name the targets with --target")
-        return list(s["targets"])
-
     # ------------------------------------------------------------ tables
 
     def has_table(self, name: str) -> bool:
@@ -313,19 +304,15 @@ class RunDir:
 
     def read_table(self, name: str):
         """Table ``name`` as one Arrow table, part files in (target, round)
-        order (a single file of an older run as it is).  Any Parquet reader
-        (pandas, DuckDB, Polars) reads the folder as one table too."""
+        order (an older run's single file: ``formats.read_whole_table``).  Any
+        Parquet reader (pandas, DuckDB, Polars) reads the folder as one table too."""
         import pyarrow as pa
-        import pyarrow.parquet as pq
 
         path = self.path / f"{name}.parquet"
-        schema = table_schema(name)
         if path.is_file():
-            return pq.read_table(path)
-        parts = sorted(path.glob("*.parquet"), key=_part_key) if path.is_dir() else []
-        if not parts:
-            return schema.empty_table()
-        return pa.concat_tables([pq.read_table(p, schema=schema) for p in parts])
+            return read_whole_table(path)
+        parts = _parts(path, table_schema(name))
+        return pa.concat_tables(parts) if parts else table_schema(name).empty_table()
 
     def read_rows(self, name: str) -> list[dict]:
         return self.read_table(name).to_pylist()
@@ -333,13 +320,8 @@ class RunDir:
     def read_target_rows(self, name: str, target: str, upto: int) -> list[dict]:
         """The rows of one target's rounds 0 .. ``upto`` of table ``name``, in
         round order (what a resumed federation had recorded at its checkpoint)."""
-        import pyarrow.parquet as pq
-
-        path = self.path / f"{name}.parquet"
-        parts = sorted((p for p in path.glob("*.parquet") if _part_key(p)[0] == target and _part_key(p)[1] <= upto),
-                       key=_part_key) if path.is_dir() else []
-        schema = table_schema(name)
-        return [row for p in parts for row in pq.read_table(p, schema=schema).to_pylist()]
+        return [row for t in _parts(self.path / f"{name}.parquet", table_schema(name), target, upto)
+                for row in t.to_pylist()]
 
     # ------------------------------------------------------------ other files
 
@@ -357,6 +339,16 @@ def marks_complete(rel: str) -> bool:
 
 def _mirror_of(root: Path, sync_to: str) -> Mirror:
     return Mirror(root, f"{sync_to.rstrip('/')}/{root.name}", marks_complete, (SCRATCH,))
+
+
+def _yaml(path: Path) -> dict[str, Any]:
+    import yaml
+
+    try:
+        tree = yaml.safe_load(path.read_text()) if path.is_file() else None
+    except (OSError, yaml.YAMLError):
+        return {}
+    return tree if isinstance(tree, dict) else {}
 
 
 def _json(path: Path) -> dict[str, Any]:
