@@ -250,7 +250,8 @@ def _records(res):
 @pytest.mark.parametrize("method", [
     ("method.name=fedavg",),  # folded on the workers
     ("method.name=csac", "method.pretrain_steps=2"),  # layer-wise weights: every upload travels whole
-], ids=["fedavg", "csac"])
+    ("method.name=fedbn", "server.aggregator=trimmed_mean", "server.trim=0.2"),  # sorted per coordinate, on the server
+], ids=["fedavg", "csac", "fedbn_trimmed_mean"])
 def test_same_bits_whatever_the_workers_and_the_order_of_the_clients(ray_session, tiny_ds, engine_host, method):
     """9 clients, 6 a round, on 1 and 2 workers, dispatched largest first or
     in client order, one client per task or grouped: which worker folds which
