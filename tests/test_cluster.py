@@ -1,4 +1,4 @@
-"""The cluster path on a real multi-node Ray cluster on this machine (issue 16).
+"""The cluster path on a real multi-node Ray cluster on this machine.
 
 A head on port 6379 with the autoscaler's fake multi-node provider
 (``cluster-local.yaml``: the head has no GPU; ``gpu_worker`` nodes with one

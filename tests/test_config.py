@@ -141,7 +141,7 @@ def test_every_shipped_config_reads_its_data_through_the_data_root():
 
 def test_a_saved_config_keeps_the_parameter_defaults_it_ran_with(tmp_path, monkeypatch):
     """config.yaml (what --resume and re-runs read) spells out every method and stage parameter, so a default
-    changed in a later release (StableFDG's detach_explored, session 13) cannot switch a resumed run's variant."""
+    changed in a later release (StableFDG's detach_explored) cannot switch a resumed run's variant."""
     from rayfed_dg.config import save_config, validate
     from rayfed_dg.methods import get_method_class, method_names
 

@@ -141,7 +141,7 @@ def test_client_side_selection_uploads_the_best_validated_iterate(tiny_ds):
     b = sel.run_client(0, 1, train, g, {}, pay, val_indices=val)
     it, acc = b.stats["selected_iteration"], b.stats["selected_val_acc"]
     assert it in (2, 4, 6)
-    # selection scores the uploaded weights with the received global statistics (issue 17.3), i.e. the
+    # selection scores the uploaded weights with the received global statistics, i.e. the
     # uploaded model with the statistics of the global model it started the round from
     stats = lambda k: k.endswith(("running_mean", "running_var"))  # noqa: E731
     with_global = lambda upd: {**g, **{k: v for k, v in upd.items() if not stats(k)}}  # noqa: E731
@@ -196,7 +196,7 @@ def test_server_gives_each_client_validation_of_its_own_domain(tiny_ds):
 
 
 def test_client_side_selection_normalises_with_the_received_global_statistics():
-    """Issue 17.3: the adapter was trained on differences from the received
+    """The adapter was trained on differences from the received
     global statistics; selecting on the client must use them too (not the
     client's own running statistics, which under SiloBN are not global)."""
     torch.manual_seed(0)
@@ -236,7 +236,7 @@ def test_client_side_selection_normalises_with_the_received_global_statistics():
         assert not torch.allclose(selected, tested)
 
 
-# ---------------------------------------------------------------- issue 17.4: an independent re-implementation
+# ---------------------------------------------------------------- an independent re-implementation
 def _stats(x):
     var, mu = torch.var_mean(x, (2, 3), unbiased=False)  # per sample and channel (instance statistics)
     return mu, torch.sqrt(var + 1e-5)

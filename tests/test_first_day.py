@@ -1,4 +1,4 @@
-"""The cluster user's first day (issue 41): the documented cluster commands, as written, against a Ray cluster
+"""The cluster user's first day: the documented cluster commands, as written, against a Ray cluster
 started the way ``cluster.yaml`` starts it; what they read and ask for against what the nodes have; the node
 image (``Dockerfile``) against the project's pins and ``cluster.yaml``.
 

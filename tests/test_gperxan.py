@@ -109,7 +109,7 @@ def test_xan_bn_weight_sets_the_initial_mix_and_reaches_the_method():
 
 def test_placements_name_the_documented_layers():
     r50 = build_backbone("resnet50", 7)
-    # the default reading (issue 17.1): a "block" is a ResNet stage
+    # the default reading: a "block" is a ResNet stage
     r18 = build_backbone("resnet18", 7)
     assert placement_names(r18, "stages:2") == [
         "body.layer1.0.bn1", "body.layer1.0.bn2", "body.layer1.1.bn1", "body.layer1.1.bn2",

@@ -1,6 +1,6 @@
-"""How a method's parameters reach the code that reads them (issue 42's
-mutation audit: a parameter read as a hard-coded default, or as another
-field, passed every test that ran methods at their defaults).
+"""How a method's parameters reach the code that reads them (a parameter
+read as a hard-coded default, or as another field, would pass every test
+that runs methods at their defaults).
 
 For every registered method and every field of its ``Params``, a
 non-default value (inside its range; each other member of an enum) must

@@ -1,4 +1,4 @@
-"""The baselines the four papers compare against (issue 20): ELCFS, RSC, COPA,
+"""The baselines the four papers compare against: ELCFS, RSC, COPA,
 CSAC, DSON and the centralized row, each core operation against a hand
 computation."""
 import math

@@ -1,4 +1,4 @@
-"""DP for the statistics clients share (issue 43, Deliver 2; engine/privacy/payloads.py): each record clipped, noise
+"""DP for the statistics clients share (engine/privacy/payloads.py): each record clipped, noise
 of std z x clip seeded by (seed, round, client, group), unconfigured groups untouched, undeclared and integer groups
 refused, and through the engine the server computing from the noised statistics only (StableFDG's style exchange,
 CCST's style bank)."""

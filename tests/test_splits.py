@@ -1,5 +1,5 @@
-"""In-domain test splits of the sources and a held-out validation domain
-(issue 30, point 4): what is set aside is never trained on, 0 changes nothing,
+"""In-domain test splits of the sources and a held-out validation domain:
+what is set aside is never trained on, 0 changes nothing,
 and the engine evaluates both every round."""
 import numpy as np
 import pytest
