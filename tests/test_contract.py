@@ -11,11 +11,9 @@ from rayfed_dg.engine.rounds.federation import Federation
 from rayfed_dg.methods import method_names
 
 # methods whose defaults need more than the contract's tiny setup
-# (FedFD-A's paper lambda2 = 4 is for ImageNet weights; from scratch its CAFL gradient dominates: docs/methods.md)
 # (ELCFS reads the amplitude bank of its data stage; CSAC's 1,800 pre-training steps, its code's default, are cut to 2;
 # FedADG's generator and discriminator, sized for AlexNet's 4096 features, are scaled to the tiny conv net)
-EXTRA = {"feddg_ga": ["method.val_samples=16"], "fedfda": ["method.lambda2=0.1"], "fedfd": ["method.lambda2=0.1"],
-         "elcfs": ["stages.amplitude={}"], "csac": ["method.pretrain_steps=2"],
+EXTRA = {"feddg_ga": ["method.val_samples=16"], "elcfs": ["stages.amplitude={}"], "csac": ["method.pretrain_steps=2"],
          "fedadg": ["method.noise_dim=16", "method.gen_hidden=32", "method.rp_size=16", "method.disc_hidden=16"]}
 
 

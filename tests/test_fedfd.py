@@ -282,8 +282,10 @@ def _fedfd_model(*sets):
     return method, model
 
 
-def test_eq3_to_5_loss_value_and_gradient_match_an_independent_computation():
-    method, model = _fedfd_model()
+# lambda2: a number as given; auto = 1 / (pooled features): 1/6 on the conv net of width 6
+@pytest.mark.parametrize("lambda2,l2", [("0.7", 0.7), ("auto", 1 / 6)])
+def test_eq3_to_5_loss_value_and_gradient_match_an_independent_computation(lambda2, l2):
+    method, model = _fedfd_model(f"method.lambda2={lambda2}")
     x, y = torch.randn(4, 3, 16, 16), torch.tensor([0, 3, 3, 7])
     ctx = ClientContext(0, 1, torch.device("cpu"), torch.Generator().manual_seed(1), 4)
     loss = method.main_loss(model, x, y, ctx)  # draws u into the layers
@@ -296,11 +298,21 @@ def test_eq3_to_5_loss_value_and_gradient_match_an_independent_computation():
     ce = F.cross_entropy(model.head(f), y)
     cacl = F.cross_entropy(model.head(f_aug), y)
     cafl = ((f - f_aug) ** 2).sum(1).mean()  # Eq. 3: mean over samples of the squared feature distance
-    expect = 0.7 * ce + 0.3 * cacl + 0.7 * cafl  # (1 - l1) CE + l1 CACL + l2 CAFL, l1 = 0.3, l2 = 0.7
+    expect = 0.7 * ce + 0.3 * cacl + l2 * cafl  # (1 - l1) CE + l1 CACL + l2 CAFL, l1 = 0.3
     assert abs(loss.item() - expect.item()) < 1e-4 * max(1.0, abs(expect.item()))
     # the diversified features carry gradient too (CACL and CAFL reach the extractor through f_aug)
     for g, e in zip(grads, torch.autograd.grad(expect, params)):
         assert torch.allclose(g, e, atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize("arch,width,features", [("convnet", 32, 32), ("resnet18", None, 512)])
+def test_lambda2_auto_is_one_over_the_pooled_features(arch, width, features):
+    sets = [f"model.arch={arch}", *([f"model.width={width}"] if width else [])]
+    method = build_method(tiny_cfg("method.name=fedfda", *sets), 3)
+    assert method.p.lambda2 == "auto"
+    assert method.build_model(10).feature_dim == features
+    assert method.resolve_lambda2(features) == 1 / features
+    assert build_method(tiny_cfg("method.name=fedfda", "method.lambda2=4.0", *sets), 3).resolve_lambda2(features) == 4.0
 
 
 def test_eq6_7_adapter_with_fixed_weights_and_noise_by_hand():

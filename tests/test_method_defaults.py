@@ -28,9 +28,10 @@ DEFAULTS = {
     "fedbn": {},
     "feddg_ga": {"step_size": 0.2, "metric": "loss", "val_samples": None},  # the paper's d = 0.2, loss gap
     "feddyn": {"alpha": 0.01},
-    "fedfd": {"base": "silobn", "lambda1": 0.1, "lambda2": 4.0, "u_low": 0.0, "u_high": 1.0, "u_fixed": None,
+    # lambda2: auto = 1 / (pooled features), docs/results/defaults.md; the paper's 4.0 is one option away
+    "fedfd": {"base": "silobn", "lambda1": 0.1, "lambda2": "auto", "u_low": 0.0, "u_high": 1.0, "u_fixed": None,
               "inference": "auto", "select_every": None, "select_samples": None},  # FedFD-A's Sec. 5 setting
-    "fedfda": {"base": "silobn", "lambda1": 0.1, "lambda2": 4.0, "u_low": 0.0, "u_high": 1.0, "u_fixed": None,
+    "fedfda": {"base": "silobn", "lambda1": 0.1, "lambda2": "auto", "u_low": 0.0, "u_high": 1.0, "u_fixed": None,
                "inference": "auto", "select_every": None, "select_samples": None},
     "fedgma": {"mask_threshold": 0.4, "step_size": 1.0},  # the paper's tau = 0.4, eta = 1
     "fediir": {"penalty": 0.001, "ema": 0.95, "grad_batches": 0},  # the reference's PACS penalty and EMA
@@ -59,8 +60,8 @@ RANGES = {
     "fedadg.warmup_fraction": "[0, 1]", "fedadg.adv_lr": "> 0", "fedadg.noise_dim": "int >= 1",
     "fedadg.gen_hidden": "int >= 1", "fedadg.rp_size": "int >= 1", "fedadg.disc_hidden": "int >= 1",
     "feddg_ga.step_size": "(0, 1)", "feddg_ga.val_samples": "int >= 1", "feddyn.alpha": "> 0",
-    "fedfd.lambda1": "[0, 1]", "fedfd.lambda2": ">= 0", "fedfd.select_every": "int >= 1",
-    "fedfd.select_samples": "int >= 1", "fedfda.lambda1": "[0, 1]", "fedfda.lambda2": ">= 0",
+    "fedfd.lambda1": "[0, 1]", "fedfd.select_every": "int >= 1",
+    "fedfd.select_samples": "int >= 1", "fedfda.lambda1": "[0, 1]",
     "fedfda.select_every": "int >= 1", "fedfda.select_samples": "int >= 1", "fedgma.mask_threshold": "[0, 1]",
     "fedgma.step_size": "> 0", "fediir.penalty": ">= 0", "fediir.ema": "[0, 1)", "fediir.grad_batches": "int >= 0",
     "fedprox.mu": ">= 0", "fedsam.rho": ">= 0", "fedsam.local_flatness": ">= 0", "fedsam.global_flatness": ">= 0",
@@ -146,3 +147,12 @@ def test_fedfd_u_range_may_be_a_single_value_but_not_reversed(name):
     assert (one.u_low, one.u_high) == (0.3, 0.3)
     with pytest.raises(ValidationError, match="u_high must be >= u_low"):
         params(u_low=0.4, u_high=0.3)
+
+
+@pytest.mark.parametrize("name", ["fedfd", "fedfda"])
+def test_fedfd_lambda2_is_auto_or_non_negative(name):
+    params = get_method_class(name).Params
+    assert params(lambda2=0.0).lambda2 == 0.0 and params(lambda2=4.0).lambda2 == 4.0
+    for bad in (-1e-6, "paper"):
+        with pytest.raises(ValidationError):
+            params(lambda2=bad)

@@ -42,10 +42,9 @@ from rayfed_dg.methods import GlobalEval, Phase, get_method_class, method_names
 
 # settings both runs of a method share, to keep the probe small (as tests/test_contract.py's EXTRA): CSAC's 1,800
 # pre-training steps cut to 2, FedADG's AlexNet-sized generator and discriminator scaled to the tiny conv net,
-# ELCFS's amplitude bank (built by hand in ``_probe``), FedFD's from-scratch lambda2
+# ELCFS's amplitude bank (built by hand in ``_probe``)
 BASE = {"csac": ["method.pretrain_steps=2"], "elcfs": ["stages.amplitude={}"],
-        "fedadg": ["method.noise_dim=8", "method.gen_hidden=16", "method.rp_size=8", "method.disc_hidden=8"],
-        "fedfd": ["method.lambda2=0.1"], "fedfda": ["method.lambda2=0.1"]}
+        "fedadg": ["method.noise_dim=8", "method.gen_hidden=16", "method.rp_size=8", "method.disc_hidden=8"]}
 
 # (method, param) -> the values to try where the type's pick would not do: free strings and lists, a pick that
 # equals what the default resolves to, or one the probe cannot tell apart from the default
@@ -53,6 +52,8 @@ VALUES: dict[tuple[str, str], list[Any]] = {
     ("dson", "placement"): ["blocks:1"],
     ("gperxan", "placement"): ["blocks:1"],  # auto is blocks:2 on the conv net
     ("gperxan", "bn_weight"): [0.25],  # auto is 0.5 from scratch
+    ("fedfd", "lambda2"): [0.1],  # auto is 1 / 8 on the probe's conv net of width 8
+    ("fedfda", "lambda2"): [0.1],
     ("mixstyle", "blocks"): [["block1"]],
     ("dsu", "blocks"): [["block1"]],
     ("fedfd", "inference"): ["instance"],  # auto is global for FedFD, and adapter needs FedFD-A's adapters

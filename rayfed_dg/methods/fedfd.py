@@ -42,6 +42,18 @@ Where the paper is silent (our choices, also listed on the docs site's methods p
   ``select_every`` iterations and the last one); the optimiser's momentum is
   not rolled back, only the uploaded weights;
 * the global statistics of round 1 are those of the initial model.
+
+lambda2 (CAFL's weight): ``auto`` (the default) = 1 / d for a backbone of d
+pooled features, from scratch or pretrained; ``lambda2: 4.0`` is the paper's.
+CAFL sums squares over the d features.  On the quickstart's conv net (lr 0.05,
+momentum 0.9, 4 rounds) training failed where d * lambda2 >= 3 at both widths
+tried (32: 0.03 trains, 0.1 near chance; 128: 0.01 trains, 0.03 near chance;
+1 and 4 diverge), and EfficientNet-Lite0 pretrained (d = 1,280, lr 0.02) did
+best at 0.001 (d * lambda2 = 1.3) of 0.001 / 0.01 / 0.1, 4.0 diverging: no
+factor for the regime.  The limit grows as the step shrinks (digits conv net
+at lr 0.01: 0.1 trains at d = 64); 1 / d trains at the quickstart's lr 0.05
+with momentum 0.9, the largest SGD step in configs/.  The grid:
+docs/results/defaults.md.
 """
 from __future__ import annotations
 
@@ -52,7 +64,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rayfed_dg.models import BN_TYPES, modules_of_type, replace_norm, state_keys_of
 
@@ -127,6 +139,12 @@ class FDBN(nn.BatchNorm2d):
         return torch.addcmul(shift[:, :, None, None], x, scale[:, :, None, None])
 
 
+# lambda2: auto's numerator (auto = AUTO_LAMBDA2 / d for d pooled features): CAFL sums squares over the features,
+# so its gradient grows with d; weighted 1 / d it is their mean with weight 1.  The grid behind it is in the module
+# docstring and docs/results/defaults.md.
+AUTO_LAMBDA2 = 1.0
+
+
 def fd_layers(model: nn.Module) -> list[FDBN]:
     return [m for _, m in modules_of_type(model, (FDBN,))]
 
@@ -145,7 +163,9 @@ class FedFD(Method):
         model_config = ConfigDict(extra="forbid")
         base: Literal["fedavg", "fedbn", "silobn"] = "silobn"  # what BN keeps local: nothing, all, statistics
         lambda1: float = Field(0.1, ge=0.0, le=1.0)
-        lambda2: float = Field(4.0, ge=0.0)
+        # CAFL's weight: auto = AUTO_LAMBDA2 / d for a backbone of d pooled features (1/32 on the quickstart's
+        # conv net, 1/1280 on EfficientNet-Lite0), from scratch or pretrained; 4.0 is the paper's setting
+        lambda2: float | Literal["auto"] = "auto"
         u_low: float = 0.0  # u ~ U(u_low, u_high) per channel per iteration (Table 9 ranges)
         u_high: float = 1.0  # upper end of u's range
         u_fixed: float | None = None  # Table 2: 0 = global only, 1 = instance only, 0.5 = fixed
@@ -156,6 +176,13 @@ class FedFD(Method):
         # images if set); upload the best model of the round
         select_every: int | None = Field(None, ge=1)
         select_samples: int | None = Field(None, ge=1)
+
+        @field_validator("lambda2")
+        @classmethod
+        def _non_negative(cls, v):
+            if v != "auto" and v < 0:
+                raise ValueError(f"lambda2 {v} must be >= 0 (or auto)")
+            return v
 
         @model_validator(mode="after")
         def _range(self):
@@ -176,6 +203,12 @@ class FedFD(Method):
         self._eval_mode = {"global": "plain", "instance": "instance", "adapter": "adapt"}[infer]
         set_mode(model, self._eval_mode)
         return model
+
+    def resolve_lambda2(self, feature_dim: int) -> float:
+        """CAFL's weight: ``lambda2``, or for ``auto`` AUTO_LAMBDA2 / ``feature_dim``."""
+        if self.p.lambda2 != "auto":
+            return float(self.p.lambda2)
+        return AUTO_LAMBDA2 / feature_dim
 
     def client_val_size(self):
         if not self.p.select_every:
@@ -247,7 +280,7 @@ class FedFD(Method):
         set_mode(model, "plain")
         cacl = F.cross_entropy(model.head(f_aug), y)
         cafl = ((f - f_aug) ** 2).sum(1).mean()
-        l1, l2 = self.p.lambda1, self.p.lambda2
+        l1, l2 = self.p.lambda1, self.resolve_lambda2(model.feature_dim)
         return (1 - l1) * ce + l1 * cacl + l2 * cafl
 
     def local_train(self, model, batches, ctx):
