@@ -21,10 +21,11 @@ def server(**kw):
     return load_config(None, ["server.aggregator=fedomg", *(f"server.{k}={v}" for k, v in kw.items())]).server
 
 
-def by_hand(D: np.ndarray, kappa: float, steps: int, lr: float, mu: float) -> np.ndarray:
+def by_hand(D: np.ndarray, kappa: float, steps: int, lr: float, mu: float, last: bool = False) -> np.ndarray:
     """g of FedOMG for the weighted updates D (rows d_i), step by step in
     NumPy: the objective as written in the paper's code, its gradient by
-    central differences, SGD with momentum, the best iterate, lambda."""
+    central differences, SGD with momentum, the best iterate (``last``: the
+    last one instead), lambda."""
     m = D.shape[0]
     GG = D @ D.T
     s = np.mean(np.sqrt(np.diag(GG) + 1e-4))
@@ -41,7 +42,7 @@ def by_hand(D: np.ndarray, kappa: float, steps: int, lr: float, mu: float) -> np
 
     w, buf, best, w_best = np.zeros(m), None, np.inf, None
     for i in range(steps + 1):
-        if F(w) < best:
+        if F(w) < best or (last and i == steps):
             best, w_best = F(w), w.copy()
         if i < steps:
             buf = dF(w) if buf is None else mu * buf + dF(w)
@@ -88,6 +89,14 @@ def test_a_few_solver_steps_by_hand(steps):
     jump), momentum 0.5, kappa 0.5; the gradient taken by differences."""
     alpha = omg_weights(D2 @ D2.T, 0.5, steps, 0.5, 0.5)
     np.testing.assert_allclose(alpha @ D2, by_hand(D2, 0.5, steps, 0.5, 0.5), rtol=1e-7, atol=1e-9)
+
+
+def test_the_best_iterate_is_taken_not_the_last():
+    """At the default lr 25 the iterates of D2 overshoot: F is lowest after the first step."""
+    g = omg_weights(D2 @ D2.T, 0.5, 20, 25.0, 0.5) @ D2
+    np.testing.assert_allclose(g, by_hand(D2, 0.5, 20, 25.0, 0.5), rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(g, by_hand(D2, 0.5, 1, 25.0, 0.5), rtol=1e-6, atol=1e-9)  # the best: w_1
+    assert not np.allclose(g, by_hand(D2, 0.5, 20, 25.0, 0.5, last=True), rtol=1e-3)
 
 
 def test_the_solver_moves_and_its_step_count_and_momentum_matter():
