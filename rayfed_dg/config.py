@@ -272,14 +272,12 @@ class ServerConfig(_Strict):
     # (coordinate-wise, Yin et al. 2018), or a registered plugin's name
     aggregator: str = "mean"
     trim: float = Field(0.1, ge=0.0, lt=0.5)  # trimmed_mean: beta, the fraction trimmed from each end
-    # fedomg (engine/aggregation/omg.py; Nguyen et al., ICLR 2025): the on-server solver's SGD steps, learning
-    # rate and momentum, kappa (the radius around the mean update) and the global step eta_g; defaults: the
-    # reference code's for its DG experiments (FedOMG-DG/algorithms/FedOMG)
-    omg_steps: int = Field(20, ge=0)
-    omg_lr: float = Field(25.0, gt=0.0)
-    omg_momentum: float = Field(0.5, ge=0.0, lt=1.0)
-    omg_kappa: float = Field(0.5, ge=0.0)
-    omg_global_lr: float = Field(0.5, gt=0.0)
+    # fedomg (engine/aggregation/omg.py; Nguyen et al., ICLR 2025); defaults: the reference code's DG experiments
+    omg_steps: int = Field(20, ge=0)  # fedomg: SGD steps of the on-server solver over the softmax weights
+    omg_lr: float = Field(25.0, gt=0.0)  # fedomg: the on-server solver's learning rate
+    omg_momentum: float = Field(0.5, ge=0.0, lt=1.0)  # fedomg: the on-server solver's momentum
+    omg_kappa: float = Field(0.5, ge=0.0)  # fedomg: kappa, the radius kappa |g_0| around the mean update g_0
+    omg_global_lr: float = Field(0.5, gt=0.0)  # fedomg: eta_g, x_{t+1} = x_t + eta_g g
     # sync: rounds of sampled clients (the default); fedbuff / fedasync: asynchronous server updates on a virtual
     # clock, training.rounds counting server updates (engine/clock/asynchronous.py, docs/asynchronous.md)
     mode: Literal["sync", "fedbuff", "fedasync"] = "sync"
