@@ -141,7 +141,6 @@ class FedOMG(Estimator):
         super().__init__(cfg, init)
         # None until ``bind``: every floating tensor is matched (a state made by hand)
         self.parameters: set[str] | None = None
-        self.last: np.ndarray | None = None  # the last round's alpha (for tests and inspection)
 
     def bind(self, parameters: list[str]) -> None:
         self.parameters = set(parameters)
@@ -172,7 +171,6 @@ class FedOMG(Estimator):
             gram += d @ d.T
         s = self.cfg
         alpha = omg_weights(gram, s.omg_kappa, s.omg_steps, s.omg_lr, s.omg_momentum)
-        self.last = alpha
         for k in matched:
             x = np.asarray(u.x[k], np.float64)
             g = (alpha @ self._diffs(u, ups, p, k)).reshape(x.shape)
