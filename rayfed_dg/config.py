@@ -272,6 +272,12 @@ class ServerConfig(_Strict):
     # (coordinate-wise, Yin et al. 2018), or a registered plugin's name
     aggregator: str = "mean"
     trim: float = Field(0.1, ge=0.0, lt=0.5)  # trimmed_mean: beta, the fraction trimmed from each end
+    # fedomg (engine/aggregation/omg.py; Nguyen et al., ICLR 2025); defaults: the reference code's DG experiments
+    omg_steps: int = Field(20, ge=0)  # fedomg: SGD steps of the on-server solver over the softmax weights
+    omg_lr: float = Field(25.0, gt=0.0)  # fedomg: the on-server solver's learning rate
+    omg_momentum: float = Field(0.5, ge=0.0, lt=1.0)  # fedomg: the on-server solver's momentum
+    omg_kappa: float = Field(0.5, ge=0.0)  # fedomg: kappa, the radius kappa |g_0| around the mean update g_0
+    omg_global_lr: float = Field(0.5, gt=0.0)  # fedomg: eta_g, x_{t+1} = x_t + eta_g g
     # sync: rounds of sampled clients (the default); fedbuff / fedasync: asynchronous server updates on a virtual
     # clock, training.rounds counting server updates (engine/clock/asynchronous.py, docs/asynchronous.md)
     mode: Literal["sync", "fedbuff", "fedasync"] = "sync"
@@ -289,10 +295,16 @@ class ServerConfig(_Strict):
         return self.lr if self.lr is not None else SERVER_LR.get(self.optimizer, 1.0)
 
     @model_validator(mode="after")
+    def _aggregator_keys(self) -> ServerConfig:
+        for k in ("trim", *OMG_KEYS):
+            owner = "trimmed_mean" if k == "trim" else "fedomg"
+            if getattr(self, k) != type(self).model_fields[k].default and self.aggregator != owner:
+                raise ValueError(f"server.{k} applies to server.aggregator {owner} only (not {self.aggregator}); "
+                                 f"drop it or set server.aggregator {owner}")
+        return self
+
+    @model_validator(mode="after")
     def _async(self) -> ServerConfig:
-        if self.trim != type(self).model_fields["trim"].default and self.aggregator != "trimmed_mean":
-            raise ValueError(f"server.trim applies to server.aggregator trimmed_mean only (not {self.aggregator}); "
-                             "drop it or set server.aggregator trimmed_mean")
         if self.mode == "sync":
             odd = [k for k in ASYNC_KEYS if getattr(self, k) != type(self).model_fields[k].default]
             if odd:
@@ -320,6 +332,8 @@ class ServerConfig(_Strict):
         return self
 
 
+# the server's keys that only server.aggregator fedomg reads (left out of config.yaml with another aggregator)
+OMG_KEYS = ("omg_steps", "omg_lr", "omg_momentum", "omg_kappa", "omg_global_lr")
 # the server's keys that only the asynchronous modes read (a sync config.yaml leaves them out, as before they existed)
 ASYNC_KEYS = ("mode", "buffer_size", "concurrency", "staleness", "staleness_a", "staleness_b", "alpha", "retry_s")
 
@@ -524,6 +538,8 @@ class ExperimentConfig(_Strict):
             gone.append(("server", "aggregator"))
         if s.aggregator != "trimmed_mean":
             gone.append(("server", "trim"))
+        if s.aggregator != "fedomg":
+            gone += [("server", k) for k in OMG_KEYS]
         if self.training.local_steps is not None:  # local_epochs has no effect then
             gone.append(("training", "local_epochs"))
         gone += [(sec, key) for sec, key in (("output", "wandb"), ("output", "mlflow"), (None, "plugins"),

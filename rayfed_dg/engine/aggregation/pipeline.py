@@ -98,6 +98,12 @@ class Estimator:
     def weights(self, clients: list[int], method_weights: Callable[[list[int]], np.ndarray]) -> dict[int, float]:
         return dict(zip(clients, (float(w) for w in method_weights(clients))))
 
+    def bind(self, parameters: list[str]) -> None:
+        """The global model's broadcast parameters (``server_opt.stepped_keys``:
+        what a server optimizer steps; buffers, a method's local keys and the
+        keys it assembles are not among them), given once the model is built,
+        for an estimator that treats them apart from the buffers."""
+
     def client_clip(self) -> float | None:
         """The L2 clip each client applies to its update before it leaves (the
         pipeline's step 1, sent with the task); None: the upload leaves as it is."""

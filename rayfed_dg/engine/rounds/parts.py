@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from rayfed_dg.config import ExperimentConfig
-from rayfed_dg.engine.aggregation import robust  # noqa: F401  (registers median, trimmed_mean; the wing does too)
+from rayfed_dg.engine.aggregation import omg, robust  # noqa: F401  (register median, trimmed_mean, fedomg)
 from rayfed_dg.engine.aggregation.buffered import ASYNC_ESTIMATORS
 from rayfed_dg.engine.aggregation.pipeline import Estimator, Pipeline, aggregator_class, refusal
 from rayfed_dg.engine.aggregation.server_opt import ServerOptimizer, stepped_keys
@@ -52,6 +52,8 @@ def build_pipeline(cfg: ExperimentConfig, method: Method, model: Any, global_sta
         estimator: Estimator = DPMean(UpdateDP(u, cfg.training.seed, per_round, float_keys(sd, uploaded)))
     else:
         estimator = est_cls(cfg.server, global_state)
+    stepped = stepped_keys(model, local_keys | assembled)
+    estimator.bind(stepped)
     # None for server.optimizer none: the estimate is the new global model
-    optimizer = ServerOptimizer.from_config(cfg.server, global_state, stepped_keys(model, local_keys | assembled))
+    optimizer = ServerOptimizer.from_config(cfg.server, global_state, stepped)
     return Pipeline(estimator, optimizer, method, assembled)
