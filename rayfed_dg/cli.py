@@ -13,6 +13,7 @@ run directory (``engine/store/rundir.py``) and ``reporting``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import TypeAlias
@@ -188,6 +189,10 @@ def _run(args) -> int:
         out = execute_run(req)
     except RunInterrupted as e:
         from rayfed_dg.engine.store.rundir import RunDir
+
+        # the tasks and actor creations the interrupt abandoned fail as Ray tears them down; Ray would log each
+        # such result as an "unhandled error" when its reference is collected at exit, after the line below
+        os.environ["RAY_IGNORE_UNHANDLED_ERRORS"] = "1"
 
         copy = RunDir(e.run_dir).mirror() if e.kept else None
         print(f"rayfed-dg: {e}" + (f"; or on another machine: rayfed-dg run --resume {copy.uri}" if copy else ""),
