@@ -90,7 +90,6 @@ def run_round(fed: Federation, pool: WorkerPool, pub: Published) -> RoundResult:
         done = train(fed, pool, pub, c, work, reducer, bcast)
         for cid in sorted(done.updates):  # after the gather: a client trained again starts from the round's state
             fed.store.put(cid, done.updates[cid].update, done.updates[cid].private)
-    if c.train:
         work.results = fed.aggregate(c, reducer, done.updates)
         work.global_ref = pub.current = ray.put(fed.global_state)
         run_phases(Slot.AFTER_AGGREGATION, work)
@@ -113,8 +112,8 @@ def train(fed: Federation, pool: WorkerPool, pub: Published, c: Cohort, work: Ro
     """Train the cohort on the pool; the uploads folded into ``reducer`` (on
     the workers, or here), each returned update recorded in the ledger."""
     r, ledger, done = c.round, work.ledger, Trained()
-    payloads = fed.payloads(r, c.train, work.prepared) if c.update is None else {}
-    folds, sums = fed.pipeline.folds() and c.update is None, fed.pipeline.estimator.sums
+    payloads = fed.payloads(r, c.train, work.prepared)  # none in an asynchronous mode: it refuses server_payloads
+    folds, sums = fed.pipeline.folds(), fed.pipeline.estimator.sums  # an asynchronous estimator reads uploads whole
 
     def on_update(cid: int, upd: ClientUpdate | None) -> None:
         if sums and (upd is None or not folds):
