@@ -8,7 +8,7 @@ twice on the same worker actors from the same global model:
   None, the path the engine keeps for a method that reads uploads), which
   folds it with a float64 ``add_`` per tensor (the plain fold, the
   baseline, called here directly; the engine does not use it).  The
-  server-side fold of the same uploads (``Reducer.add``, the binned sum) is
+  server-side fold of the same uploads (``Reducer.add``, the exact fixed-point sum) is
   timed beside it;
 * after: each worker folds the uploads of its clients into one partial sum
   (``Fold``); the server receives the small per-client updates (stats, sizes)
@@ -17,7 +17,7 @@ twice on the same worker actors from the same global model:
 Bytes received: the pickled size (protocol 5, out-of-band buffers counted) of
 every object the server gets with ``ray.get``.  Prints both, their ratio, the
 server's folding seconds, the per-client cost of the worker's fold on this
-CPU (binned vs the plain float64 add), and checks that both paths give the same
+CPU (the exact sum vs the plain float64 add), and checks that both paths give the same
 average bit for bit.
 
     python bench/server_inbox.py [--clients 50] [--workers 2]
@@ -53,12 +53,12 @@ def plain_fold(acc: dict[str, torch.Tensor], update: dict[str, np.ndarray], w: f
 
 
 def fold_cost_ms(state: dict[str, torch.Tensor], reps: int = 5) -> tuple[float, float]:
-    """Median ms to fold one ResNet-18 upload: the binned sum, the plain float64 add."""
-    from rayfed_dg.engine.aggregation.exact import BinnedSum
+    """Median ms to fold one ResNet-18 upload: the exact fixed-point sum, the plain float64 add."""
+    from rayfed_dg.engine.aggregation.exact import FixedSum, windows
 
-    b = BinnedSum()
+    b = FixedSum(windows({k: v.numpy() for k, v in state.items()}, [37.0]))
     acc = {k: torch.zeros(v.shape, dtype=torch.float64) for k, v in state.items()}
-    binned, plain = [], []
+    exact, plain = [], []
     for _ in range(reps):
         t0 = time.perf_counter()
         b.add(37.0, state)
@@ -66,8 +66,8 @@ def fold_cost_ms(state: dict[str, torch.Tensor], reps: int = 5) -> tuple[float, 
         for k, v in state.items():
             acc[k].add_(v, alpha=37.0)
         plain.append(time.perf_counter() - t1)
-        binned.append(t1 - t0)
-    return statistics.median(binned) * 1e3, statistics.median(plain) * 1e3
+        exact.append(t1 - t0)
+    return statistics.median(exact) * 1e3, statistics.median(plain) * 1e3
 
 
 def main() -> None:
@@ -110,7 +110,7 @@ def main() -> None:
 
         # ---- before: whole uploads, folded by the server as they arrive
         whole, acc = fed.reducer(sampled), {}
-        before = {"bytes": 0, "plain": 0.0, "binned": 0.0}
+        before = {"bytes": 0, "plain": 0.0, "exact": 0.0}
 
         def on_whole(cid, upd):
             before["bytes"] += wire_bytes(upd)
@@ -119,7 +119,7 @@ def main() -> None:
             t1 = time.perf_counter()
             whole.add(cid, upd.update)
             before["plain"] += t1 - t0
-            before["binned"] += time.perf_counter() - t1
+            before["exact"] += time.perf_counter() - t1
 
         t0 = time.perf_counter()
         pool.map(sampled, lambda w, cid, a: w.train_in.remote(fed.id, fed.task(1, cid, {}, a), global_ref),
@@ -131,8 +131,9 @@ def main() -> None:
         after = {"bytes": 0, "merge": 0.0}
         on_small = lambda cid, upd: after.__setitem__("bytes", after["bytes"] + wire_bytes(upd))  # noqa: E731
         t0 = time.perf_counter()
-        pool.map(sampled, lambda w, cid, a: w.train_in.remote(
-            fed.id, fed.task(1, cid, {}, a, Fold(fed.id, 1, 0, folded.weights[cid])), global_ref), on_small, cost)
+        fold = lambda cid: Fold(fed.id, 1, 0, folded.weights[cid], folded.window)  # noqa: E731
+        pool.map(sampled, lambda w, cid, a: w.train_in.remote(fed.id, fed.task(1, cid, {}, a, fold(cid)), global_ref),
+                 on_small, cost)
         parts = [p for p in pool.ask_each(lambda w: w.take_partial.remote(fed.id, 1, 0)) if p is not None]
         wall_after = time.perf_counter() - t0
         after["bytes"] += sum(wire_bytes(p) for p in parts)
@@ -147,21 +148,21 @@ def main() -> None:
     finally:
         host.close()
         ray.shutdown()
-    binned_ms, plain_ms = fold_cost_ms(state)
+    exact_ms, plain_ms = fold_cost_ms(state)
     params = sum(v.numel() for v in state.values())
     mb = lambda x: x / 1e6  # noqa: E731
     print(f"workload: FedAvg, ResNet-18 ({params / 1e6:.1f} M values), 32 px, {n} clients a round, "
           f"{args.workers} workers, 1 local step of batch 8")
     print(f"before: server received {mb(before['bytes']):.1f} MB in {n} whole uploads; folding took "
-          f"{before['plain']:.2f} s (plain float64 add_, called directly) / {before['binned']:.2f} s (binned, on the "
+          f"{before['plain']:.2f} s (plain float64 add_, called directly) / {before['exact']:.2f} s (exact, on the "
           f"server); clients' phase {wall_before:.1f} s")
     print(f"after:  server received {mb(after['bytes']):.1f} MB: {n} updates without tensors + {len(parts)} "
           f"partial sums ({', '.join(f'{len(p.clients)} clients' for p in parts)}); merging took "
           f"{after['merge']:.2f} s; clients' phase {wall_after:.1f} s")
     print(f"bytes ratio after / before: {after['bytes'] / before['bytes']:.3f}  (workers / clients = "
-          f"{args.workers / n:.3f}; a partial carries 16 bytes a value, an upload 4)")
-    print(f"fold per client on a worker, this CPU, 1 thread: binned {binned_ms:.0f} ms, plain float64 add_ "
-          f"{plain_ms:.0f} ms (x{binned_ms / plain_ms:.2f})")
+          f"{args.workers / n:.3f}; a partial carries 8 bytes a value, an upload 4)")
+    print(f"fold per client on a worker, this CPU, 1 thread: exact {exact_ms:.0f} ms, plain float64 add_ "
+          f"{plain_ms:.0f} ms (x{exact_ms / plain_ms:.2f})")
     print(f"same average, bit for bit: {same}")
 
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from rayfed_dg.engine import Reducer, select_round
-from rayfed_dg.engine.aggregation.exact import BinnedSum
+from rayfed_dg.engine.aggregation import exact
+from rayfed_dg.engine.aggregation.exact import FixedSum
 
 
 def test_weighted_mean_matches_hand_computation():
@@ -47,49 +48,62 @@ def test_arrival_order_is_bitwise_irrelevant_and_drop_renormalises():
     assert red.dropped == [1]
 
 
-# ------------------------------------------------------------------ the binned sum
+# ------------------------------------------------------------------ the fixed-point sum
 
 
-def _sum(terms, parts=None):
+def _sum(terms, parts=None, window=None):
     """``terms`` [(w, array)] folded in the given order, in ``parts`` (lists of
     term indices, each its own partial sum, packed as a worker sends it), merged
-    in the order given; the float64 total of "x"."""
+    in the order given."""
     parts = parts or [list(range(len(terms)))]
-    out = BinnedSum()
+    out = FixedSum(window or {})
     for part in parts:
-        b = BinnedSum()
+        b = FixedSum(window or {})
         for i in part:
             b.add(terms[i][0], {"x": torch.as_tensor(terms[i][1])})
         out.merge(b.pack())
     return out
 
 
-def test_parts_are_rounded_at_fixed_bin_boundaries_by_hand():
-    b = BinnedSum()
-    b.add(1.0, {"x": torch.tensor([2.0 ** 40 + 3 + 2.0 ** -3, -(2.0 ** 33 + 0.75)], dtype=torch.float64)})
-    # 2 max |y| = 2^41 + ...: bin 1 (2^32 .. 2^63); limbs for bins 1, 0, -1: R_j - 2^32 R_(j+1), R_j = round(y 2^-32j)
-    assert b.top["x"] == 1
-    assert b.limbs["x"].tolist() == [[256.0, -2.0], [3.0, -1.0], [2.0 ** 29, 2.0 ** 30]]
-    b.add(1.0, {"x": torch.tensor([-(2.0 ** -40), 0.0], dtype=torch.float64)})  # below half of bin -1's unit: dropped
-    assert b.limbs["x"].tolist() == [[256.0, -2.0], [3.0, -1.0], [2.0 ** 29, 2.0 ** 30]]
-    b.add(3.0, {"x": torch.tensor([2.0 ** 68, 1.5], dtype=torch.float32)})  # w v = 3 2^68: bin 2, the window shifts
-    assert b.top["x"] == 2
-    assert b.limbs["x"].tolist() == [[48.0, 0.0], [256.0, -2.0], [3.0, 3.0]]  # 4.5 rounds to 4; bin -1 dropped
-    assert b.total("x").tolist() == [3 * 2.0 ** 68 + 2.0 ** 40 + 3, -(2.0 ** 33) + 3]
-    c = BinnedSum()  # a weight that is not an integer: the term is w * v rounded once, kept whole in the window
+def test_windows_and_term_exponents_by_hand():
+    # 2^MARGIN * max w * max |x_t| = 16 * 7 * 3 = 336 < 2^9: f = 9 - B
+    assert exact.windows({"x": np.array([0.5, -3.0], np.float32), "z": np.zeros(3)}, [2.0, -7.0]) == {"x": 9 - exact.B}
+    f = -35
+    assert exact.term_exponent(2.0 ** 8, f) == f  # 2^8 < 2^9 = 2^(f + B): in the window
+    assert exact.term_exponent(2.0 ** 9 - 1, f) == f
+    assert exact.term_exponent(2.0 ** 9, f) == f + exact.GRID  # one bit over: the next grid exponent
+    assert exact.term_exponent(2.0 ** (9 + exact.GRID) - 1, f) == f + exact.GRID
+    assert exact.term_exponent(2.0 ** (9 + exact.GRID), f) == f + 2 * exact.GRID
+    assert exact.term_exponent(1.0, None) == -exact.GRID * (exact.B // exact.GRID)  # no window: a grid from 0
+    assert exact.term_exponent(2.0 ** -60, f) == f  # small terms keep the window (and lose bits below 2^f)
+
+
+def test_terms_are_rounded_in_the_window_by_hand():
+    f = -35
+    s = FixedSum({"x": f})
+    s.add(1.0, {"x": torch.tensor([1.0 + 2.0 ** -36, -(2.0 ** -40), 3.0 * 2.0 ** -35], dtype=torch.float64)})
+    # R = round(y 2^35): 2^35 + 0.5 -> 2^35 (ties to even), -2^-5 -> 0, 3
+    assert s.cells["x"][f].ints().tolist() == [2 ** 35, 0, 3]
+    s.add(3.0, {"x": torch.tensor([0.5 * 2.0 ** -35, 2.0 ** -35, 1.0], dtype=torch.float32)})
+    # 1.5 -> 2, 3, 3 * 2^35
+    assert s.cells["x"][f].ints().tolist() == [2 ** 35 + 2, 3, 3 + 3 * 2 ** 35]
+    s.add(1.0, {"x": torch.tensor([2.0 ** 20, 0.0, 0.0], dtype=torch.float64)})  # outside: its own accumulator
+    e = f + 2 * exact.GRID  # 2^20 needs 2^(20 + 1 - B) = 2^-23: 12 bits above -35, the second grid step
+    assert sorted(s.cells["x"]) == [f, e] and s.cells["x"][e].ints().tolist() == [2 ** 39, 0, 0]
+    assert s.total("x").tolist() == [2.0 ** 20 + 1.0 + 2 * 2.0 ** -35, 3 * 2.0 ** -35, 3.0 + 3 * 2.0 ** -35]
+    c = FixedSum({"x": -40})  # a weight that is not an integer: w * v rounded once, then to the window
     c.add(0.1, {"x": torch.tensor([3.0])})
-    assert c.top["x"] == -1 and c.total("x").item() == 0.1 * 3.0
+    assert c.total("x").item() == round(0.1 * 3.0 * 2.0 ** 40) * 2.0 ** -40
 
 
-ADVERSARIAL = [  # per position: huge and tiny magnitudes, cancellation, subnormals (float32 and float64)
-    (3.0, np.array([1e30, 1e20, 1e-30, 1.0, 1e-45, -2.5], np.float32)),
-    (1.0, np.array([1e-30, 1.0, 3e-38, -1e20, -1e-45, 1e10], np.float32)),
-    (0.1, np.array([-1e30, -1e20, 1e-37, 7.0, 1e-45, -1e10], np.float32)),
-    (7.0, np.array([2.0 ** 100, 1.0, -1e-30, 1e20, 0.0, 3.0], np.float32)),
-    (1 / 3, np.array([-3e29, 1.5, 1e-30, -1e20, 2e-45, 1e-10], np.float32)),
+F = -35  # the window of BOUNDARY: terms up to 2^(F + B) = 2^9 fit it
+BOUNDARY = [  # terms at the window (0 grid steps up), one, two (K-1 in a binned sum of K = 3) and three or more
+    (3.0, np.array([100.0, -1e-3, 2.5, 1e-9, 0.0, 7.25], np.float32)),  # in the window
+    (0.1, np.array([1e3 * 52.0, 1.0, -3.0, 1e-7, 1e-30, 1.0], np.float32)),  # 5,200: one step up
+    (1 / 3, np.array([-3e6, 1.5, 1e-3, 2.0, 1e-20, -1.0], np.float32)),  # 1e6: two steps up
+    (7.0, np.array([2.0 ** 40, 1.0, -1e-3, 5.0, 0.0, 3.0], np.float32)),  # 7 2^40: five steps up
+    (2.5, np.array([-1e20, 1e-5, 3.0, -7.0, 2e-45, 1e10], np.float32)),  # far above
 ]
-TINY = [(w, np.array([5e-324, 1e-310, -2.2e-308, 3e-320], np.float64) * k) for w, k in
-        ((0.3, 1.0), (1.0, -7.0), (2.5, 3.0), (1e-5, 1.0))]  # top bins -33 .. -32: the exact slow path
 
 
 def _partitions(items):
@@ -103,40 +117,87 @@ def _partitions(items):
         yield [[first]] + p
 
 
-@pytest.mark.parametrize("terms", [ADVERSARIAL, TINY], ids=["adversarial", "subnormal"])
-def test_every_order_and_every_split_into_partials_gives_the_same_bits(terms):
-    idx = list(range(len(terms)))
-    ref = _sum(terms).total("x").numpy()
+def test_every_order_and_every_split_into_partials_gives_the_same_bits():
+    """Terms whose exponents differ from the window by 0, 1, 2 and 3+ grid
+    steps, weights that are not integers, merged in every order and split."""
+    idx = list(range(len(BOUNDARY)))
+    whole = _sum(BOUNDARY, window={"x": F})
+    exps = sorted(whole.cells["x"])
+    assert [(e - F) // exact.GRID for e in exps] == [0, 1, 2, 5, 8]
+    ref = whole.total("x").numpy()
     for perm in itertools.permutations(idx):
-        assert np.array_equal(_sum(terms, [list(perm)]).total("x").numpy(), ref, equal_nan=True), perm
+        assert np.array_equal(_sum(BOUNDARY, [list(perm)], {"x": F}).total("x").numpy(), ref), perm
     splits = list(_partitions(idx))
-    assert len(splits) == (52 if len(terms) == 5 else 15)  # Bell numbers
+    assert len(splits) == 52  # Bell(5)
     for parts in splits:
         for order in (parts, parts[::-1], [p[::-1] for p in parts]):
-            assert np.array_equal(_sum(terms, order).total("x").numpy(), ref), order
-    # the result is the exact sum of the terms, to within the bound
-    exact = np.array([math.fsum(float(np.float64(w) * np.float64(v[j])) for w, v in terms) for j in range(len(ref))])
-    big = max(abs(float(np.float64(w) * np.float64(x))) for w, v in terms for x in v)
-    bound = len(terms) * 2.0 ** -64 * big + np.spacing(np.abs(exact))
-    assert np.all(np.abs(ref - exact) <= bound)
+            assert np.array_equal(_sum(BOUNDARY, order, {"x": F}).total("x").numpy(), ref), order
+    # within the bound: half a unit of each term's exponent, and the final roundings
+    exact_sum = np.array([math.fsum(float(np.float64(w) * np.float64(v[j])) for w, v in BOUNDARY)
+                          for j in range(len(ref))])
+    term_e = [exact.term_exponent(abs(w) * float(np.abs(v).max()), F) for w, v in BOUNDARY]
+    bound = sum(2.0 ** (e - 1) for e in term_e) + len(exps) * np.spacing(np.abs(exact_sum))
+    assert np.all(np.abs(ref - exact_sum) <= bound)
 
 
-def test_error_against_an_exact_sum_within_the_bound_and_below_float64_summation():
+def test_error_within_the_bound_and_below_float32_resolution():
     rng = np.random.default_rng(0)
     n, k = 4096, 40
-    terms = [(float(rng.integers(1, 2 ** 12)),
-              (rng.normal(size=n) * np.exp2(rng.integers(-60, 60, size=n))).astype(np.float32)) for _ in range(k)]
-    for j in range(0, k, 7):  # cancellation: each of these is the negation of the one before
-        terms[j] = (terms[j - 1][0], -terms[j - 1][1])
-    got = _sum(terms, [list(range(0, k, 3)), list(range(1, k, 3)), list(range(2, k, 3))]).total("x").numpy()
-    exact = np.array([math.fsum(w * float(v[i]) for w, v in terms) for i in range(n)])
-    big = max(w * float(np.abs(v).max()) for w, v in terms)
-    err = np.abs(got - exact)
-    assert np.all(err <= k * 2.0 ** -64 * big + np.spacing(np.abs(exact)))
-    naive = np.zeros(n)
-    for w, v in terms:
-        naive += w * v.astype(np.float64)
-    assert err.max() < np.abs(naive - exact).max()  # better than today's float64 sum in one order
+    x_t = rng.normal(size=n).astype(np.float32)
+    w = [float(rng.integers(1, 2 ** 12)) for _ in range(k)]
+    terms = [(w[i], (x_t + 0.05 * rng.normal(size=n)).astype(np.float32)) for i in range(k)]
+    window = exact.windows({"x": x_t}, w)
+    got = _sum(terms, [list(range(0, k, 3)), list(range(1, k, 3)), list(range(2, k, 3))], window)
+    assert list(got.cells["x"]) == [window["x"]]  # every term in the window: one accumulator, 8 bytes a value
+    assert got.pack().nbytes == 8 * n
+    total = got.total("x").numpy()
+    exact_sum = np.array([math.fsum(wi * float(v[i]) for wi, v in terms) for i in range(n)])
+    bound = k * 2.0 ** (window["x"] - 1) + np.spacing(np.abs(exact_sum))
+    assert np.all(np.abs(total - exact_sum) <= bound)
+    assert bound.max() <= 2.0 ** (exact.MARGIN - exact.B) * k * max(w) * np.abs(x_t).max() + np.spacing(
+        np.abs(exact_sum).max())
+    mean = (total / sum(w)).astype(np.float32)  # the average as the model keeps it: within a float32 ulp
+    assert np.all(np.abs(mean - exact_sum / sum(w)) <= np.spacing(np.abs(mean)))
+
+
+def test_float64_accumulators_move_to_int64_before_they_lose_an_integer():
+    rng = np.random.default_rng(1)
+    f, n, k = -44, 8, 2 * exact.FLUSH + 5  # terms of 2^43 to 2^44 units: their sum passes 2^53 by FLUSH
+    vals = [rng.uniform(0.5, 1.0, size=n) for _ in range(k)]  # float64: odd integers (float32's would be even)
+    expect = [sum(round(float(v[j]) * 2.0 ** 44) for v in vals) for j in range(n)]
+    s = FixedSum({"x": f})
+    for v in vals:
+        s.add(1.0, {"x": torch.from_numpy(v)})
+    assert s.cells["x"][f].ints().tolist() == expect
+    for size in (300, exact.FLUSH + 3):  # partials that travel as float64 (the merge flushes), or as int64
+        merged = FixedSum({"x": f})
+        for lo in range(0, k, size):
+            part = FixedSum({"x": f})
+            for v in vals[lo:lo + size]:
+                part.add(1.0, {"x": torch.from_numpy(v)})
+            packed = part.pack()
+            as_ints = len(vals[lo:lo + size]) > exact.FLUSH
+            assert packed.cells == [("x", f, -1 if as_ints else len(vals[lo:lo + size]))]
+            assert (packed.ints.size, packed.floats.size) == ((n, 0) if as_ints else (0, n))
+            merged.merge(packed)
+        assert merged.cells["x"][f].ints().tolist() == expect, size
+        assert merged.total("x").tolist() == [float(x) * 2.0 ** f for x in expect]
+
+
+def test_a_non_finite_upload_on_one_worker_makes_that_tensor_nan_in_every_split():
+    ups = [(2.0, {"x": np.array([1.0, 2.0], np.float32), "y": np.array([3.0], np.float32)}),
+           (1.0, {"x": np.array([np.inf, 0.0], np.float32), "y": np.array([1.0], np.float32)}),
+           (3.0, {"x": np.array([0.5, -1.0], np.float32), "y": np.array([-1.0], np.float32)})]
+    window = {"x": -40, "y": -41}
+    for parts in _partitions([0, 1, 2]):
+        out = FixedSum(window)
+        for part in parts:
+            b = FixedSum(window)
+            for i in part:
+                b.add(ups[i][0], {k: torch.from_numpy(v) for k, v in ups[i][1].items()})
+            out.merge(b.pack())
+        assert np.isnan(out.total("x").numpy()).all() and out.total("y").tolist() == [4.0], parts
+        assert "x" not in out.cells  # nothing of it is kept or sent
 
 
 def test_integer_tensors_and_non_finite_uploads():
@@ -154,15 +215,17 @@ def test_integer_tensors_and_non_finite_uploads():
         red.add(2, {"y": np.ones(2, np.float32)})
 
 
-def test_an_all_zero_tensor_sets_no_window_and_merges_as_nothing():
-    # a zero tensor (a bias never moved from 0) holds no bin: terms of 1e-60 added after it keep every bit
-    # (a window set at 0's bin would drop them, 2^-199 below its 96 bits), and a partial whose tensor was all
-    # zero merges into a sum as nothing
-    s = BinnedSum()
+def test_an_all_zero_tensor_holds_nothing_and_merges_as_nothing():
+    # a zero tensor (a bias never moved from 0) makes no accumulator: terms of 1e-60 added after it, with no
+    # window, keep B - GRID bits of their own max at least; a partial whose tensor was all zero merges as nothing
+    s = FixedSum()
     s.add(1.0, {"b": torch.zeros(2, dtype=torch.float64)})
+    assert "b" not in s.cells
     s.add(0.5, {"b": torch.tensor([1e-60, -3e-61], dtype=torch.float64)})
-    assert s.total("b").tolist() == [0.5 * 1e-60, 0.5 * -3e-61]
-    zero, other = BinnedSum(), BinnedSum()
+    e = exact.term_exponent(0.5e-60, None)
+    assert list(s.cells["b"]) == [e] and 2.0 ** (e + exact.B - exact.GRID) <= 0.5e-60 < 2.0 ** (e + exact.B)
+    assert np.allclose(s.total("b").numpy(), [0.5e-60, -1.5e-61], rtol=0, atol=2.0 ** (e - 1))
+    zero, other = FixedSum(), FixedSum()
     zero.add(2.0, {"x": torch.zeros(2)})
     other.add(1.0, {"x": torch.tensor([1.5, -2.0])})
     other.merge(zero.pack())
@@ -199,24 +262,56 @@ def test_worker_fold_equals_the_server_fold_of_whole_uploads(tiny_ds):
     task = lambda c, fold=None: ClientTask(client=c, round=1, indices=split.clients[c], fold=fold,  # noqa
                                            local_state={k: g0[k] for k in runner.local_keys})
     whole = {c: runner.train(task(c), g0) for c in range(3)}
-    server = Reducer([0, 1, 2], n)
+    server = Reducer([0, 1, 2], n, g0)
+    assert server.window and set(server.window) <= set(g0)
     for c in (2, 0, 1):
         server.add(c, whole[c].update)
     for parts in ([[0, 1, 2]], [[2], [0, 1]], [[1], [2], [0]]):
-        red = Reducer([0, 1, 2], n)
+        red = Reducer([0, 1, 2], n, g0)
         for e, part in enumerate(parts):
             for c in part:
-                folded = runner.train(task(c, Fold(7, 1, e, n[c])), g0)
+                folded = runner.train(task(c, Fold(7, 1, e, n[c], red.window)), g0)
                 assert set(folded.update) == runner.local_keys and folded.sizes == {
                     k: v.nbytes for k, v in whole[c].update.items()}
             p = runner.take_partial(7, 1, e)
             assert p is not None and p.clients == sorted(part) and runner.take_partial(7, 1, e) is None
+            # folded in the server's window: one accumulator a tensor, 8 bytes a value
+            assert all(red.window[k] == ex for k, ex, _ in p.sums.cells if k in red.window)
+            assert p.sums.nbytes == 8 * sum(math.prod(p.sums.shapes[k]) for k, _, _ in p.sums.cells)
             red.add_partial(p)
         a, b = red.result(g0), server.result(g0)
         assert all(np.array_equal(a[k], b[k]) for k in g0), parts
     runner.train(task(0, Fold(7, 2, 0, 1.0)), g0)
     runner.train(task(1, Fold(7, 2, 1, 1.0)), g0)  # a newer epoch: the server gave up on epoch 0's partial
     assert runner.take_partial(7, 2, 0) is None and runner.take_partial(7, 2, 1) is None
+
+
+def test_the_server_averages_in_the_round_window_of_its_global_model(ray_session, tiny_ds, engine_host):
+    """Hand values through the server: round 1's global model on 2 workers
+    (each folding its clients in the window the server sent) is, bit for
+    bit, the uploads of the same clients trained here, averaged by a
+    ``Reducer`` in the window of the initial global model."""
+    from conftest import server_rounds, tiny_cfg
+
+    from rayfed_dg.engine import ClientRunner, ClientTask
+    from rayfed_dg.engine.workers.worker import to_numpy_state
+
+    cfg = tiny_cfg("training.local_steps=2")
+    split, states, _ = server_rounds(ray_session, cfg, tiny_ds, workers=2, rounds=1,
+                                     host=engine_host(tiny_ds, 2))
+    runner = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, tiny_ds.num_classes, split.num_clients)
+    sd = runner.model.state_dict()
+    g0 = to_numpy_state(sd, sd.keys())
+    sizes = {c: float(len(split.clients[c])) for c in range(split.num_clients)}
+    ups = {c: runner.train(ClientTask(client=c, round=1, indices=split.clients[c], local_state={}), g0).update
+           for c in sizes}
+    got = states[0]["global_state"]
+    red = Reducer(list(sizes), sizes, g0)
+    assert red.window == exact.windows(g0, sizes.values()) and len(red.window) > 10
+    for c in (2, 0, 1):
+        red.add(c, ups[c])
+    want = red.result(g0)
+    assert all(np.array_equal(got[k], want[k]) for k in want)
 
 
 class Poison(float):

@@ -1,70 +1,93 @@
-"""Weighted averaging that does not depend on order: a binned reproducible sum.
+"""Weighted averaging that does not depend on order: a fixed-point sum in a
+window fixed before the round.
 
 The round's average is sum_i w_i v_i / sum_i w_i over the clients that
 returned.  Workers fold the uploads of the clients they trained into one
-partial sum each (``BinnedSum``, ``engine/workers/worker.py``), the server merges
-one partial per worker (``Reducer.add_partial``), and methods that read
-each client's upload send it whole and have it folded on the server
+partial sum each (``FixedSum``, ``engine/workers/worker.py``), the server
+merges one partial per worker (``Reducer.add_partial``), and methods that
+read each client's upload send it whole and have it folded on the server
 (``Reducer.add``).  Any split of the clients into partials, any order of
-folding and merging, gives the same bits: the global model does not
-depend on the worker count or on which worker trained which client.
+folding and merging, gives the same bits: the global model does not depend
+on the worker count or on which worker trained which client.
 
-The sum, after Demmel and Nguyen's binned summation (ReproBLAS),
-simplified to one window per tensor:
+The sum (a fixed-point accumulator, as in the binned sums of Demmel and
+Nguyen's ReproBLAS, with one window a tensor chosen before any term):
 
-* a term is y = float64(w) * float64(v), v the upload, w its reduce weight
-  (exact when w is an integer below 2^29, e.g. a sample count; otherwise
-  rounded once, and only from (w, v));
-* bins of ``W`` = 32 bits at fixed exponents (bin j holds the weights
-  2^(jW) to 2^(jW + W - 1)); a tensor keeps ``K`` = 3 limbs, for bins t,
-  t-1, t-2, t the bin of 2 max|y| over the terms seen so far (a margin: no
-  term rounds up into bin t+1);
-* a term's part in bin j is R_j - 2^W R_(j+1), R_j = round(y / 2^(jW))
-  (to nearest, ties to even: a function of the term and the bin only;
-  power-of-two scaling is exact, and so is the difference, an integer
-  |part| <= 2^(W-1)); limb k += the part in bin t - k.  The float64 limbs
-  add such integers exactly for up to ``MAX_TERMS`` = 2^20 terms
-  (asserted); what lies below bin t-2 is dropped;
-* a term (or a merged partial) with a higher top bin first shifts the
-  limbs down; limbs falling out of the window are dropped.
+* a term is y = w v, v the upload, w its reduce weight, computed as
+  v * (w 2^-e) in float64: exact when w is an integer below 2^29 (a sample
+  count), otherwise rounded once, and only from (w, v, e);
+* the round's window: before the round the server sets, per tensor, the
+  exponent f = E - ``B``, E the binary exponent of 2^``MARGIN`` max_i |w_i|
+  max |x_t| (x_t the round's global model: every upload starts from it), so
+  that a term up to 2^``MARGIN`` times the largest the global model gives is
+  an integer of at most ``B`` bits in units of 2^f (``windows``); the
+  exponents travel with the round's folds (``Fold.window``);
+* a term whose max |y| fits the window is deposited as R = round(y 2^-f)
+  (to nearest, ties to even); one that does not (an upload that grew more
+  than 2^``MARGIN``-fold, or a tensor the global model holds at zero) takes
+  the lowest exponent above on a grid of ``GRID`` bits from f (from 0 when
+  there is no window) where it fits, its own accumulator;
+* accumulators add integers exactly: a float64 one up to ``FLUSH`` terms
+  (|sum| <= 2^53), then moved into an int64 one (|sum| <= 2^62 up to
+  ``MAX_TERMS`` terms, asserted).  A partial travels as one int64 a value
+  and exponent: 8 bytes a value when every term fits its window.
 
-Why the order does not matter: the boundaries are fixed and a part depends
-only on the term and its bin, so each limb holds exactly the sum over the
-terms of their part in that bin, and the window is set by max|y| over all
-terms; a dropped limb holds exactly what would never have been deposited
-had the largest term come first.  (Parts are rounded to the nearest rather
-than truncated: torch's ``round`` is vectorised on the CPU and ``trunc`` is
-not, ten times slower; either gives an order-independent sum.)
+Why the order does not matter: a term's exponent and integer are functions
+of the term and the round's window only, and integer sums are exact, so each
+accumulator holds exactly the sum over its terms whatever the order or split.
 
-Error against the exact sum of the terms: each term loses at most half of
-bin t-2's unit, 2^((t-2)W - 1) <= 2^-64 max|y| (max over the tensor), and
-the result is rounded to float64 once the limbs are combined (at most 1
-ulp), before the division by the weights' sum (an exact sum of the weights
-as fractions, rounded once).  A tensor with a non-finite term averages to
-NaN.
+Error against the exact sum of the terms: each term loses at most half a
+unit of its exponent, 2^(f-1) <= 2^(``MARGIN`` - ``B``) max_i |w_i| max |x_t|
+(2^-40 of it) for a term in the window, 2^(``GRID`` - ``B``) of its own max |y|
+otherwise; the accumulators are converted to float64 once each (at most half
+an ulp) and added in increasing exponent (one exponent, the usual case: one
+rounding), before the division by the weights' sum (an exact sum of the
+weights as fractions, rounded once).  A tensor with a non-finite term
+averages to NaN.
 """
 from __future__ import annotations
 
 import math
 import warnings
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 
 import numpy as np
 import torch
 
-W = 32  # bits per bin
-K = 3  # bins kept per tensor
-MAX_TERMS = 2 ** 20  # limbs stay below 2^52: the carries of ``_normalize`` stay exact
-CHUNK = 1 << 17  # elements per pass on a CPU: the passes over one chunk run in cache, not memory
-FAST_FROM = -29  # from this top bin up, w * 2^(-tW) * v rounds where w * v does, in every kept bit
+B = 44  # bits of a term's integer
+FLUSH = 2 ** (53 - B)  # terms a float64 accumulator adds exactly before they move to the int64 one
+MAX_TERMS = 2 ** (62 - B)  # terms the int64 accumulators add exactly
+MARGIN = 4  # bits of growth over the global model's largest term that still fit the round's window
+GRID = 8  # bits between the exponents a term outside the window may take
+CHUNK = 1 << 16  # elements per pass on a CPU: a chunk's passes run in cache, not memory
 
 
-def _top(m: float) -> int:
-    """The top bin of a window holding terms up to ``m`` > 0: the bin of 2m's
-    leading bit, so |y| < 2^((t+1)W - 1) and no term rounds up into bin t+1."""
-    return math.frexp(m)[1] // W
+def _exponent(m: float) -> int:
+    """The least e with m 2^-e < 2^B (m > 0)."""
+    return math.frexp(m)[1] - B
+
+
+def windows(reference: Mapping[str, np.ndarray], weights: Iterable[float]) -> dict[str, int]:
+    """The round's window exponent f of each tensor of ``reference`` (the
+    global model) whose largest term is finite and not zero (module docstring)."""
+    wmax = max((abs(float(w)) for w in weights), default=0.0) * 2.0 ** MARGIN
+    out = {}
+    for k, v in reference.items():
+        a = np.asarray(v)
+        m = float(np.max(np.abs(a))) * wmax if a.size else 0.0
+        if 0.0 < m < math.inf:
+            out[k] = _exponent(m)
+    return out
+
+
+def term_exponent(m: float, floor: int | None) -> int:
+    """The exponent of a term whose max |y| is ``m`` > 0 in a tensor of window ``floor`` (None: none)."""
+    need, base = _exponent(m), 0 if floor is None else floor
+    if floor is not None and need <= floor:
+        return floor
+    return base + GRID * -(-(need - base) // GRID)
 
 
 def _scale(x: torch.Tensor, e: int) -> torch.Tensor:
@@ -75,73 +98,101 @@ def _scale(x: torch.Tensor, e: int) -> torch.Tensor:
     return x.mul_(math.ldexp(1.0, h)).mul_(math.ldexp(1.0, e - h))
 
 
-def _shift(limbs: torch.Tensor, d: int) -> None:
-    """Move the window ``d`` bins up: limb k takes limb k - d's sum, the top ``d`` start at zero."""
-    for k in range(K - 1, d - 1, -1):
-        limbs[k].copy_(limbs[k - d])
-    limbs[:min(d, K)].zero_()
+@dataclass
+class _Cell:
+    """The terms of one tensor at one exponent: float64 integers (``n``
+    terms since the last flush; None until a term is folded here) and the
+    int64 sum of those before (None until a flush)."""
+    size: int
+    device: torch.device
+    f: torch.Tensor | None = None
+    i: torch.Tensor | None = None
+    n: int = 0
 
+    def make_room(self, terms: int) -> None:
+        """Flush to int64 first if ``terms`` more would pass ``FLUSH``."""
+        if self.f is not None and self.n + terms > FLUSH:
+            moved = self.f.to(torch.int64)
+            self.i = moved if self.i is None else self.i.add_(moved)
+            self.f, self.n = None, 0
 
-def _normalize(limbs: torch.Tensor) -> None:
-    """Carry, exactly, so that limbs 1.. lie in [-2^(W-1), 2^(W-1)): the form that travels."""
-    for k in range(K - 1, 0, -1):
-        c = torch.floor((limbs[k] + 2.0 ** (W - 1)) * 2.0 ** -W)
-        limbs[k].sub_(c, alpha=2.0 ** W)
-        limbs[k - 1].add_(c)
+    def add_floats(self, x: torch.Tensor, terms: int) -> None:
+        """Add a float64 sum of ``terms`` integers (a partial's)."""
+        self.make_room(terms)
+        self.f = x.to(self.device, copy=True) if self.f is None else self.f.add_(x.to(self.device))
+        self.n += terms
+
+    def add_ints(self, x: torch.Tensor) -> None:
+        self.i = x.to(self.device, copy=True) if self.i is None else self.i.add_(x.to(self.device))
+
+    def ints(self) -> torch.Tensor:
+        """The int64 sum (not to be written: it may be the accumulator itself)."""
+        if self.f is None:
+            assert self.i is not None
+            return self.i
+        out = self.f.to(torch.int64)
+        return out if self.i is None else out.add_(self.i)
+
+    def value(self) -> torch.Tensor:
+        """The sum in float64 on the CPU: exact while it is float64 integers, else rounded once."""
+        if self.i is None:
+            assert self.f is not None
+            return self.f.to("cpu", copy=True)
+        return self.ints().to("cpu", torch.float64)
 
 
 @dataclass
 class PackedSum:
-    """A ``BinnedSum`` as it travels from a worker: numpy, limbs 1.. as int32
-    (16 bytes a value, against 24 in the accumulator)."""
+    """A ``FixedSum`` as it travels from a worker: each accumulator as float64
+    integers (with the number of terms in it) or, once past ``FLUSH`` terms,
+    as int64: 8 bytes a value and exponent.  ``cells`` names the pieces in
+    order as (tensor, exponent, terms; -1 for an int64 piece), the float64
+    ones in ``floats``, the int64 ones in ``ints``."""
     terms: int
     shapes: dict[str, tuple[int, ...]]
-    top: dict[str, int | None]
     nonfinite: set[str]
-    high: dict[str, np.ndarray]  # float64 limb 0
-    low: dict[str, np.ndarray]  # int32 limbs 1..K-1, shape (K - 1, n)
+    cells: list[tuple[str, int, int]]
+    floats: np.ndarray
+    ints: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return self.floats.nbytes + self.ints.nbytes
 
 
-class BinnedSum:
-    """Sum_i w_i v_i of named tensors, exact up to the window (module
+@dataclass
+class FixedSum:
+    """Sum_i w_i v_i of named tensors in the round's ``window`` (module
     docstring): ``add`` folds one weighted upload, ``merge`` another sum.
-    The limbs live on the tensors' device (a worker training on CUDA folds
-    there)."""
-
-    def __init__(self) -> None:
-        self.terms = 0
-        self.shapes: dict[str, tuple[int, ...]] = {}
-        self.top: dict[str, int | None] = {}  # None: only zeros so far
-        self.nonfinite: set[str] = set()
-        self.limbs: dict[str, torch.Tensor] = {}  # key -> (K, n) float64 integers
-        self._scratch: torch.Tensor | None = None  # (K, chunk) float64
+    The accumulators live on the tensors' device (a worker training on
+    CUDA folds there)."""
+    window: Mapping[str, int] = field(default_factory=dict)
+    terms: int = 0
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    nonfinite: set[str] = field(default_factory=set)
+    cells: dict[str, dict[int, _Cell]] = field(default_factory=dict)
+    _scratch: torch.Tensor | None = None
 
     def _count(self, terms: int) -> None:
         self.terms += terms
-        assert self.terms <= MAX_TERMS, f"a binned sum holds at most {MAX_TERMS} terms exactly"
+        assert self.terms <= MAX_TERMS, f"a fixed-point sum holds at most {MAX_TERMS} terms exactly"
 
-    def _slot(self, key: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        if key not in self.limbs:
-            self.shapes[key] = shape
-            self.top[key] = None
-            self.limbs[key] = torch.zeros((K, math.prod(shape)), dtype=torch.float64, device=device)
-        return self.limbs[key]
+    def _cell(self, key: str, e: int, n: int, device: torch.device) -> _Cell:
+        at = self.cells.setdefault(key, {})
+        if e not in at:
+            at[e] = _Cell(n, device)
+        return at[e]
 
-    def _raise_top(self, key: str, t: int | None) -> int | None:
-        """The window of ``key`` after a term (or sum) whose top bin is ``t``."""
-        cur = self.top[key]
-        if t is not None and (cur is None or t > cur):
-            if cur is not None:
-                _shift(self.limbs[key], t - cur)
-            self.top[key] = cur = t
-        return cur
+    def _mark_nonfinite(self, key: str) -> None:
+        self.nonfinite.add(key)
+        self.cells.pop(key, None)
 
     def add(self, weight: float, tensors: Mapping[str, torch.Tensor]) -> None:
         """Fold ``weight`` * each tensor in."""
         self._count(1)
         w = float(weight)
         for key, v in tensors.items():
-            limbs = self._slot(key, tuple(v.shape), v.device)
+            self.shapes.setdefault(key, tuple(v.shape))
             if key in self.nonfinite:
                 continue
             v = v.detach().reshape(-1)
@@ -150,100 +201,102 @@ class BinnedSum:
             lo, hi = (float(x) for x in torch.aminmax(v)) if v.numel() else (0.0, 0.0)
             m = abs(w) * max(-lo, hi)  # max |w v| (rounding is monotone); aminmax gives NaN, both, where a v is NaN
             if not math.isfinite(m):
-                self.nonfinite.add(key)
-                continue
-            if m == 0.0:
-                continue
-            t = self._raise_top(key, _top(m))
-            assert t is not None
-            self._deposit(limbs, v, w, t)
+                self._mark_nonfinite(key)
+            elif m > 0.0:
+                e = term_exponent(m, self.window.get(key))
+                cell = self._cell(key, e, v.numel(), v.device)
+                cell.make_room(1)
+                if cell.f is None:  # the first term is written, not added to zeros
+                    cell.f = torch.empty(v.numel(), dtype=torch.float64, device=v.device)
+                    self._deposit(cell.f, v, w, e, first=True)
+                else:
+                    self._deposit(cell.f, v, w, e)
+                cell.n += 1
 
-    def _deposit(self, limbs: torch.Tensor, v: torch.Tensor, w: float, t: int) -> None:
-        """limb k += part of (w v) in bin t - k, elementwise, in chunks that
-        stay in cache: R_k = round(w v 2^(-(t-k)W)) for every k at once, then
-        part_k = R_k - 2^W R_(k-1) (exact: an integer below 2^W), then one add."""
+    def _deposit(self, acc: torch.Tensor, v: torch.Tensor, w: float, e: int, first: bool = False) -> None:
+        """acc += round(w v 2^-e) (or =, for the ``first`` term), elementwise:
+        v to float64 (exact), one multiply by s = w 2^-e, a rounding, an add,
+        chunk by chunk in cache on a CPU."""
         n = v.numel()
         step = n if v.device.type != "cpu" else CHUNK
-        # one multiply by s = w 2^(-tW) (exact) instead of two, where v s rounds as (w v) 2^(-tW) does in every
-        # kept bit: s normal, and from bin FAST_FROM up a product that differs (subnormal, below 2^-1022) lies
-        # below half the window's last unit and rounds to zero either way
-        try:
-            s = math.ldexp(w, -t * W)
-            fast = t >= FAST_FROM and abs(s) >= 2.0 ** -1022
-        except OverflowError:
-            fast = False
-        rows = torch.tensor([math.ldexp(s if fast else 1.0, k * W) for k in range(K)], dtype=torch.float64,
-                            device=v.device)[:, None]
-        if self._scratch is None or self._scratch.shape[1] < min(step, n) or self._scratch.device != v.device:
-            self._scratch = torch.empty((K, min(step, n)), dtype=torch.float64, device=v.device)
+        s = math.ldexp(w, -e) if -1000 < e < 1000 else 0.0
+        # v s rounds as (w v) 2^-e does unless s is subnormal; a product below 2^-1022 rounds to 0 either way
+        fast = abs(s) >= 2.0 ** -1022 and math.isfinite(s)
+        if self._scratch is None or self._scratch.numel() < min(step, n) or self._scratch.device != v.device:
+            self._scratch = torch.empty(min(step, n), dtype=torch.float64, device=v.device)
         for lo in range(0, n, step):
             hi = min(lo + step, n)
-            z = self._scratch[:, :hi - lo]
+            z = acc[lo:hi] if first else self._scratch[:hi - lo]
+            z.copy_(v[lo:hi])
             if fast:
-                torch.mul(v[None, lo:hi], rows, out=z)
-            else:  # y = w v rounded as the term is defined, then scaled to bin t's units (|y 2^(-tW)| < 2^W)
-                y = _scale(v[lo:hi].to(torch.float64, copy=True).mul_(w), -t * W)
-                torch.mul(y[None], rows, out=z)
+                z.mul_(s)
+            else:  # y = w v rounded as the term is defined, then scaled exactly
+                _scale(z.mul_(w), -e)
             z.round_()
-            for k in range(K - 1, 0, -1):
-                z[k].sub_(z[k - 1], alpha=2.0 ** W)
-            limbs[:, lo:hi].add_(z)
+            if not first:
+                acc[lo:hi].add_(z)
 
-    def merge(self, other: BinnedSum | PackedSum) -> None:
+    def merge(self, other: FixedSum | PackedSum) -> None:
         """Add another sum (a worker's partial)."""
-        if isinstance(other, PackedSum):
-            other = BinnedSum.unpack(other)
         self._count(other.terms)
         for key, shape in other.shapes.items():
-            limbs = self._slot(key, shape, other.limbs[key].device)
-            if key in other.nonfinite:
-                self.nonfinite.add(key)
-            t = other.top[key]
-            if key in self.nonfinite or t is None:
+            self.shapes.setdefault(key, shape)
+        for key in other.nonfinite:
+            self._mark_nonfinite(key)
+        for key, e, terms, x in _pieces(other):
+            if key in self.nonfinite:
                 continue
-            cur = self._raise_top(key, t)
-            assert cur is not None
-            d = cur - t
-            if d < K:
-                limbs[d:].add_(other.limbs[key][:K - d].to(limbs.device))
+            cell = self._cell(key, e, x.numel(), x.device)
+            if terms < 0:
+                cell.add_ints(x)
+            else:
+                cell.add_floats(x, terms)
 
     # -------------------------------------------------------------- wire
     def pack(self) -> PackedSum:
-        """The sum as numpy, normalised (limbs 1.. in int32); consumes the limbs."""
-        high, low = {}, {}
-        for key, limbs in self.limbs.items():
-            _normalize(limbs)
-            high[key] = limbs[0].cpu().numpy()
-            low[key] = limbs[1:].to(torch.int32).cpu().numpy()
-        return PackedSum(self.terms, dict(self.shapes), dict(self.top), set(self.nonfinite), high, low)
-
-    @staticmethod
-    def unpack(p: PackedSum) -> BinnedSum:
-        out = BinnedSum()
-        out.terms, out.shapes, out.top, out.nonfinite = p.terms, dict(p.shapes), dict(p.top), set(p.nonfinite)
-        for key in p.shapes:
-            limbs = torch.empty((K, p.high[key].size), dtype=torch.float64)
-            view = limbs.numpy()  # copied in by numpy: a partial from the object store is read-only, which
-            view[0], view[1:] = p.high[key], p.low[key]  # torch.from_numpy would warn about on every merge
-            out.limbs[key] = limbs
-        return out
+        """The sum as numpy: the float64 accumulators in one array (one copy
+        from the device), any int64 ones in another."""
+        order = [(k, e) for k in sorted(self.cells) for e in sorted(self.cells[k])]
+        cells = [self.cells[k][e] for k, e in order]
+        device = cells[0].device if cells else torch.device("cpu")
+        floats = [c.f for c in cells if c.i is None]
+        ints = [c.ints() for c in cells if c.i is not None]
+        flat = lambda xs, dtype: (torch.cat(xs) if xs else torch.zeros(0, dtype=dtype, device=device)).cpu().numpy()  # noqa: E731
+        return PackedSum(self.terms, dict(self.shapes), set(self.nonfinite),
+                         [(k, e, c.n if c.i is None else -1) for (k, e), c in zip(order, cells)],
+                         flat(floats, torch.float64), flat(ints, torch.int64))
 
     # ------------------------------------------------------------ result
     def total(self, key: str) -> torch.Tensor:
         """The sum of ``key``'s terms in float64 (to within the module docstring's bound), its shape."""
-        shape, t = self.shapes[key], self.top[key]
+        shape = self.shapes[key]
         if key in self.nonfinite:
             return torch.full(shape, math.nan, dtype=torch.float64)
-        if t is None:
+        exps = sorted(self.cells.get(key, {}))  # added in increasing exponent: a fixed order
+        if not exps:
             return torch.zeros(shape, dtype=torch.float64)
-        limbs = self.limbs[key].cpu().clone()
-        _normalize(limbs)
-        # limb0 2^2W + limb1 2^W + limb2 in bin t-2's units: Fast2Sum (|limb1| < 2^(W-1) <= |limb0| 2^W when
-        # limb0 != 0) keeps the first sum's rounding error, so the result is rounded once, within 1 ulp
-        a, b = limbs[0] * 2.0 ** (2 * W), limbs[1] * 2.0 ** W
-        s = a + b
-        e = b - (s - a)
-        return _scale(s + (e + limbs[2]), (t - K + 1) * W).reshape(shape)
+        out = _scale(self.cells[key][exps[0]].value(), exps[0])
+        for e in exps[1:]:
+            out.add_(_scale(self.cells[key][e].value(), e))
+        return out.reshape(shape)
+
+
+def _pieces(s: FixedSum | PackedSum):
+    """(tensor, exponent, terms, sum) of each accumulator of ``s``: float64
+    integers of ``terms`` terms, or int64 (``terms`` -1)."""
+    if isinstance(s, FixedSum):
+        for key, at in s.cells.items():
+            for e, cell in at.items():
+                yield (key, e, cell.n, cell.f) if cell.i is None else (key, e, -1, cell.ints())
+        return
+    at = {True: 0, False: 0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a partial from the object store is read-only: only read
+        for key, e, terms in s.cells:
+            n, floats = math.prod(s.shapes[key]), terms >= 0
+            data = s.floats if floats else s.ints
+            yield key, e, terms, torch.from_numpy(data[at[floats]:at[floats] + n])
+            at[floats] += n
 
 
 @dataclass
@@ -257,12 +310,15 @@ class Reducer:
     """A round's weighted average: whole uploads (``add``) and workers'
     partial sums (``add_partial``) in any order, each sampled client once;
     ``None`` for a client that returned nothing (dropped: the weights are
-    renormalised over the others)."""
+    renormalised over the others).  ``reference``: the round's global model,
+    which sets the sum's window (``windows``; None: every term sets its own)."""
 
-    def __init__(self, order: list[int], weights: Mapping[int, float]):
+    def __init__(self, order: list[int], weights: Mapping[int, float],
+                 reference: Mapping[str, np.ndarray] | None = None):
         self.order = list(order)  # the sampled clients
         self.weights = {c: float(w) for c, w in weights.items()}
-        self.sum = BinnedSum()
+        self.window = windows(reference, self.weights.values()) if reference is not None else {}
+        self.sum = FixedSum(self.window)
         self.folded: set[int] = set()
         self._dropped: set[int] = set()
         self._wsum: dict[str, Fraction] = {}  # exact: any order gives the same sum

@@ -82,7 +82,7 @@ class Federation:
             ids, self.sizes[ids], self.server_state))
 
     def reducer(self, clients: list[int]) -> Reducer:
-        return Reducer(clients, self._weights(clients))
+        return Reducer(clients, self._weights(clients), self.global_state)
 
     def payloads(self, r: int, sampled: list[int], prepared: dict[int, dict[str, np.ndarray]]) -> dict[int, dict]:
         return self.method.server_payloads(r, sampled, self.server_state,

@@ -127,7 +127,7 @@ def train(fed: Federation, pool: WorkerPool, pub: Published, c: Cohort, work: Ro
         ledger.add_payload(cid, "down", payloads.get(cid, {}))
 
     def task(cid: int, attempt: int, epoch: int = 0) -> ClientTask:
-        fold = Fold(fed.id, r, epoch, reducer.weights[cid]) if folds else None
+        fold = Fold(fed.id, r, epoch, reducer.weights[cid], reducer.window) if folds else None
         return fed.task(r, cid, payloads.get(cid, {}), attempt, fold)
 
     t = time.perf_counter()

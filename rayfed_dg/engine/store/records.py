@@ -39,11 +39,14 @@ class Fold:
     """The worker adds the client's upload, times ``weight``, to its partial
     sum of (federation, round, epoch) instead of returning it; epoch 0 is
     the round's training, 1, 2, ... re-runs of clients whose partial was
-    lost with its worker's process (``rounds/round.py``'s ``gather``)."""
+    lost with its worker's process (``rounds/round.py``'s ``gather``);
+    ``window``: the round's window exponents of the sum, by tensor
+    (``aggregation/exact.py``), the same for every fold of the round."""
     federation: int
     round: int
     epoch: int
     weight: float
+    window: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass
