@@ -126,6 +126,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
@@ -309,14 +310,17 @@ def train_steps(opt: torch.optim.Optimizer, batches: Callable[[], Iterator[Batch
     (an fp16 step the scaler skips for inf gradients counts too).  Pass
     ``precision=ctx.precision``: the loss runs in its autocast, the step
     through its scaler."""
-    total, n, done = 0.0, 0, 0
+    # the loss summed on its device in float64 (the bits a host sum of float(loss) gives): no copy to the
+    # host, which waits for the device, per step
+    total: torch.Tensor | float = 0.0
+    n, done = 0, 0
     while True:
         for x, y in batches():
             with precision.autocast():
                 loss = loss_fn(x, y)
             opt.zero_grad(set_to_none=True)
             precision.step(opt, loss)
-            total += float(loss.detach()) * len(y)
+            total = total + loss.detach().double() * len(y)
             n += len(y)
             done += 1
             if after_step is not None:
@@ -324,7 +328,7 @@ def train_steps(opt: torch.optim.Optimizer, batches: Callable[[], Iterator[Batch
             if steps is not None and done >= steps:
                 break
         if steps is None or done >= steps:
-            return LocalResult(loss=total / max(n, 1), steps=done, samples=n)
+            return LocalResult(loss=float(total) / max(n, 1), steps=done, samples=n)
 
 
 # the server-side hooks whose override the engine reads from ``Declarations.overrides``
@@ -433,12 +437,30 @@ class Method:
         return t.lr
 
     def make_optimizer(self, model: nn.Module, round: int = 1, params=None) -> torch.optim.Optimizer:
+        """The local optimizer over ``params`` (the model's trainable ones by
+        default), as a fresh one would start: one per model and parameter
+        list, reset in place for each client (its state cleared, the round's
+        learning rate set) rather than built again."""
         t = self.training
         params = [p for p in (model.parameters() if params is None else params) if p.requires_grad]
         lr = self.lr_at(round)
+        # weak: a model a method builds per client (a frozen copy) takes its optimizers with it
+        cache = self.__dict__.setdefault("_optimizers", weakref.WeakKeyDictionary()).setdefault(model, {})
+        opt = cache.get(key := tuple(map(id, params)))
+        if opt is not None and len(opt.param_groups) == 1:
+            # as new: no state, no step hooks (FedSAM and SCAFFOLD register theirs per client), the
+            # hyperparameters of the config with the round's learning rate
+            opt.state.clear()
+            opt._optimizer_step_pre_hooks.clear()
+            opt._optimizer_step_post_hooks.clear()
+            opt.param_groups[0].update({**opt.defaults, "lr": lr})
+            return opt
         if t.optimizer == "adam":
-            return torch.optim.Adam(params, lr=lr, weight_decay=t.weight_decay)
-        return torch.optim.SGD(params, lr=lr, momentum=t.momentum, weight_decay=t.weight_decay)
+            opt = torch.optim.Adam(params, lr=lr, weight_decay=t.weight_decay)
+        else:
+            opt = torch.optim.SGD(params, lr=lr, momentum=t.momentum, weight_decay=t.weight_decay)
+        cache[key] = opt
+        return opt
 
     def local_train(self, model: nn.Module, batches: Callable[[], Iterator[Batch]], ctx: ClientContext) -> LocalResult:
         """Default loop: a fresh optimizer per client and round (a client in a

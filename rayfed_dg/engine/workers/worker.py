@@ -24,7 +24,7 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from rayfed_dg.config import EngineConfig, ExperimentConfig
 from rayfed_dg.data.augment import augment
-from rayfed_dg.engine.aggregation.exact import BinnedSum, Partial
+from rayfed_dg.engine.aggregation.exact import FixedSum, Partial
 from rayfed_dg.engine.privacy.payloads import release
 from rayfed_dg.engine.privacy.updates import clip_update
 from rayfed_dg.engine.store.records import ClientTask, Fold
@@ -215,7 +215,7 @@ class PartialSums:
     (federation, round, epoch), each with the clients folded into it."""
 
     def __init__(self) -> None:
-        self.sums: dict[tuple[int, int, int], tuple[list[int], BinnedSum]] = {}
+        self.sums: dict[tuple[int, int, int], tuple[list[int], FixedSum]] = {}
 
     def fold(self, to: Fold, client: int, upload: dict[str, torch.Tensor]) -> None:
         """Add ``client``'s upload to the partial sum of ``to``'s (federation,
@@ -224,7 +224,7 @@ class PartialSums:
         key = (to.federation, to.round, to.epoch)
         for k in [k for k in self.sums if k[0] == to.federation and k != key]:
             del self.sums[k]
-        part = self.sums.setdefault(key, ([], BinnedSum()))
+        part = self.sums.setdefault(key, ([], FixedSum(to.window)))
         try:
             part[1].add(to.weight, upload)
         except BaseException:  # half folded: the whole partial is lost, and the server re-runs its clients
@@ -272,6 +272,7 @@ class ClientRunner:
         torch.manual_seed(seed_int(self.cfg.training.seed, Stream.INIT))
         self.model: nn.Module = self.method.build_model(num_classes).to(self.device)
         self._state = self.model.state_dict()  # tensors share storage with the model
+        self._global: tuple[list, list[np.ndarray], dict[str, torch.Tensor]] | None = None
         self.local_keys = self.method.local_keys(self.model)
         self.private_keys = self.method.private_keys(self.model)
         self.upload_keys = [k for k in self._state if k not in self.private_keys]
@@ -299,11 +300,28 @@ class ClientRunner:
         return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
 
     # -------------------------------------------------------------- helpers
-    def _load(self, arrays: dict[str, np.ndarray]) -> None:
+    def _load(self, arrays: Mapping[str, np.ndarray | torch.Tensor]) -> None:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # read-only object-store views are copied, never written
             for k, v in arrays.items():
-                self._state[k].copy_(torch.as_tensor(np.asarray(v)))
+                self._state[k].copy_(v if isinstance(v, torch.Tensor) else torch.as_tensor(np.asarray(v)))
+
+    def _on_device(self, state: dict[str, np.ndarray]) -> Mapping[str, np.ndarray | torch.Tensor]:
+        """The round's global ``state`` as tensors on the device, copied there
+        once per worker and round: every task of a round reads the same
+        read-only object-store buffer, which the copy kept here holds on to,
+        so arrays at the same addresses are the same model.  Writable arrays
+        (a caller's own, which it may change) are loaded as they are."""
+        if not all(isinstance(v, np.ndarray) and not v.flags.writeable for v in state.values()):
+            return state
+        key = [(k, v.__array_interface__["data"][0], v.shape, v.dtype.str) for k, v in state.items()]
+        if self._global is None or self._global[0] != key:
+            self._global = None  # the previous round's copy goes first (device memory)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # read-only: only ever read
+                self._global = (key, list(state.values()), {k: torch.as_tensor(v).to(self.device)
+                                                            for k, v in state.items()})
+        return self._global[2]
 
     def _tensors(self, idx: np.ndarray, gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The dataset's samples ``idx`` as a batch (``_batch``), gathered on
@@ -348,7 +366,7 @@ class ClientRunner:
         """Load the round's global model and the client's local state; seed
         everything the client does in this phase from (seed, stream, round, client)."""
         seed = self.cfg.training.seed
-        self._load({k: v for k, v in global_state.items() if k not in self.local_keys})
+        self._load(self._on_device({k: v for k, v in global_state.items() if k not in self.local_keys}))
         self._load(task.local_state)
         seed_torch(seed_int(seed, stream, task.round, task.client), self.device)
         gen = torch_generator(seed, stream, task.round, task.client)
@@ -427,7 +445,7 @@ class ClientRunner:
                  batch_size: int, local_state: dict[str, np.ndarray] | None = None) -> tuple[int, float, int]:
         """(correct, summed cross-entropy, samples) of the global model, or of a
         client's own model when its ``local_state`` is given."""
-        self._load(global_state)
+        self._load(self._on_device(global_state))
         if local_state:
             self._load(local_state)
         self.model.eval()
