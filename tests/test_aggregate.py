@@ -178,7 +178,7 @@ def test_float64_accumulators_move_to_int64_before_they_lose_an_integer():
             packed = part.pack()
             as_ints = len(vals[lo:lo + size]) > exact.FLUSH
             assert packed.cells == [("x", f, -1 if as_ints else len(vals[lo:lo + size]))]
-            assert (packed.ints.size, packed.floats.size) == ((n, 0) if as_ints else (0, n))
+            assert packed.pieces[0].dtype == (np.int64 if as_ints else np.float64) and packed.nbytes == 8 * n
             merged.merge(packed)
         assert merged.cells["x"][f].ints().tolist() == expect, size
         assert merged.total("x").tolist() == [float(x) * 2.0 ** f for x in expect]

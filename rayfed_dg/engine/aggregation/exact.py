@@ -61,7 +61,7 @@ FLUSH = 2 ** (53 - B)  # terms a float64 accumulator adds exactly before they mo
 MAX_TERMS = 2 ** (62 - B)  # terms the int64 accumulators add exactly
 MARGIN = 4  # bits of growth over the global model's largest term that still fit the round's window
 GRID = 8  # bits between the exponents a term outside the window may take
-CHUNK = 1 << 16  # elements per pass on a CPU: a chunk's passes run in cache, not memory
+CHUNK = 1 << 18  # elements per pass on a CPU: a chunk's passes run in cache (the fastest of 2^13 to 2^21 here)
 
 
 def _exponent(m: float) -> int:
@@ -145,19 +145,18 @@ class _Cell:
 class PackedSum:
     """A ``FixedSum`` as it travels from a worker: each accumulator as float64
     integers (with the number of terms in it) or, once past ``FLUSH`` terms,
-    as int64: 8 bytes a value and exponent.  ``cells`` names the pieces in
-    order as (tensor, exponent, terms; -1 for an int64 piece), the float64
-    ones in ``floats``, the int64 ones in ``ints``."""
+    as int64: 8 bytes a value and exponent.  ``cells`` names the accumulators
+    in order as (tensor, exponent, terms; -1 for int64), ``pieces`` holds
+    them (on a GPU copied to the host in one piece, then split)."""
     terms: int
     shapes: dict[str, tuple[int, ...]]
     nonfinite: set[str]
     cells: list[tuple[str, int, int]]
-    floats: np.ndarray
-    ints: np.ndarray
+    pieces: list[np.ndarray]
 
     @property
     def nbytes(self) -> int:
-        return self.floats.nbytes + self.ints.nbytes
+        return sum(p.nbytes for p in self.pieces)
 
 
 @dataclass
@@ -254,17 +253,18 @@ class FixedSum:
 
     # -------------------------------------------------------------- wire
     def pack(self) -> PackedSum:
-        """The sum as numpy: the float64 accumulators in one array (one copy
-        from the device), any int64 ones in another."""
+        """The sum as numpy: on a CPU views of the accumulators (no copy
+        here; Ray's serialization makes the one it needs), on a GPU one copy
+        of them all to the host."""
         order = [(k, e) for k in sorted(self.cells) for e in sorted(self.cells[k])]
         cells = [self.cells[k][e] for k, e in order]
-        device = cells[0].device if cells else torch.device("cpu")
-        floats = [c.f for c in cells if c.i is None]
-        ints = [c.ints() for c in cells if c.i is not None]
-        flat = lambda xs, dtype: (torch.cat(xs) if xs else torch.zeros(0, dtype=dtype, device=device)).cpu().numpy()  # noqa: E731
+        parts = [c.f if c.i is None else c.ints() for c in cells]
+        if parts and parts[0].device.type != "cpu":  # one copy: float64 and int64 as 8-byte words
+            flat = torch.cat([p.view(torch.int64) for p in parts]).cpu()
+            parts = [x.view(p.dtype) for x, p in zip(flat.split([p.numel() for p in parts]), parts)]
         return PackedSum(self.terms, dict(self.shapes), set(self.nonfinite),
                          [(k, e, c.n if c.i is None else -1) for (k, e), c in zip(order, cells)],
-                         flat(floats, torch.float64), flat(ints, torch.int64))
+                         [p.numpy() for p in parts])
 
     # ------------------------------------------------------------ result
     def total(self, key: str) -> torch.Tensor:
@@ -289,14 +289,10 @@ def _pieces(s: FixedSum | PackedSum):
             for e, cell in at.items():
                 yield (key, e, cell.n, cell.f) if cell.i is None else (key, e, -1, cell.ints())
         return
-    at = {True: 0, False: 0}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a partial from the object store is read-only: only read
-        for key, e, terms in s.cells:
-            n, floats = math.prod(s.shapes[key]), terms >= 0
-            data = s.floats if floats else s.ints
-            yield key, e, terms, torch.from_numpy(data[at[floats]:at[floats] + n])
-            at[floats] += n
+        for (key, e, terms), piece in zip(s.cells, s.pieces):
+            yield key, e, terms, torch.from_numpy(piece)
 
 
 @dataclass
