@@ -80,7 +80,8 @@ def torch_mode(mode: str, device: torch.device) -> str:
 def compile_steps(model: nn.Module, mode: str, device: torch.device, batch: int, resolution: int,
                   precision: Precision) -> float | None:
     """Compile ``model``'s training steps in place (the module docstring) and
-    warm them up; the seconds that took (None: ``mode`` off)."""
+    warm them up; the seconds that took (None: ``mode`` off, or a warm-up
+    that failed, leaving the compile to the first training step)."""
     if "torch._dynamo" in sys.modules:  # a previous federation's graphs (and their models) go
         sys.modules["torch._dynamo"].reset()
     if mode == "off":
