@@ -178,9 +178,9 @@ def one_client(runner, split, global_state):
 @pytest.mark.slow
 def test_rounding_grows_as_eagers_own_does(tiny_ds):
     """At the quickstart's lr 0.05 and momentum 0.9, one client's epoch (12
-    steps) takes compiled and eager apart by no more than it takes eager
-    from eager started at weights perturbed by 1e-6: SGD's sensitivity, not
-    a compiled step's error."""
+    steps) takes compiled and eager apart by no more (within 1.5x) than it
+    takes eager from eager started at weights perturbed by 1e-6: SGD's
+    sensitivity, not a compiled step's error."""
     from rayfed_dg.data import leave_one_domain_out
     from rayfed_dg.engine import ClientRunner
 
@@ -199,7 +199,7 @@ def test_rounding_grows_as_eagers_own_does(tiny_ds):
 
     by_noise, by_compile = gap(one_client(eager, split, nudged)), gap(one_client(comp, split, g))
     assert by_noise > 1e-3  # the trajectory is that sensitive
-    assert 0 < by_compile <= 3 * by_noise
+    assert 0 < by_compile <= 1.5 * by_noise  # seen: 0.022 and 0.023; a compiled body off by 1e-3: 0.039
 
 
 @pytest.mark.slow
