@@ -17,7 +17,13 @@ On the CUDA GPU torch finds, prints:
    on the GPU (the engine by ``engine.data_on_device: auto``) and use the
    same TF32 / cuDNN settings (``--tf32``, ``--cudnn-benchmark``).  The
    engine runs each shape's federations on one set of actors, as an
-   experiment does.
+   experiment does.  Each line also gives images per second (a round's
+   training images / its seconds).  Then the compiled-steps column: the
+   engine again with ``engine.compile`` in each mode of ``--compile``
+   (``default``, ``reduce-overhead``: CUDA graphs, GPU only, skipped on the
+   CPU), its s/round and images/s between the first round (where each
+   worker compiles, once per federation) and the last, each worker's
+   compile seconds, and the ratio to the eager engine over the same rounds.
 3. ``table``: the quickstart table (``configs/quickstart.yaml``: 2 methods x
    4 targets) with ``engine.concurrent_federations`` 1 and auto, each a
    ``rayfed-dg run`` of its own: wall times, their ratio, and whether the
@@ -34,6 +40,7 @@ part prints its own elapsed time, and ``--parts``, ``--precisions``,
 
     python bench/gpu.py [--parts client,shapes,table] [--precisions fp32,bf16,fp16] [--rounds 5] [--repeat 2]
                         [--workers 1] [--clients 300] [--tf32] [--cudnn-benchmark] [--device cuda|cpu] [--tiny]
+                        [--compile default,reduce-overhead|off]
 """
 from __future__ import annotations
 
@@ -281,16 +288,54 @@ def part_shapes(args, device) -> None:
                     out["own"] += own
                     util["engine"] += [] if u.mean is None else [u.mean]
                 report(f"{name} {precision}", shape, cfg, out, util, rounds, args.workers)
+                compiled_column(args, device, f"{name} {precision}", shape, [*base, f"training.precision={precision}"],
+                                host, refs, (clients, val_idx), out["engine"][:rounds])
         finally:
             host.close()
+
+
+def images_per_s(shape: Shape, seconds: float) -> float:
+    """A round's training images (one local epoch of each sampled client) per second."""
+    return shape.per_round * shape.per_client / seconds
+
+
+def worker_compile_seconds(host) -> list[float | None]:
+    """Each worker's ``compile_seconds`` (engine/workers/compiled.py) of the federation it bound last."""
+    import ray
+
+    return ray.get([w.__ray_call__.remote(lambda self: getattr(self, "compile_seconds", None)) for w in host.workers])
+
+
+def compiled_column(args, device, tag: str, shape: Shape, sets: list[str], host, refs, data,
+                    eager: list[float]) -> None:
+    """The engine (config ``sets``) with ``engine.compile`` in each mode of ``--compile``, against the eager engine's
+    ``eager`` rounds (its first repetition), between the first and last rounds."""
+    rounds = len(eager)
+    mid = _middle(rounds, rounds)
+    base = float(np.mean([eager[i] for i in mid]))
+    for mode in [m for m in args.compile.split(",") if m != "off"]:
+        if mode == "reduce-overhead" and device.type != "cuda":
+            print(f"[{tag}] engine compile={mode}: skipped (CUDA graphs: GPU workers only; the config refuses it "
+                  "on the CPU)")
+            continue
+        with GpuUtilisation(device) as u:
+            walls, _ = engine_run(_cfg(*sets, f"engine.compile={mode}"), host, refs, *data)
+        comp = float(np.mean([walls[i] for i in mid]))
+        secs = ", ".join("n/a" if x is None else f"{x:.1f}" for x in worker_compile_seconds(host))
+        print(f"[{tag}] engine compile={mode} s/round: {comp:.3f}, {images_per_s(shape, comp):.0f} images/s "
+              f"({u.text()}; rounds {_fmt(walls)}); compile per worker {secs} s (in round 1); ratio compiled / "
+              f"eager engine {comp / base:.3f} (eager {images_per_s(shape, base):.0f} images/s), rounds "
+              f"{mid[0] + 1}-{mid[-1] + 1}")
 
 
 def report(tag: str, shape: Shape, cfg, out, util, rounds: int, workers: int) -> None:
     bare, eng = float(np.mean(out["bare"])), float(np.mean(out["engine"]))
     gpu = {k: f"GPU {np.mean(v):.0f} %" if v else "GPU n/a" for k, v in util.items()}
     print(f"[{tag}] {shape.label} ({cfg.model.arch}), {rounds} rounds, {workers} worker(s)")
-    print(f"[{tag}] bare loop s/round: {bare:.3f} ({gpu['bare']}; rounds {_fmt(out['bare'])})")
-    print(f"[{tag}] engine    s/round: {eng:.3f} ({gpu['engine']}; rounds {_fmt(out['engine'])})")
+    print(f"[{tag}] bare loop s/round: {bare:.3f}, {images_per_s(shape, bare):.0f} images/s ({gpu['bare']}; "
+          f"rounds {_fmt(out['bare'])})")
+    print(f"[{tag}] engine    s/round: {eng:.3f}, {images_per_s(shape, eng):.0f} images/s ({gpu['engine']}; "
+          f"rounds {_fmt(out['engine'])})")
     mid = _middle(rounds, len(out["engine"]))
     steady_b = float(np.mean([out["bare"][i] for i in mid]))
     steady_e = float(np.mean([out["engine"][i] for i in mid]))
@@ -347,6 +392,8 @@ def main() -> None:
     ap.add_argument("--cudnn-benchmark", action="store_true", help="engine.cudnn_benchmark (and in the bare loop)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--tiny", action="store_true", help="toy sizes: a smoke test of the code path")
+    ap.add_argument("--compile", default="default,reduce-overhead",
+                    help="engine.compile modes of the compiled-steps column (shapes); off: none")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         from rayfed_dg.engine.workers.worker import cuda_report

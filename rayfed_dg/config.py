@@ -234,6 +234,24 @@ class EngineConfig(_Strict):
     # recently used beyond it are spilled to client_state/<target>/ in the run directory (a temporary folder without
     # one) and read back when their client is sampled.  The numbers do not depend on it
     client_state_memory_mb: float = Field(1024.0, ge=0.0)
+    # torch.compile the model's body for the training steps of a full batch (engine/workers/compiled.py): off (eager),
+    # default (Inductor), reduce-overhead (Inductor and CUDA graphs: CUDA workers only).  Compiled once per worker
+    # and federation (seconds to minutes, printed by the worker); agrees with eager to float rounding, not bitwise
+    compile: Literal["off", "default", "reduce-overhead"] = "off"
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _compile_off(cls, v: Any) -> Any:
+        return "off" if v is False else v  # YAML reads a bare `off` as false
+
+    @model_validator(mode="after")
+    def _compile_on_cuda(self) -> EngineConfig:
+        if self.compile == "reduce-overhead" and (self.device == "cpu" or (
+                self.device == "auto" and self.num_gpus_per_worker == 0)):
+            raise ValueError("engine.compile=reduce-overhead records CUDA graphs, but these workers train on the CPU "
+                             f"(engine.device={self.device}, num_gpus_per_worker={self.num_gpus_per_worker:g}); "
+                             "use engine.compile: default on the CPU, or give the workers GPUs")
+        return self
 
     @field_validator("concurrent_federations", mode="before")
     @classmethod

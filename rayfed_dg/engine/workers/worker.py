@@ -42,6 +42,7 @@ from rayfed_dg.methods import ClientContext, ClientUpdate, LocalResult, Method, 
 from rayfed_dg.seeding import Stream, numpy_rng, seed_int, seed_torch, torch_generator
 from rayfed_dg.stages import StageClient, build_stages
 
+from .compiled import compile_steps
 from .faults import OWN_FAULTS, DivergedError, InjectedFault, JobFailed
 
 
@@ -277,6 +278,8 @@ class ClientRunner:
         self.private_keys = self.method.private_keys(self.model)
         self.upload_keys = [k for k in self._state if k not in self.private_keys]
         self.stages = build_stages(self.cfg)
+        self.compile_seconds = compile_steps(self.model, e.compile, self.device, self.cfg.training.batch_size,
+                                             d.resolution, self._precision())  # engine.compile: None when off
 
     def _place_data(self) -> None:
         """Keep the dataset on the device, or not (``engine.data_on_device``);
