@@ -75,8 +75,13 @@ def windows(reference: Mapping[str, np.ndarray], weights: Iterable[float]) -> di
     wmax = max((abs(float(w)) for w in weights), default=0.0) * 2.0 ** MARGIN
     out = {}
     for k, v in reference.items():
-        a = np.asarray(v)
-        m = float(np.max(np.abs(a))) * wmax if a.size else 0.0
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a read-only view (the object store's): only read
+            a = torch.as_tensor(np.asarray(v))
+        if a.is_complex() or a.dtype == torch.bool:
+            continue
+        lo, hi = (float(x) for x in torch.aminmax(a)) if a.numel() else (0.0, 0.0)  # one pass, no |a| copy
+        m = max(-lo, hi) * wmax
         if 0.0 < m < math.inf:
             out[k] = _exponent(m)
     return out
@@ -374,10 +379,10 @@ class Reducer:
         out = {}
         for k, ref in like.items():
             if k in self._wsum and self._wsum[k] > 0:
-                mean = (self.sum.total(k) / float(self._wsum[k])).numpy()
+                mean = self.sum.total(k).div_(float(self._wsum[k]))  # total() is a fresh tensor: divided in place
                 if np.issubdtype(ref.dtype, np.integer):
-                    mean = np.rint(mean)
-                out[k] = np.asarray(mean).astype(ref.dtype)
+                    mean.round_()
+                out[k] = mean.numpy().astype(ref.dtype)
             else:
                 out[k] = ref
         return out
