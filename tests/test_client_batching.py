@@ -93,6 +93,18 @@ def test_models_batching_cannot_replay_are_refused():
     assert "momentum None" in model_refusal(nn.Sequential(nn.BatchNorm2d(4, momentum=None)))
 
 
+def test_a_model_batching_cannot_replay_stops_the_experiment_before_it_starts(tiny_ds, monkeypatch):
+    from rayfed_dg.data import leave_one_domain_out
+    from rayfed_dg.engine.running.plan import preflight
+    from rayfed_dg.methods import base
+
+    cfg = tiny_cfg("engine.client_batching=true")
+    split = leave_one_domain_out(tiny_ds, "mono", cfg.data.val_fraction, cfg.data.split_seed)
+    monkeypatch.setattr(base, "build_backbone", lambda *a: nn.Sequential(nn.Conv2d(3, 4, 3), nn.Dropout2d(0.1)))
+    with pytest.raises(ConfigError, match=r"model's 1 \(Dropout2d\) draws random numbers"):
+        preflight(cfg, [split], 10)
+
+
 def _runner(sets, clients=10, per_client=50):
     images, labels = random_images(clients, per_client)
     cfg = load_config(None, ["data.resolution=32", "training.batch_size=10", "training.lr=0.1",
@@ -256,3 +268,26 @@ def test_quickstart_rounds_are_the_same_math(tiny_ds):
         bat = [u for t in tasks for u in train_group(r, [t], g)]
         assert max(_worst(s.update, b.update) for s, b in zip(seq, bat)) < EXACT_TOL
         g = {k: (sum(w * s.update[k] for w, s in zip(sizes, seq)) / sizes.sum()).astype(g[k].dtype) for k in g}
+
+
+@pytest.mark.slow
+def test_a_faulty_client_drops_its_whole_group(ray_session, engine_host):
+    """A client whose every task fails (``engine.fault_clients``) takes its
+    group down with it, after the group's retries: the round drops exactly
+    that group's clients and trains the others."""
+    from rayfed_dg.data.protocol import FederatedSplit
+    from rayfed_dg.seeding import sample_clients
+
+    images, labels = random_images(40, 50)
+    ds = _CROSS_DEVICE.setdefault("ds", SimpleNamespace(images=images, labels=labels))
+    sampled = sorted(sample_clients(0, 1, 40, 10))
+    group = client_groups(sampled, {k: 50 for k in sampled}, 4)[1]
+    split = FederatedSplit(target="t", clients=[np.arange(i * 50, (i + 1) * 50) for i in range(40)],
+                           client_domains=["d"] * 40, val={"d": np.arange(2000, 2032)},
+                           test={"t": np.arange(2032, 2064)})
+    cfg = load_config(None, [*CROSS_DEVICE, "training.rounds=1", "engine.num_workers=1", "engine.max_task_retries=1",
+                             "engine.client_batching=true", "engine.client_group_size=4",
+                             f"engine.fault_clients=[{group[1]}]"])
+    res = ray_session.get(engine_host(ds, 1).open(cfg, split, 10).run_round.remote())
+    assert sorted(d.client for d in res.dropped) == list(group)
+    assert res.tasks_retried >= 1 and len(res.clients) == 10
