@@ -206,6 +206,11 @@ class EngineConfig(_Strict):
     schedule: Literal["largest_first", "in_order"] = "largest_first"
     # small clients share one Ray task (about 1 ms of task overhead each otherwise; dispatch.py); off: one per task
     group_small_clients: bool = True
+    # train the clients of a group in one vmapped step (engine/workers/batched.py; docs/cross_device.md): a round's
+    # clients in id order, by sample count, cut into groups of client_group_size, one Ray task each. Agrees with the
+    # one-by-one training within float rounding, and is the same on any worker count
+    client_batching: bool = False
+    client_group_size: int = Field(16, ge=1)  # clients stacked in one group (engine.client_batching)
     # a worker whose process died gets this long to be restarted by Ray (a lost cloud node: minutes), counted from its
     # loss and again from the last moment the autoscaler was seen launching a node: under autoscaler v1 one whose
     # resources hold a worker, under v2 (what `ray up` starts) any pending node
@@ -803,9 +808,11 @@ def validate(tree: dict, source: str = "<config>") -> ExperimentConfig:
         mcls.check(cfg)
         for scls in stage_classes:
             scls.check(cfg)
+        from rayfed_dg.methods.batching import check_batching
         from rayfed_dg.methods.payloads import check_payload_groups
 
         check_payload_groups(cfg)
+        check_batching(cfg)
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
     return cfg

@@ -122,7 +122,8 @@ def test_overrides_are_of_the_class_and_its_bases():
     assert Weighted.declare(None).overrides == {"after_round", "aggregation_weights"}
     assert Weighted.declare(None) == Declarations(name="weighted", phases=(Phase.PERSONAL_EVAL,),
                                                   folds_on_workers=True, shared_payloads={},
-                                                  overrides=frozenset({"after_round", "aggregation_weights"}))
+                                                  overrides=frozenset({"after_round", "aggregation_weights"}),
+                                                  batchable=True)  # server hooks leave client training batchable
 
 
 def test_a_declaration_of_the_params_needs_its_own_declare(monkeypatch):

@@ -18,6 +18,7 @@ and round per task.
 | ``stages_needed`` | (attribute) the data stages it reads, ``ctx.stage_data`` (ELCFS) | driver, once |
 | ``phases`` | (attribute or property) the optional round phases it needs (below) | server, each round |
 | ``folds_on_workers`` | (attribute or property) uploads are read only as their average (below) | server, each round |
+| ``batchable`` | (attribute) clients may train together in one vmapped step (below) | driver, once |
 | ``shared_payloads`` | (attribute) each payload it uploads -> what one record is (below) | driver, workers |
 | ``declare`` | (classmethod) params -> the three above, the server hooks overridden | driver, unbuilt |
 | ``__init__`` | params, model and training config, ``num_clients`` (the partition's) | everywhere |
@@ -32,6 +33,7 @@ and round per task.
 | ``server_payloads`` | round, ids, server state, rng, global, prepared -> arrays per client | server, each round |
 | ``round_start`` | model, ``ClientContext`` -> snapshots what the loss needs | worker, each client |
 | ``loss`` | model, batch, ``ClientContext`` -> the local objective of one batch | worker, each step |
+| ``functional_loss`` | forward, batch, params, start -> one client's loss, batched (below) | worker, each step |
 | ``local_train`` | model, batches, ``ClientContext`` -> ``LocalResult`` | worker, each client |
 | ``upload_payload`` | model, ``ClientContext`` -> named arrays to upload | worker, each client |
 | ``assemble_global`` | round, updates, average, previous global, server state -> its tensors | server, each round |
@@ -76,6 +78,19 @@ samples, payload and validation indices, the data stages' shared arrays
 (``stage_data``), the colour normalisation of the batches (``pixel_mean`` /
 ``pixel_std``, for methods that work on pixels), the task's ``precision``
 and a ``scratch`` dict for snapshots that live for one client task.
+
+## Client-batched training
+
+With ``engine.client_batching`` the clients of a group train in one step
+(``engine/workers/batched.py``): ``torch.func.vmap`` of ``functional_loss``
+over their stacked parameters and buffers, the optimizer of
+``make_optimizer`` on the stacked tensors.  Only a method whose
+declaration ``batchable`` is True may: its local objective is
+``functional_loss`` (a pure function of the client's parameters and the
+parameters it started the round from, calling ``forward`` once), its
+loop the default ``local_train``, and ``round_start`` is not called.  The
+declaration is inherited only by a subclass that overrides none of the
+client training hooks (``BATCH_HOOKS``): one that does states its own.
 
 ## Round phases
 
@@ -334,7 +349,10 @@ def train_steps(opt: torch.optim.Optimizer, batches: Callable[[], Iterator[Batch
 # the server-side hooks whose override the engine reads from ``Declarations.overrides``
 SERVER_HOOKS = ("aggregation_weights", "assemble_global", "after_round", "server_payloads")
 # the declarations a class states as attributes; a property of them (of ``self.p``) needs its own ``declare``
-DECLARED = ("phases", "folds_on_workers", "shared_payloads")
+DECLARED = ("phases", "folds_on_workers", "shared_payloads", "batchable")
+# the client training hooks that a batchable declaration covers: a subclass overriding one of them below the class
+# that declared it is not batchable unless it declares so itself
+BATCH_HOOKS = ("loss", "local_train", "round_start", "make_optimizer", "functional_loss", "upload_payload")
 
 
 @dataclass(frozen=True)
@@ -345,6 +363,7 @@ class Declarations:
     folds_on_workers: bool
     shared_payloads: Mapping[str, str]
     overrides: frozenset[str]  # which server-side hooks the class overrides, of SERVER_HOOKS
+    batchable: bool = False  # clients may train together (engine.client_batching)
 
 
 def _class_value(cls: type, attr: str) -> Any:
@@ -354,6 +373,17 @@ def _class_value(cls: type, attr: str) -> Any:
         if attr in vars(k) and not isinstance(vars(k)[attr], property):
             return vars(k)[attr]
     raise AttributeError(f"{cls.__qualname__} declares no {attr}")
+
+
+def _batchable(cls: type) -> bool:
+    """``batchable`` as the nearest class declaring it states it, unless a class below it overrides a hook of
+    ``BATCH_HOOKS`` (its own training would not be the batched one)."""
+    for k in cls.__mro__:
+        if "batchable" in vars(k):
+            return bool(vars(k)["batchable"])
+        if any(h in vars(k) for h in BATCH_HOOKS):
+            return False
+    return False
 
 
 class Method:
@@ -373,6 +403,9 @@ class Method:
     # the payloads its clients upload (``upload_payload``, ``round_prepare``), by name: what one record is,
     # "image" | "client" | "exact" (the hook map's note; methods/payloads.py RECORDS)
     shared_payloads: dict[str, str] = {}
+    # its clients may train together in one vmapped step (engine.client_batching; the module docstring): the
+    # objective is ``functional_loss``, the loop the default ``local_train``
+    batchable: bool = True
 
     def __init__(self, params: Any, model_cfg, training_cfg, num_clients: int):
         self.p = params
@@ -390,7 +423,8 @@ class Method:
             name=cls.name, phases=tuple(_class_value(cls, "phases")),
             folds_on_workers=bool(_class_value(cls, "folds_on_workers")),
             shared_payloads=MappingProxyType(dict(_class_value(cls, "shared_payloads"))),
-            overrides=frozenset(h for h in SERVER_HOOKS if getattr(cls, h) is not getattr(Method, h)))
+            overrides=frozenset(h for h in SERVER_HOOKS if getattr(cls, h) is not getattr(Method, h)),
+            batchable=_batchable(cls))
 
     @classmethod
     def check(cls, cfg) -> None:
@@ -428,6 +462,15 @@ class Method:
 
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, ctx: ClientContext) -> torch.Tensor:
         return F.cross_entropy(model(x), y)
+
+    def functional_loss(self, forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, y: torch.Tensor,
+                        params: dict[str, torch.Tensor], start: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A ``batchable`` method's ``loss`` of one client, as a pure function
+        for ``torch.func.vmap``: ``forward(x)`` runs the client's model (call
+        it once: the dropout masks are drawn per call), ``params`` are its
+        trainable parameters by name, ``start`` their values when the round
+        started (FedProx's anchor)."""
+        return F.cross_entropy(forward(x), y)
 
     def lr_at(self, round: int) -> float:
         """The round's learning rate: constant, or cosine-annealed over the rounds."""

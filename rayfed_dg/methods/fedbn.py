@@ -17,6 +17,7 @@ from .base import Method, register_method
 @register_method
 class FedBN(Method):
     name = "fedbn"
+    batchable = True  # each client's BN state is its own slice of the stacked buffers
 
     def build_model(self, num_classes):
         model = super().build_model(num_classes)

@@ -11,6 +11,7 @@ from .base import Method, register_method
 @register_method
 class FedProx(Method):
     name = "fedprox"
+    batchable = True  # functional_loss: the proximal term against the client's own start of the round
 
     class Params(BaseModel):
         model_config = ConfigDict(extra="forbid")
@@ -22,4 +23,9 @@ class FedProx(Method):
     def loss(self, model, x, y, ctx):
         ce = F.cross_entropy(model(x), y)
         prox = sum(((p - g) ** 2).sum() for p, g in zip(model.parameters(), ctx.scratch["w_g"]))
+        return ce + 0.5 * self.p.mu * prox
+
+    def functional_loss(self, forward, x, y, params, start):
+        ce = F.cross_entropy(forward(x), y)
+        prox = sum(((params[k] - start[k]) ** 2).sum() for k in params)
         return ce + 0.5 * self.p.mu * prox

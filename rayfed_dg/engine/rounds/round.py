@@ -34,6 +34,7 @@ import ray
 
 from rayfed_dg.engine.aggregation.exact import Reducer
 from rayfed_dg.engine.store.records import ClientTask, DropRow, Fold, Ledger, MetricRow, RoundResult
+from rayfed_dg.engine.workers.batched import client_groups
 from rayfed_dg.engine.workers.pool import WorkerPool
 from rayfed_dg.errors import EngineError
 from rayfed_dg.methods import ClientUpdate, Slot
@@ -132,20 +133,66 @@ def train(fed: Federation, pool: WorkerPool, pub: Published, c: Cohort, work: Ro
 
     t = time.perf_counter()
     shared = c.update is None  # every client reads the round's one global model: small ones may share a task
-    done.failed = pool.map(
-        c.train, lambda w, cid, attempt: w.train_in.remote(fed.id, task(cid, attempt), pub.ref(c, cid)),
-        on_update, cost={k: int(fed.sizes[k]) for k in c.train},
-        largest_first=fed.cfg.engine.schedule == "largest_first",
-        submit_many=None if not (shared and fed.cfg.engine.group_small_clients) else lambda w, jobs: w.train_many_in
-        .remote(fed.id, [task(cid, attempt) for cid, attempt in jobs], pub.current))
-    done.retries = dict(pool.last_retries)  # before any later map
+    # sync only (the config refuses the rest): every client reads the round's one global model
+    batched = Batched(fed, pool, pub, c, task, payloads) if fed.cfg.engine.client_batching else None
+    if batched is not None:
+        done.failed, done.retries = batched.map(on_update)
+    else:
+        done.failed = pool.map(
+            c.train, lambda w, cid, attempt: w.train_in.remote(fed.id, task(cid, attempt), pub.ref(c, cid)),
+            on_update, cost={k: int(fed.sizes[k]) for k in c.train},
+            largest_first=fed.cfg.engine.schedule == "largest_first",
+            submit_many=None if not (shared and fed.cfg.engine.group_small_clients) else lambda w, jobs: w
+            .train_many_in.remote(fed.id, [task(cid, attempt) for cid, attempt in jobs], pub.current))
+        done.retries = dict(pool.last_retries)  # before any later map
     if not done.updates:
         raise EngineError(f"{c.noun} {r}: every {c.who} client failed ({done.failed[0][1]})")
     if folds:
-        gather(fed, pool, reducer, lambda w, cid, attempt, epoch: w.train_in.remote(
-            fed.id, task(cid, done.retries.get(cid, 0) + attempt, epoch), pub.current))
+        gather(fed, pool, reducer, batched.rerun(done.retries) if batched is not None else
+               lambda w, cid, attempt, epoch: w.train_in.remote(
+                   fed.id, task(cid, done.retries.get(cid, 0) + attempt, epoch), pub.current))
     done.seconds = time.perf_counter() - t
     return done
+
+
+class Batched:
+    """A round's training with ``engine.client_batching``: each group of
+    ``client_groups`` is one job of the pool, one Ray task on one worker
+    (``Worker.train_group_in``); a fault of one of its clients is the
+    group's (charged, retried and dropped together)."""
+
+    def __init__(self, fed: Federation, pool: WorkerPool, pub: Published, c: Cohort,
+                 task: Callable[..., ClientTask], payloads: dict):
+        self.fed, self.pool, self.pub, self.c, self.task, self.payloads = fed, pool, pub, c, task, payloads
+        self.sizes = {k: int(fed.sizes[k]) for k in c.train}
+        self.groups = client_groups(c.train, self.sizes, fed.cfg.engine.client_group_size)
+
+    def map(self, on_update: Callable[[int, ClientUpdate | None], None]) -> tuple[list, dict[int, int]]:
+        """Train the groups: (the dropped clients with their reason, each client's charged retries)."""
+        def on_group(g: tuple[int, ...], res: list | None) -> None:
+            for cid, upd in zip(g, res if res is not None else [None] * len(g)):
+                on_update(cid, upd)
+
+        fed = self.fed
+        dropped = self.pool.map(
+            self.groups, lambda w, g, attempt: w.train_group_in.remote(
+                fed.id, [self.task(cid, attempt) for cid in g], self.pub.current),
+            on_group, cost={g: sum(self.sizes[k] for k in g) for g in self.groups},
+            largest_first=fed.cfg.engine.schedule == "largest_first")
+        retries = {cid: n for g, n in self.pool.last_retries.items() for cid in g}
+        return [(cid, why) for g, why in dropped for cid in g], retries
+
+    def rerun(self, retries: dict[int, int]) -> Callable[[Any, int, int, int], Any]:
+        """``gather``'s re-run of a client whose partial sum was lost: its whole
+        group again (the same bits), only that client folding."""
+        def submit(w: Any, cid: int, attempt: int, epoch: int) -> Any:
+            g = next(g for g in self.groups if cid in g)
+            a = retries.get(cid, 0) + attempt
+            tasks = [self.task(cid, a, epoch) if k == cid else
+                     self.fed.task(self.c.round, k, self.payloads.get(k, {}), a) for k in g]
+            return w.train_group_in.remote(self.fed.id, tasks, self.pub.current)
+
+        return submit
 
 
 def gather(fed: Federation, pool: WorkerPool, reducer: Reducer, rerun: Callable[[Any, int, int, int], Any]) -> None:

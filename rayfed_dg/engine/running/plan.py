@@ -124,7 +124,7 @@ def resolve_variants(cfg: ExperimentConfig, ds: DomainDataset,
 
 def preflight(cfg: ExperimentConfig, splits: list[FederatedSplit], num_classes: int) -> None:
     """Fail before anything is written: the model builds (weights found, the
-    method accepts the backbone), the stages can run, the aggregation parts
+    method accepts the backbone; client batching can batch it), the stages can run, the aggregation parts
     combine (``parts.check_pipeline``), the privacy section
     can be honoured (``dp.check_privacy``), and the worker pool fits the Ray
     cluster."""
@@ -139,6 +139,10 @@ def preflight(cfg: ExperimentConfig, splits: list[FederatedSplit], num_classes: 
             raise
         # a method that cannot build on this backbone is a config problem, not a crash
         raise ConfigError(f"method {cfg.method.name} cannot build model.arch={cfg.model.arch}: {e}") from None
+    if cfg.engine.client_batching:
+        from rayfed_dg.methods.batching import check_model
+
+        check_model(model)
     if cfg.devices.enabled:
         for s in splits:
             check_devices(cfg, s, model_bytes(model.state_dict()))

@@ -399,12 +399,19 @@ class ClientRunner:
         the model's tensors, for a result that Ray serializes before the
         model is touched again (saves a model-sized copy)."""
         t0 = time.perf_counter()
-        cid, rnd = task.client, task.round
         inject_fault(self.cfg, task)
         ctx = self._client(task, global_state, Stream.TRAIN)
         extra = fetched(task.extra)
         self.method.round_start(self.model, ctx)
         res = self.method.local_train(self.model, lambda: self.batches(task.indices, ctx.generator, extra), ctx)
+        return self.upload(task, ctx, res, global_state, extra, t0, views)
+
+    def upload(self, task: ClientTask, ctx: ClientContext, res: LocalResult, global_state: dict[str, np.ndarray],
+               extra: dict | None, t0: float, views: bool = False) -> ClientUpdate:
+        """The update of a client whose trained state the model holds (``train``,
+        and each client of a batched group): folded into this process's
+        partial sum, or returned whole; its seconds counted from ``t0``."""
+        cid, rnd = task.client, task.round
         loss = checked_loss(self.method, res, ctx.precision, cid, rnd)
         sd = self.model.state_dict()
         out = ClientUpdate(
@@ -522,6 +529,13 @@ class Worker(ClientRunner):
         self._serve(federation)
         last = len(tasks) - 1
         return run_each(list(enumerate(tasks)), lambda it: self.train(it[1], global_state, views=it[0] == last))
+
+    def train_group_in(self, federation: int, tasks: list[ClientTask], global_state: dict[str, np.ndarray]) -> list:
+        """A group of clients trained together (``engine.client_batching``, ``batched.py``)."""
+        from .batched import train_group
+
+        self._serve(federation)
+        return train_group(self, tasks, global_state, views=True)
 
     def prepare_in(self, federation: int, task: ClientTask, global_state: dict[str, np.ndarray]):
         self._serve(federation)
