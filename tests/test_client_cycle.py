@@ -39,6 +39,9 @@ def test_a_reused_optimizer_starts_each_client_as_a_fresh_one(tiny_ds):
     opt = warm.method.make_optimizer(warm.model, 2)
     assert opt is warm.method.make_optimizer(warm.model, 1)  # one optimizer, reset in place
     assert opt.param_groups[0]["lr"] == warm.method.lr_at(1) != warm.method.lr_at(2) and not opt.state
+    stacked = [torch.zeros(3, requires_grad=True)]  # tensors not the model's (client batching's): never kept
+    assert warm.method.make_optimizer(warm.model, 1, stacked) is not warm.method.make_optimizer(warm.model, 1, stacked)
+    assert len(warm.method._optimizers[warm.model]) == 1
     after = _train(warm, 1, g0, rnd=2)  # momentum buffers of client 0 must not reach client 1
     fresh = _train(_runner(tiny_ds, "training.lr_schedule=cosine"), 1, g0, rnd=2)
     assert _same(after, fresh) and not _same(first, after)

@@ -487,8 +487,11 @@ class Method:
         t = self.training
         params = [p for p in (model.parameters() if params is None else params) if p.requires_grad]
         lr = self.lr_at(round)
-        # weak: a model a method builds per client (a frozen copy) takes its optimizers with it
-        cache = self.__dict__.setdefault("_optimizers", weakref.WeakKeyDictionary()).setdefault(model, {})
+        # weak: a model a method builds per client (a frozen copy) takes its optimizers with it; tensors that
+        # are not the model's (client batching's stacked ones, new per group) get a fresh optimizer, never kept
+        own = {id(p) for p in model.parameters()}
+        cache = self.__dict__.setdefault("_optimizers", weakref.WeakKeyDictionary()).setdefault(model, {}) \
+            if all(id(p) in own for p in params) else {}
         opt = cache.get(key := tuple(map(id, params)))
         if opt is not None and len(opt.param_groups) == 1:
             # as new: no state, no step hooks (FedSAM and SCAFFOLD register theirs per client), the
