@@ -24,6 +24,9 @@ On the CUDA GPU torch finds, prints:
    CPU), its s/round and images/s between the first round (where each
    worker compiles, once per federation) and the last, each worker's
    compile seconds, and the ratio to the eager engine over the same rounds.
+   In fp32, the client-batching line: the engine with
+   ``engine.client_batching``, its images/s and its ratios to the
+   sequential engine and to the bare loop (``--no-batching`` leaves it out).
 3. ``table``: the quickstart table (``configs/quickstart.yaml``: 2 methods x
    4 targets) with ``engine.concurrent_federations`` 1 and auto, each a
    ``rayfed-dg run`` of its own: wall times, their ratio, and whether the
@@ -40,7 +43,7 @@ part prints its own elapsed time, and ``--parts``, ``--precisions``,
 
     python bench/gpu.py [--parts client,shapes,table] [--precisions fp32,bf16,fp16] [--rounds 5] [--repeat 2]
                         [--workers 1] [--clients 300] [--tf32] [--cudnn-benchmark] [--device cuda|cpu] [--tiny]
-                        [--compile default,reduce-overhead|off]
+                        [--compile default,reduce-overhead|off] [--no-batching]
 """
 from __future__ import annotations
 
@@ -290,6 +293,9 @@ def part_shapes(args, device) -> None:
                 report(f"{name} {precision}", shape, cfg, out, util, rounds, args.workers)
                 compiled_column(args, device, f"{name} {precision}", shape, [*base, f"training.precision={precision}"],
                                 host, refs, (clients, val_idx), out["engine"][:rounds])
+                if args.batching and precision == "fp32":  # client batching refuses the reduced precisions
+                    batching_column(f"{name} {precision}", shape, [*base, "engine.client_batching=true"], host,
+                                    refs, (clients, val_idx), out["engine"][:rounds], out["bare"][:rounds])
         finally:
             host.close()
 
@@ -378,6 +384,19 @@ def part_table(args, key: str = "engine.concurrent_federations", values: tuple[s
           + f"; metrics tables identical: {same} ({len(tables[first])} rows)")
 
 
+def batching_column(tag: str, shape: Shape, sets: list[str], host, refs, data, eager: list[float],
+                    bare: list[float]) -> None:
+    """The engine with ``engine.client_batching`` against the eager engine's and the bare loop's ``eager`` and
+    ``bare`` rounds (their first repetition), between the first and last rounds."""
+    mid = _middle(len(eager), len(eager))
+    mean = lambda xs: float(np.mean([xs[i] for i in mid]))  # noqa: E731
+    walls, _ = engine_run(_cfg(*sets), host, refs, *data)
+    got = mean(walls)
+    print(f"[{tag}] engine client_batching s/round: {got:.3f}, {images_per_s(shape, got):.0f} images/s (rounds "
+          f"{_fmt(walls)}); ratio sequential engine / batched {mean(eager) / got:.3f}, bare loop / batched "
+          f"{mean(bare) / got:.3f}, rounds {mid[0] + 1}-{mid[-1] + 1}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default="client,shapes,table")
@@ -394,6 +413,8 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="toy sizes: a smoke test of the code path")
     ap.add_argument("--compile", default="default,reduce-overhead",
                     help="engine.compile modes of the compiled-steps column (shapes); off: none")
+    ap.add_argument("--no-batching", dest="batching", action="store_false",
+                    help="leave out the client-batching line (engine.client_batching, fp32 only)")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         from rayfed_dg.engine.workers.worker import cuda_report
