@@ -263,7 +263,7 @@ class FixedSum:
         of them all to the host."""
         order = [(k, e) for k in sorted(self.cells) for e in sorted(self.cells[k])]
         cells = [self.cells[k][e] for k, e in order]
-        parts = [c.f if c.i is None else c.ints() for c in cells]
+        parts = [c.ints() if c.f is None or c.i is not None else c.f for c in cells]
         if parts and parts[0].device.type != "cpu":  # one copy: float64 and int64 as 8-byte words
             flat = torch.cat([p.view(torch.int64) for p in parts]).cpu()
             parts = [x.view(p.dtype) for x, p in zip(flat.split([p.numel() for p in parts]), parts)]

@@ -166,10 +166,11 @@ def _steps(iters: list[Iterator]) -> Iterator[tuple[list[torch.Tensor], list[tor
     """The group's batches, step by step; clients whose batches differ in number or shape stop the run (their
     grouping signature should have kept them apart)."""
     while True:
-        got = [next(it, None) for it in iters]
-        if all(g is None for g in got):
+        drawn = [next(it, None) for it in iters]
+        if all(g is None for g in drawn):
             return
-        if any(g is None for g in got) or len({(tuple(g[0].shape), tuple(g[1].shape)) for g in got}) > 1:
+        got = [g for g in drawn if g is not None]
+        if len(got) < len(drawn) or len({(tuple(g[0].shape), tuple(g[1].shape)) for g in got}) > 1:
             raise EngineError("client-batched group: its clients' batches differ in number or shape; the grouping "
                               "keeps clients of one sample count together, so this is a bug")
         yield [g[0] for g in got], [g[1] for g in got]
