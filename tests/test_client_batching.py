@@ -81,6 +81,7 @@ def test_batchable_is_declared_and_not_inherited_past_a_training_hook(monkeypatc
     (["training.precision=fp16"], "training.precision=fp16 is not batched"),
     (["server.mode=fedbuff"], "server.mode=fedbuff"),
     (["stages={ccst: {}}"], "data stages add samples"),
+    (["engine.compile=default"], "engine.compile=default compiles the one-client step"),
 ])
 def test_what_batching_cannot_train_is_refused_in_one_line(sets, says):
     with pytest.raises(ConfigError, match=says) as e:
@@ -129,6 +130,26 @@ def in_float64(r: ClientRunner) -> ClientRunner:
     batch = r._batch
     r._batch = lambda raw, y, gen: (lambda x, y: (x.double(), y))(*batch(raw, y, gen))
     return r
+
+
+def test_a_group_whose_upload_fails_folds_none_of_its_clients():
+    """The third client's upload raises after two were ready: nothing of the
+    group is in the worker's partial (a retry folds each client once); a
+    group that succeeds folds all of its clients beside what was there."""
+    from rayfed_dg.engine.store.records import Fold
+
+    r, g, tasks = _runner(["model.arch=simple_cnn"], clients=4)
+    r.fold(Fold(1, 1, 0, 1.0), 9, {k: torch.as_tensor(v) for k, v in g.items() if k in r.upload_keys})
+    folded = [ClientTask(**{**t.__dict__, "fold": Fold(1, 1, 0, 50.0)}) for t in tasks]
+    payload = r.method.upload_payload
+    r.method.upload_payload = lambda model, ctx: (_ for _ in ()).throw(MemoryError()) if ctx.client_id == 2 \
+        else payload(model, ctx)
+    with pytest.raises(MemoryError):
+        train_group(r, folded, g)
+    assert r.partials.sums[(1, 1, 0)][0] == [9]
+    r.method.upload_payload = payload
+    train_group(r, folded, g)
+    assert sorted(r.take_partial(1, 1, 0).clients) == [0, 1, 2, 3, 9]
 
 
 @pytest.mark.parametrize("sets", [

@@ -39,6 +39,9 @@ def test_a_reused_optimizer_starts_each_client_as_a_fresh_one(tiny_ds):
     opt = warm.method.make_optimizer(warm.model, 2)
     assert opt is warm.method.make_optimizer(warm.model, 1)  # one optimizer, reset in place
     assert opt.param_groups[0]["lr"] == warm.method.lr_at(1) != warm.method.lr_at(2) and not opt.state
+    opt.param_groups[0].update(initial_lr=1.0, momentum=0.0)  # what a scheduler or a method may leave behind
+    opt = warm.method.make_optimizer(warm.model, 1)
+    assert "initial_lr" not in opt.param_groups[0] and opt.param_groups[0]["momentum"] == 0.9
     stacked = [torch.zeros(3, requires_grad=True)]  # tensors not the model's (client batching's): never kept
     assert warm.method.make_optimizer(warm.model, 1, stacked) is not warm.method.make_optimizer(warm.model, 1, stacked)
     assert len(warm.method._optimizers[warm.model]) == 1

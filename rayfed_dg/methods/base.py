@@ -499,7 +499,10 @@ class Method:
             opt.state.clear()
             opt._optimizer_step_pre_hooks.clear()
             opt._optimizer_step_post_hooks.clear()
-            opt.param_groups[0].update({**opt.defaults, "lr": lr})
+            group = opt.param_groups[0]
+            kept = group["params"]
+            group.clear()  # keys a scheduler or a method added go too
+            group.update({**opt.defaults, "params": kept, "lr": lr})
             return opt
         if t.optimizer == "adam":
             opt = torch.optim.Adam(params, lr=lr, weight_decay=t.weight_decay)

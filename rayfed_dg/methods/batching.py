@@ -29,6 +29,9 @@ def check_batching(cfg) -> None:
     if cfg.server.mode != "sync":
         raise ConfigError(f"engine.client_batching: server.mode={cfg.server.mode} trains clients from different "
                           "model versions; batching needs server.mode: sync")
+    if e.compile != "off":
+        raise ConfigError(f"engine.client_batching: engine.compile={e.compile} compiles the one-client step, not a "
+                          "group's vmapped one; set engine.compile: off or engine.client_batching: false")
     if cfg.active_stages():
         raise ConfigError("engine.client_batching: data stages add samples to clients, which batching does not "
                           "stack; drop stages: or set engine.client_batching: false")

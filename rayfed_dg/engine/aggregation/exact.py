@@ -21,7 +21,9 @@ Nguyen's ReproBLAS, with one window a tensor chosen before any term):
   max |x_t| (x_t the round's global model: every upload starts from it), so
   that a term up to 2^``MARGIN`` times the largest the global model gives is
   an integer of at most ``B`` bits in units of 2^f (``windows``); the
-  exponents travel with the round's folds (``Fold.window``);
+  exponents travel with the round's folds (``Fold.window``).  DP-FedAvg
+  folds clipped updates, far smaller than x_t: the bound below holds, but
+  relative to them it is about float32's resolution, under the noise;
 * a term whose max |y| fits the window is deposited as R = round(y 2^-f)
   (to nearest, ties to even); one that does not (an upload that grew more
   than 2^``MARGIN``-fold, or a tensor the global model holds at zero) takes

@@ -50,7 +50,7 @@ from rayfed_dg.methods import ClientUpdate, LocalResult
 from rayfed_dg.methods.batching import check_model
 from rayfed_dg.seeding import Stream
 
-from .worker import fetched, inject_fault
+from .worker import PartialSums, fetched, inject_fault
 
 
 def client_groups(clients: Sequence[int], signature: Mapping[int, Hashable], size: int) -> list[tuple[int, ...]]:
@@ -241,10 +241,17 @@ def train_group(runner: Any, tasks: list[ClientTask], global_state: dict[str, np
     results = _train(runner, state, rngs, iters, tasks[0].round)
     share = (time.perf_counter() - t0) / len(tasks)
     out = []
-    for i, (task, ctx) in enumerate(zip(tasks, ctxs)):
-        with torch.no_grad():
-            for k, v in runner.model.state_dict().items():
-                v.copy_(state[k][i])
-        out.append(runner.upload(task, ctx, results[i], global_state, extras[i], time.perf_counter() - share,
-                                 views=views and i == len(tasks) - 1))
+    # folded aside, and into the worker's partial only once every upload succeeded: a group that raises
+    # folds nothing, and its retry folds once
+    kept, runner.partials = runner.partials, PartialSums()
+    try:
+        for i, (task, ctx) in enumerate(zip(tasks, ctxs)):
+            with torch.no_grad():
+                for k, v in runner.model.state_dict().items():
+                    v.copy_(state[k][i])
+            out.append(runner.upload(task, ctx, results[i], global_state, extras[i], time.perf_counter() - share,
+                                     views=views and i == len(tasks) - 1))
+    finally:
+        aside, runner.partials = runner.partials, kept
+    kept.absorb(aside)
     return out

@@ -233,6 +233,18 @@ class PartialSums:
             raise
         part[0].append(client)
 
+    def absorb(self, other: PartialSums) -> None:
+        """Add ``other``'s partial sums (a batched group's, folded aside until
+        every upload of the group succeeded), as ``fold`` would have."""
+        for key, (clients, part) in other.sums.items():
+            for k in [k for k in self.sums if k[0] == key[0] and k != key]:
+                del self.sums[k]
+            if key in self.sums:
+                self.sums[key][0].extend(clients)
+                self.sums[key][1].merge(part)
+            else:
+                self.sums[key] = (clients, part)
+
     def take(self, federation: int, round: int, epoch: int) -> Partial | None:
         """The partial sum of (federation, round, epoch), handed over once
         (None: none was folded, or the process was restarted)."""
