@@ -223,8 +223,7 @@ class PartialSums:
         round, epoch); an older one of that federation was abandoned by the
         server (``take``) and is dropped."""
         key = (to.federation, to.round, to.epoch)
-        for k in [k for k in self.sums if k[0] == to.federation and k != key]:
-            del self.sums[k]
+        self._drop_others(to.federation, key)
         part = self.sums.setdefault(key, ([], FixedSum(to.window)))
         try:
             part[1].add(to.weight, upload)
@@ -237,8 +236,7 @@ class PartialSums:
         """Add ``other``'s partial sums (a batched group's, folded aside until
         every upload of the group succeeded), as ``fold`` would have."""
         for key, (clients, part) in other.sums.items():
-            for k in [k for k in self.sums if k[0] == key[0] and k != key]:
-                del self.sums[k]
+            self._drop_others(key[0], key)
             if key in self.sums:
                 self.sums[key][0].extend(clients)
                 self.sums[key][1].merge(part)
@@ -249,9 +247,13 @@ class PartialSums:
         """The partial sum of (federation, round, epoch), handed over once
         (None: none was folded, or the process was restarted)."""
         part = self.sums.pop((federation, round, epoch), None)
-        for k in [k for k in self.sums if k[0] == federation]:
-            del self.sums[k]
+        self._drop_others(federation)
         return None if part is None else Partial(sorted(part[0]), part[1].pack())
+
+    def _drop_others(self, federation: int, keep: tuple[int, int, int] | None = None) -> None:
+        """Drop ``federation``'s partial sums but ``keep``: ones the server has abandoned."""
+        for k in [k for k in self.sums if k[0] == federation and k != keep]:
+            del self.sums[k]
 
 
 class ClientRunner:
