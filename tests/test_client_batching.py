@@ -2,6 +2,9 @@
 the grouping rule, what is refused, and agreement with one-by-one training
 (per client without Ray; whole federations on the session's Ray), and the
 same bits on one and two workers."""
+import resource
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -117,7 +120,9 @@ def _runner(sets, clients=10, per_client=50):
     r = ClientRunner(cfg, images, labels, 10, clients)
     g = to_numpy_state(r.model.state_dict(), r.model.state_dict().keys())
     local = {k: g[k] for k in r.local_keys}
-    tasks = [ClientTask(client=c, round=1, indices=np.arange(c * per_client, (c + 1) * per_client), local_state=local)
+    # each client its own local state (FedBN's BN layers), as in a later round
+    tasks = [ClientTask(client=c, round=1, indices=np.arange(c * per_client, (c + 1) * per_client),
+                        local_state={k: v + 0.01 * c if v.dtype.kind == "f" else v for k, v in local.items()})
              for c in range(clients)]
     return r, g, tasks
 
@@ -315,3 +320,57 @@ def test_a_faulty_client_drops_its_whole_group(ray_session, engine_host):
     res = ray_session.get(engine_host(ds, 1).open(cfg, split, 10).run_round.remote())
     assert sorted(d.client for d in res.dropped) == list(group)
     assert res.tasks_retried >= 1 and len(res.clients) == 10
+
+
+@pytest.mark.parametrize("shape", [(4,), (3, 4), (2, 3, 4)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_batched_linear_is_f_linear_under_vmap(shape, bias):
+    """The batched step's linear layer: per client the value and the gradients (input and weight) F.linear
+    gives."""
+    from torch.func import vmap
+
+    from rayfed_dg.engine.workers.batched import _BatchedLinear
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, *shape, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, 6, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(5, 6, generator=g, dtype=torch.float64, requires_grad=True) if bias else None
+
+    def ours(x, w, b):
+        with _BatchedLinear():
+            return torch.nn.functional.linear(x, weight=w, bias=b)
+
+    got = vmap(ours)(x, w, b) if bias else vmap(lambda x, w: ours(x, w, None))(x, w)
+    want = torch.stack([torch.nn.functional.linear(x[i], w[i], None if b is None else b[i]) for i in range(5)])
+    assert got.shape == want.shape == (5, *shape[:-1], 6)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    got_grads = torch.autograd.grad(got.square().sum(), (x, w))
+    want_grads = torch.autograd.grad(want.square().sum(), (x, w))
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+
+
+_FAULTS = """
+import resource, sys, torch
+from rayfed_dg.engine.workers.batched import retain_heap
+assert sys.argv[1] == "0" or retain_heap()
+def faults():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    t = torch.empty(16 * 2**20).fill_(1.0)  # 64 MiB, past glibc's largest mmap threshold
+    del t
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+print(*[faults() for _ in range(8)])
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: Linux only")
+def test_a_batched_worker_reuses_its_heap_instead_of_faulting_pages_in_again():
+    """On a CPU, batched groups run with ``retain_heap``: a freed 64 MiB tensor's pages serve the next one (no
+    page faults once the heap has grown); without it every such tensor is mapped and faulted in afresh."""
+    def run(flag: str) -> list[int]:
+        out = subprocess.run([sys.executable, "-c", _FAULTS, flag], capture_output=True, text=True, check=True)
+        return [int(v) for v in out.stdout.split()]
+
+    pages = 64 * 2**20 // resource.getpagesize()
+    assert min(run("0")) > pages // 2  # the control: each allocation faults its pages in
+    assert sum(run("1")[-4:]) < pages // 16

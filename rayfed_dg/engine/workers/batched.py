@@ -26,8 +26,8 @@ Per client, what ``ClientRunner.train`` does one by one:
 * its upload: ``ClientRunner.upload`` with its trained state loaded into
   the model, the group's seconds shared out.
 
-Only the gradients differ, in their last bits (a batched convolution sums
-in another order), and the difference grows over steps: the two paths
+Only the gradients differ, in their last bits (a batched convolution, and
+the linear layers' ``_Linear``, sum in another order), and the difference grows over steps: the two paths
 agree within float rounding (docs/cross_device.md states what the tests
 hold them to).  ``round_start`` is not called: a batchable method's
 objective reads only the client's parameters and their start.
@@ -35,6 +35,8 @@ objective reads only the client's parameters and their start.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import time
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from typing import Any
@@ -42,7 +44,9 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.func import functional_call, vmap
+from torch.overrides import TorchFunctionMode
 
 from rayfed_dg.engine.store.records import ClientTask
 from rayfed_dg.errors import ConfigError, EngineError
@@ -51,6 +55,23 @@ from rayfed_dg.methods.batching import check_model
 from rayfed_dg.seeding import Stream
 
 from .worker import PartialSums, fetched, inject_fault
+
+
+@functools.cache
+def retain_heap() -> bool:
+    """Keep freed memory in this process's heap (glibc: no ``mmap`` per large
+    block, no trimming), once per process.  A group's step allocates tensors
+    G times a client's, past glibc's largest mmap threshold (32 MiB), each of
+    which would come fresh from the kernel and be page-faulted in on first
+    touch: on a 2-core CPU that made batched rounds 1.4x slower
+    (docs/results/cost.md).  The worker keeps its peak memory instead of
+    returning it.  False where there is no glibc."""
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_max = -1, -4  # malloc.h
+    return bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
 
 
 def client_groups(clients: Sequence[int], signature: Mapping[int, Hashable], size: int) -> list[tuple[int, ...]]:
@@ -162,6 +183,44 @@ class DropoutReplay:
         return t.bernoulli_(1 - p).div_(1 - p)
 
 
+class _Linear(torch.autograd.Function):
+    """``x W^T`` whose gradients are ``g W`` and ``g^T x``: under vmap each a
+    batched product of operands in their own layouts.  Autograd's rule for
+    vmap's ``x W^T`` gives the weight's gradient transposed, copied into the
+    weight's layout; for ``(W x^T)^T`` the input's gradient multiplies two
+    transposed operands, which the CPU's batched product runs 5x slower."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, w):
+        return x.matmul(w.t())
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        gx = g.matmul(w) if ctx.needs_input_grad[0] else None
+        gw = g.reshape(-1, g.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
+        return gx, gw
+
+
+class _BatchedLinear(TorchFunctionMode):
+    """``F.linear`` as ``_Linear`` in the vmapped forward: the same products, summed in another order, so the last
+    bits move, within the tolerance batching already has against the one-by-one path."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.linear:
+            return func(*args, **kwargs)
+        a = {**dict(zip(("input", "weight", "bias"), args)), **kwargs}
+        y = _Linear.apply(a["input"], a["weight"])
+        return y if a.get("bias") is None else y + a["bias"]
+
+
 def _steps(iters: list[Iterator]) -> Iterator[tuple[list[torch.Tensor], list[torch.Tensor]]]:
     """The group's batches, step by step; clients whose batches differ in number or shape stop the run (their
     grouping signature should have kept them apart)."""
@@ -182,19 +241,21 @@ def _loss_fn(runner: Any, replay: DropoutReplay):
 
     def one(params, rest, start, x, y, noise):
         replay.feed, replay.at = noise, 0
-        return method.functional_loss(lambda inp: functional_call(model, (params, rest), (inp,)), x, y, params, start)
+        with _BatchedLinear():
+            return method.functional_loss(lambda inp: functional_call(model, (params, rest), (inp,)), x, y, params,
+                                          start)
 
     return vmap(one)
 
 
-def _train(runner: Any, state: dict[str, torch.Tensor], rngs: list[torch.Tensor], iters: list[Iterator],
-           round: int) -> list[LocalResult]:
-    """The group's local steps on its stacked ``state`` (trained in place); each client's ``LocalResult``."""
+def _train(runner: Any, state: dict[str, torch.Tensor], start: dict[str, torch.Tensor], rngs: list[torch.Tensor],
+           iters: list[Iterator], round: int) -> list[LocalResult]:
+    """The group's local steps on its stacked ``state`` (trained in place) from ``start`` (the trainable
+    parameters' stacked values before the first step, read-only); each client's ``LocalResult``."""
     model = runner.model
     trainable = [k for k, p in model.named_parameters() if p.requires_grad]
     params = {k: state[k].requires_grad_() for k in trainable}
     rest = {k: v for k, v in state.items() if k not in params}
-    start = {k: v.detach().clone() for k, v in params.items()}
     opt = runner.method.make_optimizer(model, round, params=list(params.values()))
     replay = DropoutReplay(model, runner.device)
     step = _loss_fn(runner, replay)
@@ -228,17 +289,26 @@ def train_group(runner: Any, tasks: list[ClientTask], global_state: dict[str, np
     result Ray serializes at once, as ``ClientRunner.train``'s)."""
     t0 = time.perf_counter()
     check_model(runner.model)
+    if runner.device.type == "cpu":
+        retain_heap()
     for task in tasks:
         inject_fault(runner.cfg, task)
+    # the round's global tensors are the same for every client: copied once, not once per client (on a CPU a
+    # model-sized copy per client costs as much as a step); a client's local state is its own
+    own = set(runner.local_keys).union(*(t.local_state for t in tasks))
     rng, ctxs, rngs, snaps = _Rng(runner.device), [], [], []
     for task in tasks:
         ctxs.append(runner._client(task, global_state, Stream.TRAIN))
         rngs.append(rng.get())
-        snaps.append({k: v.detach().clone() for k, v in runner.model.state_dict().items()})
-    state = {k: torch.stack([s[k] for s in snaps]) for k in snaps[0]}
+        snaps.append({k: v.detach().clone() for k, v in runner.model.state_dict().items() if k in own})
+    g = len(tasks)
+    state = {k: torch.stack([s[k] for s in snaps]) if k in own else v.detach().unsqueeze(0).repeat(g, *[1] * v.dim())
+             for k, v in runner.model.state_dict().items()}
+    start = {k: torch.stack([s[k] for s in snaps]) if k in own else v.detach().unsqueeze(0).expand_as(state[k])
+             for k, v in runner.model.named_parameters() if v.requires_grad}
     extras = [fetched(t.extra) for t in tasks]
     iters = [runner.batches(t.indices, c.generator, e) for t, c, e in zip(tasks, ctxs, extras)]
-    results = _train(runner, state, rngs, iters, tasks[0].round)
+    results = _train(runner, state, start, rngs, iters, tasks[0].round)
     share = (time.perf_counter() - t0) / len(tasks)
     out = []
     # folded aside, and into the worker's partial only once every upload succeeded: a group that raises
