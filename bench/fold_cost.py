@@ -32,6 +32,33 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def _interleaved(fns: dict, repeat: int, device: torch.device) -> dict[str, list[float]]:
+    """Seconds of each of ``fns`` (called with the pass number), interleaved ``repeat`` times after one untimed
+    pass (it allocates)."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for i in range(repeat + 1):
+        for name, fn in fns.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            fn(i)
+            _sync(device)
+            if i:
+                times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def _report(times: dict[str, list[float]], n: int) -> None:
+    # the fastest of the repeats: what each costs when nothing else takes the core (a shared machine only adds)
+    best = {k: min(v) for k, v in times.items()}
+    med = {k: statistics.median(v) for k, v in times.items()}
+    for k in best:
+        print(f"  {k:14s} {1e9 * best[k] / n:6.2f} ns/value fastest, {1e9 * med[k] / n:6.2f} median")
+    print(f"  fold / add_          {best['fold'] / best['add_']:.2f} fastest, {med['fold'] / med['add_']:.2f} median "
+          "(target <= 1.5)")
+    print(f"  fold / add_ chunked  {best['fold'] / best['add_ chunked']:.2f} fastest, "
+          f"{med['fold'] / med['add_ chunked']:.2f} median")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=7)
@@ -70,26 +97,10 @@ def main() -> None:
             for lo in range(0, f.numel(), step):
                 a[lo:lo + step].add_(f[lo:lo + step], alpha=w)
 
-    times: dict[str, list[float]] = {"fold": [], "add_": [], "add_ chunked": []}
-    for i in range(args.repeat + 1):
-        for name, fn in (("fold", fold), ("add_", add), ("add_ chunked", add_chunked)):
-            _sync(device)
-            t0 = time.perf_counter()
-            fn(i)
-            _sync(device)
-            if i:  # the first pass allocates
-                times[name].append(time.perf_counter() - t0)
-    # the fastest of the repeats: what each costs when nothing else takes the core (a shared machine only adds)
-    best = {k: min(v) for k, v in times.items()}
-    med = {k: statistics.median(v) for k, v in times.items()}
+    times = _interleaved({"fold": fold, "add_": add, "add_ chunked": add_chunked}, args.repeat, device)
     print(f"{args.arch} uploads, {n:,} values, device {device}, {args.threads} thread(s), {args.repeat} repeats "
           "interleaved")
-    for k in best:
-        print(f"  {k:14s} {1e9 * best[k] / n:6.2f} ns/value fastest, {1e9 * med[k] / n:6.2f} median")
-    print(f"  fold / add_          {best['fold'] / best['add_']:.2f} fastest, {med['fold'] / med['add_']:.2f} median "
-          "(target <= 1.5)")
-    print(f"  fold / add_ chunked  {best['fold'] / best['add_ chunked']:.2f} fastest, "
-          f"{med['fold'] / med['add_ chunked']:.2f} median")
+    _report(times, n)
     t0 = time.perf_counter()
     packed = fixed.pack()
     t1 = time.perf_counter()

@@ -134,6 +134,31 @@ def set_flags(tf32: bool, cudnn_benchmark: bool) -> None:
     torch.backends.cudnn.deterministic = not cudnn_benchmark
 
 
+def _batcher(cfg, images: np.ndarray, labels: np.ndarray, device: torch.device):
+    """The bare loop's batches: the dataset on the device, a batch gathered, normalised, channels-last."""
+    mean = torch.tensor(cfg.data.mean, device=device).view(1, 3, 1, 1)
+    std = torch.tensor(cfg.data.std, device=device).view(1, 3, 1, 1)
+    x_all, y_all = torch.from_numpy(images).to(device), torch.from_numpy(labels).to(device)
+
+    def batch(idx: np.ndarray):
+        at = torch.from_numpy(idx).to(device)
+        x = x_all.index_select(0, at).permute(0, 3, 1, 2).float().div_(255.0)
+        return ((x - mean) / std).contiguous(memory_format=torch.channels_last), y_all.index_select(0, at)
+
+    return batch
+
+
+def _step(loss: torch.Tensor, opt: torch.optim.Optimizer, scaler) -> None:
+    opt.zero_grad(set_to_none=True)
+    if scaler is None:
+        loss.backward()
+        opt.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+
 def bare_loop(cfg, images, labels, clients, val_idx, device: torch.device) -> list[float]:
     """The engine's work without the engine: sample clients, load the global
     weights, train each client with a fresh SGD (autocast in
@@ -148,14 +173,7 @@ def bare_loop(cfg, images, labels, clients, val_idx, device: torch.device) -> li
     torch.manual_seed(seed_int(t.seed, Stream.INIT))
     model = build_backbone(m.arch, 10, m.pretrained, m.width).to(device)
     global_sd = {k: v.clone() for k, v in model.state_dict().items()}
-    mean = torch.tensor(cfg.data.mean, device=device).view(1, 3, 1, 1)
-    std = torch.tensor(cfg.data.std, device=device).view(1, 3, 1, 1)
-    x_all, y_all = torch.from_numpy(images).to(device), torch.from_numpy(labels).to(device)
-
-    def batch(idx: np.ndarray):
-        at = torch.from_numpy(idx).to(device)
-        x = x_all.index_select(0, at).permute(0, 3, 1, 2).float().div_(255.0)
-        return ((x - mean) / std).contiguous(memory_format=torch.channels_last), y_all.index_select(0, at)
+    batch = _batcher(cfg, images, labels, device)
 
     def forward(x, y):
         if dtype is None:
@@ -179,16 +197,7 @@ def bare_loop(cfg, images, labels, clients, val_idx, device: torch.device) -> li
             seed_torch(seed_int(t.seed, Stream.TRAIN, r, cid), device)
             idx = clients[cid][torch.randperm(len(clients[cid]), generator=gen).numpy()]
             for s in range(0, len(idx), t.batch_size):
-                x, y = batch(idx[s:s + t.batch_size])
-                loss = forward(x, y)
-                opt.zero_grad(set_to_none=True)
-                if scaler is None:
-                    loss.backward()
-                    opt.step()
-                else:
-                    scaler.scale(loss).backward()
-                    scaler.step(opt)
-                    scaler.update()
+                _step(forward(*batch(idx[s:s + t.batch_size])), opt, scaler)
             w = float(len(clients[cid]))
             for k, v in model.state_dict().items():
                 acc[k].add_(v.float(), alpha=w)

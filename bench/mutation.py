@@ -58,6 +58,9 @@ MODULES: dict[str, list[str]] = {
     "engine/store/selection.py": ["tests/test_selection.py", "-m", "not slow"],
     "engine/workers/pool.py": ["tests/test_pool.py", "-m", "not slow"],
     "engine/workers/dispatch.py": ["tests/test_dispatch.py"],  # the pool's failure accounting and dispatch, without Ray
+    # the device model and the synchronous round's plan on its clock; FedBuff/FedAsync run on it
+    "engine/clock/devices.py": ["tests/test_devices.py", "tests/test_async.py", "-m", "not slow"],
+    "engine/privacy/accountant.py": ["tests/test_privacy_updates.py", "-m", "not slow"],
     "tuning.py": ["tests/test_tuning.py", "-m", "not slow", "-k", "select or collect or unfinished or tie or table"],
     "data/protocol.py": ["tests/test_partitions.py", "tests/test_splits.py", "tests/test_protocols.py", "-m",
                          "not slow"],

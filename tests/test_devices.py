@@ -62,6 +62,20 @@ def test_markov_chain_has_the_hand_computed_rates_and_any_order_gives_the_same_s
     assert np.array_equal(chain.state(3000.0), far)
 
 
+def test_markov_states_are_the_chain_stepped_from_its_stationary_start_whatever_the_query_order():
+    """Against the chain written out step by step: step 0 draws the stationary start, step j moves each device with
+    step j's uniforms.  Queried out of order, across the 256-step snapshots and back."""
+    from rayfed_dg.seeding import Stream, numpy_rng
+
+    chain = MarkovChain(3, 50, 30.0, 90.0, 10.0)
+    want = [numpy_rng(3, Stream.DEVICE_MARKOV, 0).random(50) < 0.25]
+    for j in range(1, 600):
+        u = numpy_rng(3, Stream.DEVICE_MARKOV, j).random(50)
+        want.append(np.where(want[-1], u < chain.p_stay_on, u < chain.p_come_on))
+    for k in (0, 1, 2, 255, 256, 257, 599, 300, 511, 512, 3, 256, 0, 598):
+        assert np.array_equal(chain.state(10.0 * k + 5.0), want[k]), k
+
+
 def _trace(tmp_path, rows, header="client,start_s,end_s"):
     path = tmp_path / "trace.csv"
     path.write_text(header + "\n" + "\n".join(rows) + "\n")
@@ -80,7 +94,8 @@ def test_trace_lookup_with_its_period(tmp_path):
 
 def test_a_trace_that_misses_a_client_names_it(tmp_path):
     path = _trace(tmp_path, ["0,0,10", "2,0,10"])
-    with pytest.raises(ConfigError, match=r"devices.availability_trace: .* covers 2 of the 3 clients \(client 1 has"):
+    with pytest.raises(ConfigError, match=r"devices.availability_trace: .* covers 2 of the 3 clients \(client 1 has "
+                                          r"no row\); give a row to every client 0..2$"):
         DeviceModel(DevicesConfig(enabled=True, availability="trace", availability_trace=path), 0, ["a"] * 3)
     speeds = _trace(tmp_path, ["0,2.0", "1,0.5"], header="client,speed")
     dev = DeviceModel(DevicesConfig(enabled=True, speed="trace", speed_trace=speeds), 0, ["a"] * 2)
@@ -348,3 +363,19 @@ def test_the_clock_with_every_device_always_online_trains_what_a_run_without_it_
     assert off.ledger == on.ledger and all(m["sim_time"] is None for m in off.metrics)
     # 2 steps of 1 s each: the rounds close at 2 s and 4 s
     assert sorted({(m["round"], m["sim_time"]) for m in on.metrics}) == [(1, 2.0), (2, 4.0)]
+
+
+@pytest.mark.parametrize("rows, header, says", [
+    (["0,1.0", "1,0"], "client,speed", "has a speed <= 0"),
+    (["0,1.0", "1,-2"], "client,speed", "has a speed <= 0"),
+    (["0,inf", "1,1.0"], "client,speed", "has a speed <= 0 or not finite"),
+    (["0,1.0", "1,nan"], "client,speed", "has a speed <= 0 or not finite"),
+    (["0,1.0", "1,1.0"], "client,speeds", "needs a header line with the columns client,speed"),
+    ([], "", "needs a header line with the columns client,speed"),
+    (["0,1.0", "1,fast"], "client,speed", "has a value that is not a number in columns client,speed"),
+])
+def test_a_bad_speed_trace_is_refused_in_one_line(tmp_path, rows, header, says):
+    path = _trace(tmp_path, rows, header=header)
+    with pytest.raises(ConfigError, match="^devices.speed_trace: ") as e:
+        DeviceModel(DevicesConfig(enabled=True, speed="trace", speed_trace=path), 0, ["a"] * 2)
+    assert says in str(e.value) and "\n" not in str(e.value)

@@ -90,8 +90,8 @@ def read_speed_trace(path: str, num_clients: int) -> np.ndarray:
     cols = _read_csv(path, ("client", "speed"), "speed_trace")
     ids = _clients(cols["client"], num_clients, path, "speed_trace")
     if np.any(cols["speed"] <= 0) or not np.all(np.isfinite(cols["speed"])):
-        raise ConfigError(f"devices.speed_trace: {path} has a speed <= 0; speeds are multiples of a device doing "
-                          "one step in step_seconds")
+        raise ConfigError(f"devices.speed_trace: {path} has a speed <= 0 or not finite; speeds are finite multiples "
+                          "of a device doing one step in step_seconds")
     speeds = np.empty(num_clients)
     keep = ids < num_clients
     speeds[ids[keep]] = cols["speed"][keep]
