@@ -2,7 +2,6 @@
 the grouping rule, what is refused, and agreement with one-by-one training
 (per client without Ray; whole federations on the session's Ray), and the
 same bits on one and two workers."""
-import resource
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -371,6 +370,7 @@ def test_a_batched_worker_reuses_its_heap_instead_of_faulting_pages_in_again():
         out = subprocess.run([sys.executable, "-c", _FAULTS, flag], capture_output=True, text=True, check=True)
         return [int(v) for v in out.stdout.split()]
 
-    pages = 64 * 2**20 // resource.getpagesize()
-    assert min(run("0")) > pages // 2  # the control: each allocation faults its pages in
-    assert sum(run("1")[-4:]) < pages // 16
+    control, retained = run("0")[-4:], run("1")[-4:]
+    # the control faults every allocation's pages in (16,384 base pages each, or a few huge pages where the kernel
+    # backs every mapping with them)
+    assert min(control) > 0 and sum(retained) * 8 <= sum(control), (control, retained)

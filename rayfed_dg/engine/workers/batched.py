@@ -26,10 +26,10 @@ Per client, what ``ClientRunner.train`` does one by one:
 * its upload: ``ClientRunner.upload`` with its trained state loaded into
   the model, the group's seconds shared out.
 
-Only the gradients differ, in their last bits (a batched convolution, and
-the linear layers' ``_Linear``, sum in another order), and the difference grows over steps: the two paths
-agree within float rounding (docs/cross_device.md states what the tests
-hold them to).  ``round_start`` is not called: a batchable method's
+Only the gradients differ, in their last bits (a batched convolution and
+``_Linear`` sum in another order), and the difference grows over steps:
+the two paths agree within float rounding (docs/cross_device.md states
+what the tests hold them to).  ``round_start`` is not called: a batchable method's
 objective reads only the client's parameters and their start.
 """
 from __future__ import annotations
