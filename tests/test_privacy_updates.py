@@ -17,7 +17,7 @@ from rayfed_dg.config import ConfigError, PrivacyConfig, UpdatePrivacyConfig
 from rayfed_dg.data import leave_one_domain_out
 from rayfed_dg.engine import ClientRunner, run_federation
 from rayfed_dg.engine.aggregation.pipeline import refusal as pipeline_refusal
-from rayfed_dg.engine.privacy.accountant import UPDATES, Accountant, releases
+from rayfed_dg.engine.privacy.accountant import UPDATES, Accountant, payload_group, releases
 from rayfed_dg.engine.privacy.updates import DPMean, UpdateDP, check_privacy, clip_update, update_noise
 from rayfed_dg.engine.store.rundir import RunDir
 from rayfed_dg.engine.workers.faults import DivergedError
@@ -155,6 +155,40 @@ def test_releases_count_each_groups_worst_client_per_round():
             row(1, 0, "prepare:style"), row(1, 0, "payload:style"), row(1, 1, "payload:style"),
             row(1, 2, "shared"), row(1, 2, "payload:other"), row(2, 1, "payload:style", "down")]
     assert releases(rows) == {"style": 3, "other": 1}  # round 0: 1; round 1: client 0 twice; downs are free
+
+
+def test_payload_group_reads_only_payload_and_prepare_rows():
+    assert payload_group("payload:style") == "style" and payload_group("prepare:bank") == "bank"
+    for other in ("state:bn.weight", "model:body.0.weight", "shared", "payload", "updates"):
+        assert payload_group(other) is None, other
+
+
+def test_a_group_never_released_costs_nothing_even_without_noise():
+    """A payload group without noise (z 0) is non-private once released, and free while it is not."""
+    acc = Accountant(_privacy(3.0), 3, 3)
+    assert acc.epsilon({UPDATES: 4, "stats": 0}, ["stats"]) == 0.0
+    assert acc.epsilon({UPDATES: 4, "stats": 0}) == pytest.approx(acc.epsilon({UPDATES: 4}), rel=1e-12)
+    assert math.isfinite(acc.epsilon({UPDATES: 4})) and acc.epsilon({UPDATES: 4, "stats": 1}) == math.inf
+
+
+def test_rows_give_each_payload_group_its_own_clip_whatever_its_name():
+    """Groups named before and after ``updates`` in sort order: each row carries its own group's clip."""
+    p = _privacy(3.0, payloads={"alpha": {"clip": 0.25, "noise_multiplier": 2.0},
+                                "zeta": {"clip": 0.5, "noise_multiplier": 2.0}})
+    acc = Accountant(p, 3, 3)
+    rows = {r.group: r for r in acc.rows(2, acc.counts(2, {"alpha": 1, "zeta": 1}), clip=0.75)}
+    assert [rows[g].clip for g in (UPDATES, "alpha", "zeta", "total")] == [0.75, 0.25, 0.5, None]
+    assert [rows[g].noise_multiplier for g in (UPDATES, "alpha", "zeta", "total")] == [3.0, 2.0, 2.0, None]
+
+
+def test_pld_calibration_is_below_rdps_and_spends_the_target():
+    """PLD's multiplier for 8 unsampled rounds at epsilon 6 is below RDP's (a tighter accountant) and spends the
+    target within the search's tolerance."""
+    z_rdp = Accountant(_privacy(1.0, "rdp"), 3, 3).calibrate(8, 6.0)
+    z_pld = Accountant(_privacy(1.0, "pld"), 3, 3).calibrate(8, 6.0)
+    assert z_pld < z_rdp * 0.99
+    acc = Accountant(_privacy(z_pld, "pld"), 3, 3)
+    assert 6.0 * 0.995 <= acc.epsilon(acc.counts(8, {})) <= 6.0 + 1e-9
 
 
 def test_groups_compose_into_the_total():
