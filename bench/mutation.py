@@ -61,6 +61,8 @@ MODULES: dict[str, list[str]] = {
     # the device model and the synchronous round's plan on its clock; FedBuff/FedAsync run on it
     "engine/clock/devices.py": ["tests/test_devices.py", "tests/test_async.py", "-m", "not slow"],
     "engine/privacy/accountant.py": ["tests/test_privacy_updates.py", "-m", "not slow"],
+    # FedBuff / FedAsync on the clock: the schedule of starts, arrivals and server updates
+    "engine/clock/asynchronous.py": ["tests/test_async.py", "tests/test_devices.py", "-m", "not slow"],
     "tuning.py": ["tests/test_tuning.py", "-m", "not slow", "-k", "select or collect or unfinished or tie or table"],
     "data/protocol.py": ["tests/test_partitions.py", "tests/test_splits.py", "tests/test_protocols.py", "-m",
                          "not slow"],

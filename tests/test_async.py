@@ -192,6 +192,23 @@ def test_every_update_takes_k_distinct_clients_and_the_stream_seeds_the_picks():
 
 # ------------------------------------------------------------------ what may run
 
+def test_buffer_size_defaults_to_one_for_fedasync_and_ten_or_the_concurrency_for_fedbuff():
+    from rayfed_dg.engine.clock.asynchronous import buffer_size
+
+    def k(*sets: str) -> int:
+        return buffer_size(load_config(None, list(sets)), 100)
+
+    assert k("server.mode=fedasync") == 1 and k("server.mode=fedasync", "server.concurrency=20") == 1
+    assert k("server.mode=fedbuff", "server.concurrency=20") == 10  # Nguyen et al.'s K
+    assert k("server.mode=fedbuff", "server.concurrency=4") == 4
+    assert k("server.mode=fedbuff", "server.concurrency=20", "server.buffer_size=3") == 3
+
+
+def test_the_clock_refuses_an_empty_buffer():
+    with pytest.raises(ValueError, match=r"need 1 <= buffer_size \(0\)"):
+        AsyncClock(4, 2, 0, seed=0, devices=ideal(4), steps=lambda c: 1)
+
+
 def test_which_methods_can_run_asynchronously():
     """Decided from the hooks: weighted-average methods pass; those with their
     own global tensors, server payloads, server state, a preparation or
@@ -255,6 +272,8 @@ TINY = ["--set", "compare=null", "--set", "data.resolution=16", "--set", "model.
     (["server.mode=fedbuff", "server.staleness_b=2"], "server.staleness_b has no effect with server.staleness polynomial"),
     (["server.mode=fedbuff", "devices.enabled=true", "devices.deadline_s=100"],
      "devices.deadline_s shapes a synchronous round; server.mode=fedbuff has no rounds to close"),
+    (["server.mode=fedasync", "devices.enabled=true", "devices.over_selection=1.5"],
+     "devices.over_selection shapes a synchronous round; server.mode=fedasync has no rounds to close"),
 ])
 def test_refusals_are_one_line_exit_2_and_write_nothing(ray_session, tmp_path, capsys, monkeypatch, sets, expect):
     monkeypatch.setenv("RAYFED_DG_CACHE", str(tmp_path / "cache"))
