@@ -8,6 +8,7 @@ from conftest import REPO, tiny_cfg, tiny_federation
 
 from rayfed_dg.cli import main
 from rayfed_dg.config import DevicesConfig, load_config
+from rayfed_dg.data import leave_one_domain_out
 from rayfed_dg.engine.aggregation.buffered import (
     FedBuff,
     fedasync_alpha,
@@ -34,6 +35,7 @@ def ideal(n: int) -> DeviceModel:
     ("polynomial", 0, 0.5, 4, 1.0),  # FedBuff's 1 / sqrt(1 + tau): a fresh upload weighs 1
     ("polynomial", 3, 0.5, 4, 0.5),  # 1 / sqrt(4)
     ("polynomial", 1, 1.0, 4, 0.5),  # (1 + 1)^-1
+    ("hinge", 2, 10, 4, 1.0),  # below b: 1
     ("hinge", 4, 10, 4, 1.0),  # up to b: 1
     ("hinge", 5, 10, 4, 1 / 11),  # 1 / (10 (5 - 4) + 1)
     ("hinge", 6, 0.5, 4, 0.5),  # 1 / (0.5 (6 - 4) + 1)
@@ -76,6 +78,31 @@ def test_fedbuff_update_by_hand():
     # the method's reduce weights (FedAvg: sample counts) weigh the mean: (1 Delta_A + 3 * 0.5 Delta_B) / 4
     delta = fedbuff_delta(x, [(a, x, 1.0, s[0]), (b, old, 3.0, s[1])])
     np.testing.assert_allclose(delta["w"], [0.5, 1.5])
+
+
+def test_fedbuff_step_by_eta_and_the_weight_sum_it_needs():
+    np.testing.assert_array_equal(fedbuff_step({"w": f32(1, 2)}, {"w": np.array([2.0, -4.0])}, 0.5)["w"], f32(2, 0))
+    x, y = {"w": f32(0)}, {"w": f32(2)}
+    np.testing.assert_array_equal(fedbuff_delta(x, [(y, x, 0.5, 1.0)])["w"], [2.0])  # a weight sum under 1 is fine
+    for weights in ([0.0], [-1.0], []):
+        with pytest.raises(ValueError, match="positive weight sum"):
+            fedbuff_delta(x, [(y, x, w, 1.0) for w in weights])
+
+
+@pytest.mark.parametrize("optimizer, step", [("none", 0.5), ("fedavgm", 1.0), ("fedadam", 1.0)])
+def test_fedbuffs_estimate_steps_by_eta_alone_and_is_the_optimizers_target_with_one(optimizer, step):
+    """Without a server optimizer FedBuff's estimate is x + eta_g mean (server.lr 0.5); with one it is x + mean,
+    the point the optimizer steps towards by its own lr."""
+    from types import SimpleNamespace
+
+    from rayfed_dg.engine.aggregation.pipeline import Uploads
+
+    server = tiny_cfg("server.mode=fedbuff", f"server.optimizer={optimizer}", "server.lr=0.5").server
+    x = {"w": f32(1, 1)}
+    ups = {0: SimpleNamespace(update={"w": f32(3, 1)}), 1: SimpleNamespace(update={"w": f32(1, 5)})}
+    u = Uploads(1, x, None, ups, [0, 1], weights={0: 1.0, 1: 3.0}, starts={0: x, 1: x}, staleness={0: 0, 1: 0})
+    mean = np.array([(1 * 2 + 3 * 0) / 4, (1 * 0 + 3 * 4) / 4])  # [0.5, 3]
+    np.testing.assert_allclose(FedBuff(server, x).estimate(u)["w"], 1 + step * mean, rtol=1e-7)
 
 
 def test_fedasync_mixing_by_hand():
@@ -357,3 +384,27 @@ def test_fedbuff_dropouts_are_rows_of_their_own_charged_the_download(ray_session
     assert len(down) == 1 and {r["bytes_down"] for r in drops} == down
     charged = {(x["round"], x["client"]) for x in res.ledger if x["direction"] == "down"}
     assert {(r["round"], r["client"]) for r in drops} <= charged
+
+
+def test_fedbuffs_first_update_through_the_server_is_x_plus_eta_times_the_weighted_mean_update(ray_session, tiny_ds,
+                                                                                            engine_host):
+    """Every client in the first buffer trained from x_0 (staleness 0, s = 1) with the same seeds as a
+    synchronous round 1, so FedBuff's update is x_0 + eta_g (FedAvg's round-1 model - x_0), eta_g = server.lr
+    0.5: the uploads reach the estimator whole, weighted by their sample counts."""
+    ray = ray_session
+    base = ("training.rounds=1", "training.local_steps=2", "evaluation.every=0")
+    sync = tiny_cfg(*base)
+    split = leave_one_domain_out(tiny_ds, "texture", sync.data.val_fraction, sync.data.split_seed)
+    n = split.num_clients
+    buff = tiny_cfg(*base, "server.mode=fedbuff", f"server.buffer_size={n}", f"server.concurrency={n}", "server.lr=0.5")
+    host = engine_host(tiny_ds, 2)
+    out = {}
+    for name, cfg in (("sync", sync), ("buff", buff)):
+        server = host.open(cfg, split, tiny_ds.num_classes)
+        x0 = ray.get(server.get_state.remote())["global_state"]
+        ray.get(server.run_round.remote())
+        out[name] = ray.get(server.get_state.remote())["global_state"]
+    k = "head.weight"
+    want = x0[k].astype(np.float64) + 0.5 * (out["sync"][k].astype(np.float64) - x0[k])
+    np.testing.assert_allclose(out["buff"][k], want, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(out["buff"][k], x0[k])

@@ -392,3 +392,39 @@ def test_a_run_resumed_from_a_checkpoint_with_every_state_inside_equals_the_unin
     assert _fed(tiny_ds, host, cut, "method.name=fedbn").rounds_done == 4
     for table in ("metrics", "clients", "ledger"):
         assert _rows(cut, table) == _rows(clean, table), table
+
+
+def test_the_federations_store_keeps_client_state_memory_mb_in_memory_and_spills_the_rest():
+    """``engine.client_state_memory_mb`` is MiB: a budget of exactly one state keeps the most recent client's in
+    memory and spills the other's."""
+    from rayfed_dg.data import leave_one_domain_out, load_dataset
+    from rayfed_dg.engine.rounds.federation import Federation
+    from rayfed_dg.engine.store.clientstore import _nbytes
+
+    ds = load_dataset("embedded_digits", None, 16)
+    split = leave_one_domain_out(ds, "colour", 0.2, 0)
+    one = _nbytes(Federation(tiny_cfg("method.name=fedbn"), split, ds.num_classes, 1).store.initial)
+    fed = Federation(tiny_cfg("method.name=fedbn", f"engine.client_state_memory_mb={(one + 0.5) / 2**20!r}"), split,
+                     ds.num_classes, 2)
+    assert fed.store.budget == one
+    for c in (0, 1):
+        fed.store.put(c, {k: v + c for k, v in fed.store.initial.items()}, {})
+    assert fed.store.in_memory() == [1] and fed.store.memory_bytes == one and fed.store.spill_bytes > 0
+
+
+def test_clients_own_models_are_evaluated_when_they_keep_local_state_and_evaluation_personal_asks():
+    """``Federation.personalizes``: FedBN's clients keep BatchNorm of their own (evaluated unless
+    ``evaluation.personal`` is off); FedAvg's keep nothing, whatever the setting."""
+    from rayfed_dg.data import leave_one_domain_out, load_dataset
+    from rayfed_dg.engine.rounds.federation import Federation
+
+    ds = load_dataset("embedded_digits", None, 16)
+    split = leave_one_domain_out(ds, "colour", 0.2, 0)
+
+    def fed(*sets):
+        return Federation(tiny_cfg(*sets), split, ds.num_classes, 1)
+
+    assert fed("method.name=fedbn").personalizes()
+    assert not fed("method.name=fedbn", "evaluation.personal=false").personalizes()
+    assert fed("method.name=fedbn", "evaluation.personal=false").own_states() == {}
+    assert not fed("method.name=fedavg", "evaluation.personal=true").personalizes()

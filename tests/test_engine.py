@@ -21,7 +21,8 @@ def test_fedavg_global_equals_weighted_mean_of_client_models(ray_session, tiny_d
     split = leave_one_domain_out(tiny_ds, "texture", cfg.data.val_fraction, cfg.data.split_seed)
     server = engine_host(tiny_ds, 2).open(cfg, split, tiny_ds.num_classes)
     g0 = ray.get(server.get_state.remote())["global_state"]
-    ray.get(server.run_round.remote())
+    out = ray.get(server.run_round.remote())
+    assert out.tasks_retried == out.tasks_rerun == 0  # each federation counts its own (the host served others)
     g1 = ray.get(server.get_state.remote())["global_state"]
     # recompute each client's local training in this process, then average by hand
     runner = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, tiny_ds.num_classes, 3)
@@ -223,3 +224,15 @@ def test_joining_a_running_cluster_passes_no_worker_settings(monkeypatch):
     init_ray(tiny_cfg("engine.worker_niceness=2"))
     (kw, during), = seen
     assert "_system_config" not in kw and during == "2" and os.environ["RAY_worker_niceness"] == "3"
+
+
+def test_clients_per_round_may_be_every_client_but_not_more(tiny_ds):
+    from rayfed_dg.engine.rounds.federation import clients_per_round
+    from rayfed_dg.errors import ConfigError
+
+    split = leave_one_domain_out(tiny_ds, "colour", 0.2, 0)
+    n = split.num_clients
+    assert clients_per_round(tiny_cfg(f"training.clients_per_round={n}"), split) == n
+    assert clients_per_round(tiny_cfg(), split) == n  # None: every client
+    with pytest.raises(ConfigError, match=f"training.clients_per_round={n + 1} exceeds the {n} clients"):
+        clients_per_round(tiny_cfg(f"training.clients_per_round={n + 1}"), split)

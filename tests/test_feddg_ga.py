@@ -67,6 +67,20 @@ def test_weights_follow_the_gaps_and_drive_the_next_reduce(ray_session, tiny_ds,
     assert sorted(x.client for x in rows) == clients and all(x.bytes == 16 for x in rows)
 
 
+def test_the_server_moves_the_weights_after_every_trained_round(ray_session, tiny_ds, engine_host):
+    """The fast tier's check of the wiring (the test above, slow, checks the values): ``after_round`` runs on the
+    server after each round its clients trained, so the weights exist and move from round 1."""
+    ray = ray_session
+    cfg = tiny_cfg("method.name=feddg_ga", "training.rounds=2", "training.local_steps=2")
+    split = leave_one_domain_out(tiny_ds, "texture", cfg.data.val_fraction, cfg.data.split_seed)
+    server = engine_host(tiny_ds, 2).open(cfg, split, tiny_ds.num_classes)
+    assert "ga_weights" not in ray.get(server.get_state.remote())["server_state"]
+    ray.get(server.run_round.remote())
+    w = ray.get(server.get_state.remote())["server_state"]["ga_weights"]
+    assert sorted(w) == list(range(split.num_clients)) and abs(sum(w.values()) - 1) < 1e-9
+    assert np.ptp(list(w.values())) > 0
+
+
 def test_a_client_without_validation_samples_is_refused_naming_it():
     from types import SimpleNamespace
 

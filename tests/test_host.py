@@ -72,5 +72,9 @@ def test_workers_killed_in_one_federation_are_replaced_before_the_next_with_the_
     for a, b in zip(clean, faulty):
         assert a.metrics == b.metrics and b.dropped == []
     assert faulty[0].tasks_retried >= 1  # seeded: round 1 kills client 0's and client 1's first attempts
-    # the second federation's open replaced every worker whose process the first one killed
+    # the second federation's open replaced every worker whose process the first one killed, and ended it
     assert any(replaced_after_first)
+    for old, was_replaced in zip(handles[0], replaced_after_first):
+        if was_replaced:
+            with pytest.raises(ray.exceptions.RayActorError):
+                ray.get(old.ping.remote(), timeout=60)

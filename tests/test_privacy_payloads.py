@@ -84,8 +84,19 @@ def test_a_non_finite_payload_stops_the_run_as_a_diverged_client():
 def test_a_payload_its_owner_does_not_declare_is_refused_under_privacy():
     with pytest.raises(TypeError, match="method m sends the payload 'x' that its shared_payloads does not declare"):
         release({"x": np.ones(2)}, {}, _privacy(), 0, 1, 0, "method m")
+    # several undeclared: the first in name order, in what was wrong and in what to add
+    with pytest.raises(TypeError, match="payload 'a' that .* does not declare; add 'a': one of"):
+        release({"b": np.ones(2), "a": np.ones(2), "c": np.ones(2)}, {"c": "client"}, _privacy(), 0, 1, 0, "method m")
     x = np.ones(2)  # without privacy a plugin that predates the declarations still runs, its payload untouched
     assert release({"x": x}, {}, None, 0, 1, 0, "method m")["x"] is x
+
+
+def test_privatize_refuses_an_integer_payload_and_an_unknown_record_each_alone():
+    rng = np.random.default_rng(0)
+    with pytest.raises(ValueError, match="records 'image' and dtype int64 cannot be clipped"):
+        privatize(np.arange(4, dtype=np.int64).reshape(2, 2), "image", 1.0, 1.0, rng)
+    with pytest.raises(ValueError, match="records 'exact' and dtype float32 cannot be clipped"):
+        privatize(np.ones(4, np.float32), "exact", 1.0, 1.0, rng)
 
 
 def test_integer_and_unknown_payload_groups_are_refused_in_one_line():

@@ -227,6 +227,46 @@ def test_the_total_with_image_rows_protects_an_image_so_client_level_mechanisms_
     assert client["total"].epsilon == pytest.approx(gaussians(5 / 2.0 ** 2 + 5 / 4.0 ** 2), rel=1e-9)
 
 
+def test_the_updates_and_one_image_group_alone_total_per_image():
+    """Two groups, one of them image rows: the total protects an image (the updates at z / 2)."""
+    p = _privacy(2.0, payloads={"amplitude_spectra": {"clip": 1.0, "noise_multiplier": 3.0}})
+    acc = Accountant(p, 3, 3, {"amplitude_spectra": "image"})
+    total = acc.epsilon(acc.counts(5, {"amplitude_spectra": 1}))
+    assert total == pytest.approx(Accountant(_privacy((5 / 1.0 ** 2 + 1 / 3.0 ** 2) ** -0.5), 3, 3).epsilon(
+        {UPDATES: 1}), rel=1e-9)
+
+
+def _gaussian_rdp_epsilon(z: float, rounds: int, delta: float) -> float:
+    """R Gaussians of multiplier z, by hand: RDP R a / (2 z^2), converted as dp-accounting does."""
+    from dp_accounting.rdp.rdp_privacy_accountant import DEFAULT_RDP_ORDERS
+
+    return min(rounds * a / (2 * z * z) + math.log1p(-1 / a) - math.log(delta * a) / (a - 1)
+               for a in DEFAULT_RDP_ORDERS if a > 1.01)
+
+
+def test_the_updates_sampling_amplifies_the_updates_only_not_a_payload_group_of_any_name():
+    """Sampled clients (m < N: REPLACE_ONE, every multiplier halved): a payload group, named before or after
+    ``updates`` in sort order, is noised by the client itself and is not amplified by the sampling."""
+    p = _privacy(2.0, payloads={"alpha": {"clip": 1.0, "noise_multiplier": 3.0},
+                                "zeta": {"clip": 1.0, "noise_multiplier": 3.0}})
+    acc = Accountant(p, num_clients=100, per_round=10)
+    for g in ("alpha", "zeta"):
+        assert acc.epsilon({UPDATES: 4, g: 5}, [g]) == pytest.approx(_gaussian_rdp_epsilon(1.5, 5, 1e-5), rel=1e-9)
+    assert acc.epsilon({UPDATES: 4}, [UPDATES]) < _gaussian_rdp_epsilon(1.0, 4, 1e-5) / 2  # amplified
+
+
+def test_pld_is_refused_for_sampled_clients_only_and_rdp_calibrates_them_to_its_own_target():
+    dp = ("privacy.updates.clip=1", "privacy.updates.noise_multiplier=1")
+    check_privacy(tiny_cfg(*dp), num_clients=10, per_round=3, train_samples=1000)  # rdp: Wang et al.'s bound
+    check_privacy(tiny_cfg(*dp, "privacy.accountant=pld"), num_clients=3, per_round=3, train_samples=1000)
+    with pytest.raises(ConfigError, match="privacy.accountant: pld accounts Poisson sampling only, and the engine "
+                                          "samples 3 of 10 clients without replacement"):
+        check_privacy(tiny_cfg(*dp, "privacy.accountant=pld"), num_clients=10, per_round=3, train_samples=1000)
+    z = Accountant(_privacy(1.0), 100, 10).calibrate(20, 4.0)  # sampled: the event at z / 2, RDP only
+    acc = Accountant(_privacy(z), 100, 10)
+    assert 4.0 * 0.995 <= acc.epsilon(acc.counts(20, {})) <= 4.0 + 1e-9
+
+
 def test_the_first_rounds_forecast_counts_the_methods_noised_payloads(tiny_ds):
     """Before round 1 no round has released anything yet: the forecast takes one release of each payload the
     method shares and the config noises, so a budget that round 1's style would exceed stops before it."""
@@ -325,6 +365,63 @@ def test_check_privacy_refuses_what_a_config_alone_cannot_show():
     with pytest.raises(ConfigError, match=r"would spend epsilon 7\.077"):
         check_privacy(cfg.model_copy(update={"privacy": cfg.privacy.model_copy(update={"target_epsilon": 7.0})}),
                       3, 3, 1000)
+
+
+def test_check_privacy_boundaries_each_side():
+    """Each of check_privacy's bounds at its boundary (refused) and just inside it (accepted)."""
+    def dp(*sets, n=4, m=4, samples=1000):
+        check_privacy(tiny_cfg("privacy.updates.clip=1", *sets), num_clients=n, per_round=m, train_samples=samples)
+
+    with pytest.raises(ConfigError, match=r"privacy.delta=0.25 is not below 1 / 4 \(the clients"):
+        dp("privacy.delta=0.25")
+    dp("privacy.delta=0.24")
+    dp("privacy.delta=0.05", samples=50)  # the samples' bound is the payloads' only: none here
+    # adaptive: 2 sigma_b must exceed z; at 2 sigma_b = z the update noise's multiplier is infinite
+    adaptive = ("privacy.updates.adaptive=true", "privacy.updates.noise_multiplier=1")
+    with pytest.raises(ConfigError, match="2 sigma_b = 1 must exceed noise_multiplier 1"):
+        dp(*adaptive, "privacy.updates.count_noise_multiplier=0.5")
+    dp(*adaptive, "privacy.updates.count_noise_multiplier=0.75")
+    dp("privacy.updates.adaptive=true", "privacy.updates.noise_multiplier=0",  # no noise: nothing to split
+       "privacy.updates.count_noise_multiplier=0")
+    with pytest.raises(ConfigError, match="^privacy.updates: devices.enabled picks the aggregated clients on a clock"):
+        dp("devices.enabled=true")
+
+
+def test_check_privacy_payload_bounds_and_the_target_with_every_kind_of_record():
+    def check(*sets, n=3, m=3, samples=1000):
+        check_privacy(tiny_cfg("privacy.updates.clip=1", "privacy.updates.noise_multiplier=1", *sets),
+                      num_clients=n, per_round=m, train_samples=samples)
+
+    style = "privacy.payloads={style: {clip: 1, noise_multiplier: 2}}"
+    with pytest.raises(ConfigError, match=r"privacy.delta=0.001 is not below 1 / 1000 \(the training samples"):
+        check("method.name=stablefdg", style, "privacy.delta=0.001")
+    check("method.name=stablefdg", style, "privacy.delta=0.0009")
+    # a target: noised groups of client records and of image rows count as noised; an exact count never is
+    noised = ("privacy.target_epsilon=1000", "stages.amplitude={}", "method.name=elcfs")
+    check(*noised, "privacy.payloads={amplitude_spectra: {clip: 1, noise_multiplier: 2}}")
+    check("privacy.target_epsilon=1000", "method.name=stablefdg", style)
+    with pytest.raises(ConfigError, match="this run shares 'fediir_batches' without noise, so epsilon is unbounded "
+                                          "from the first release; add privacy.payloads.fediir_batches "):
+        check("privacy.target_epsilon=1000", "method.name=fediir")  # two clean groups: the first named, twice
+    with pytest.raises(ConfigError, match="shares 'fediir_batches' without noise"):  # counts cannot be noised
+        check("privacy.target_epsilon=1000", "method.name=fediir",
+              "privacy.payloads={fediir_grad_sum: {clip: 1, noise_multiplier: 2}}")
+    # a target the rounds spend exactly is met, not exceeded
+    cfg = tiny_cfg("privacy.updates.clip=1", "privacy.updates.noise_multiplier=1", "privacy.target_epsilon=8")
+    acc = Accountant(cfg.privacy, 3, 3)
+    exact = acc.epsilon(acc.counts(cfg.training.rounds, {}), [UPDATES])
+    check_privacy(cfg.model_copy(update={"privacy": cfg.privacy.model_copy(update={"target_epsilon": exact})}),
+                  3, 3, 1000)
+
+
+def test_the_update_noise_multiplier_by_hand_with_and_without_adaptive_clipping():
+    def u(z, adaptive):
+        return UpdatePrivacyConfig(clip=1.0, noise_multiplier=z, adaptive=adaptive,
+                                   count_noise_multiplier=0.75 if adaptive else None)
+
+    assert update_noise(u(0.0, True), 4) == 0.0  # no noise to split
+    assert update_noise(u(1.0, False), 4) == 1.0
+    assert update_noise(u(1.0, True), 4) == pytest.approx((1.0 - 1.5 ** -2) ** -0.5)  # z_Delta = 1.3416...
 
 
 def test_calibrate_prints_the_multiplier_that_spends_the_target(capsys):

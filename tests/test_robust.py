@@ -116,8 +116,9 @@ def test_the_pipeline_refuses_what_does_not_combine():
     dp = ("privacy.updates.clip=1.0", "privacy.updates.noise_multiplier=1.0")
     assert why("server.aggregator=median", *dp).startswith(
         "server.aggregator=median: privacy.updates adds noise calibrated to one client's bounded effect")
-    assert why("server.aggregator=trimmed_mean", "server.mode=fedbuff").startswith(
-        "server.aggregator=trimmed_mean: server.mode=fedbuff combines the uploads its own way")
+    assert why("server.aggregator=trimmed_mean", "server.mode=fedbuff") == (
+        "server.aggregator=trimmed_mean: server.mode=fedbuff combines the uploads its own way, and a round has one "
+        "estimator; use server.aggregator mean or drop server.mode")
     assert why("server.aggregator=median", "method.name=feddg_ga").startswith(
         "server.aggregator: method feddg_ga weighs clients itself (aggregation_weights)")
     assert "did you mean 'median'" in why("server.aggregator=medain")
@@ -125,6 +126,46 @@ def test_the_pipeline_refuses_what_does_not_combine():
                ("server.aggregator=trimmed_mean", "server.optimizer=fedavgm"),
                ("server.aggregator=median", "method.name=csac")):  # csac's uploads travel whole anyway
         check_pipeline(tiny_cfg(*ok))
+
+
+def test_two_estimators_bounded_alike_are_refused_as_two_not_as_noise_on_an_unbounded_one():
+    from rayfed_dg.engine.aggregation.pipeline import refusal
+    from rayfed_dg.engine.privacy.updates import DPMean
+    from rayfed_dg.methods import declarations
+
+    class Clipped(Estimator):  # a user's rule with a bounded sensitivity, beside DP's own
+        name, sensitivity_bounded = "clipped", True
+
+    why = refusal(DPMean, [DPMean, Clipped], declarations(tiny_cfg()))
+    assert why is not None and why.startswith("server.aggregator=clipped: privacy.updates combines the uploads its "
+                                              "own way, and a round has one estimator")
+
+
+def test_the_assembly_may_set_some_of_its_keys_in_a_round_and_none_it_did_not_declare():
+    from rayfed_dg.engine.aggregation.pipeline import Pipeline
+    from rayfed_dg.errors import EngineError
+
+    class Copy(Estimator):
+        name = "copy"
+
+        def estimate(self, u):
+            return {k: v + 1.0 for k, v in u.x.items()}
+
+    class Sets:
+        name = "m"
+
+        def __init__(self, own):
+            self.own = own
+
+        def assemble_global(self, r, results, est, x, server_state):
+            return dict(self.own)
+
+    x = {"a": np.zeros(1), "b": np.zeros(1), "c": np.zeros(1)}
+    u = Uploads(1, x, None, {}, [])
+    new = Pipeline(Copy(None, x), None, Sets({"a": np.full(1, 7.0)}), {"a", "b"}).run(u, [], {})
+    assert {k: float(v[0]) for k, v in new.items()} == {"a": 7.0, "b": 1.0, "c": 1.0}  # b: not set this round
+    with pytest.raises(EngineError, match=r"method m: assemble_global set \['c'\], which its assembles"):
+        Pipeline(Copy(None, x), None, Sets({"a": x["a"], "c": x["c"]}), {"a", "b"}).run(u, [], {})
 
 
 def test_a_users_aggregator_registers_like_a_method(monkeypatch):

@@ -121,7 +121,6 @@ class FedBuff(Estimator):
     name = "fedbuff"
     key = "server.mode=fedbuff"
     sums = False  # each upload minus the version it trained from
-    asynchronous = True
     refuses = _ASYNC_REFUSES
     advice = _ASYNC_ADVICE
 
@@ -140,7 +139,6 @@ class FedAsync(Estimator):
     name = "fedasync"
     key = "server.mode=fedasync"
     sums = False
-    asynchronous = True
     steps_optimizer = False  # the config refuses a server optimizer with it
     refuses = _ASYNC_REFUSES
     advice = _ASYNC_ADVICE

@@ -83,8 +83,6 @@ class Estimator:
     name: ClassVar[str] = ""
     key: ClassVar[str] = "server.aggregator"  # the config key that chose it (refusals name it)
     sums: ClassVar[bool] = True  # reads the uploads only as their weighted sum: workers may fold them
-    weighted: ClassVar[bool] = True  # uses the method's aggregation weights
-    asynchronous: ClassVar[bool] = False  # an asynchronous mode's update (one per buffer of arrivals)
     steps_optimizer: ClassVar[bool] = True  # the server optimizer may step along its estimate
     sensitivity_bounded: ClassVar[bool] = False  # one client moves it by a known bound (noise may be added)
     noises: ClassVar[bool] = False  # adds noise itself (the pipeline's step 4)

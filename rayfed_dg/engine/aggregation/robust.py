@@ -51,7 +51,6 @@ def _cast(value: np.ndarray, nan: np.ndarray, like: np.ndarray) -> np.ndarray:
 
 class _Robust(Estimator):
     sums = False  # needs every upload whole
-    weighted = False
     refuses = {"aggregation_weights": "weighs clients itself (aggregation_weights), and the robust rules are "
                                       "unweighted (Yin et al.)"}
     advice = "use server.aggregator mean"

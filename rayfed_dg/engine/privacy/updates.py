@@ -178,7 +178,6 @@ class DPMean(Estimator):
 
     name = "dp_fedavg"
     key = "privacy.updates"
-    weighted = False
     sensitivity_bounded = True
     noises = True
     # its new global model must be the mean of the uploads and nothing else

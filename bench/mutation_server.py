@@ -1,0 +1,114 @@
+"""A fork server for bench/mutation.py: one per job, each with its own copy of the tree.
+
+    python bench/mutation_server.py TREE     # then one JSON request a line on stdin, one JSON reply a line on stdout
+
+It imports the heavy third-party packages once (torch, numpy, Ray, pytest) and nothing of the project, then for each
+request writes the mutant's source into ``TREE``, forks, and runs pytest in the child, which imports the project
+afresh from ``TREE`` (mutated); the original source is put back before the reply.  A mutant's test run then costs
+its tests, not an interpreter's start-up and torch's import each time.
+
+Requests: ``{"module": path under TREE, "source": text or null for the unmutated tree, "args": pytest arguments,
+"timeout": seconds, "order": {test id: seconds} or null, "record": a path for the tests' durations or null}``;
+replies: ``{"rc": exit status, 124 on timeout, "output": its tail}``.  The child leads its own process group (the
+processes Ray's tests start included), which a timeout kills whole.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+sys.dont_write_bytecode = True  # a mutant written within the same second as its original must not reuse a .pyc
+
+
+class FastFirst:
+    """A pytest plugin: each file's tests in the order of their unmutated durations (``order``, the fastest first),
+    so that ``-x`` ends a killed mutant's run at the cheapest test that kills it; without ``order`` it only records
+    those durations.  Files keep their order, so a module-scoped fixture is still set up once."""
+
+    def __init__(self, order: dict[str, float] | None):
+        self.order, self.seconds = order or {}, {}
+
+    def pytest_collection_modifyitems(self, items):
+        files = {}
+        for item in items:
+            files.setdefault(item.nodeid.split("::")[0], len(files))
+        given = {id(item): k for k, item in enumerate(items)}
+        items.sort(key=lambda i: (files[i.nodeid.split("::")[0]], self.order.get(i.nodeid, float("inf")),
+                                  given[id(i)]))
+
+    def pytest_runtest_logreport(self, report):
+        self.seconds[report.nodeid] = self.seconds.get(report.nodeid, 0.0) + report.duration
+
+
+def _child(tree: str, req: dict, log: str) -> None:
+    os.setsid()
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.chdir(tree)
+    sys.path.insert(0, tree)
+    os.environ["PYTHONPATH"] = tree  # Ray's workers, started by the tests, import the mutant too
+    os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
+    import pytest
+
+    plugin = FastFirst(req.get("order"))
+    try:
+        rc = int(pytest.main(req["args"], plugins=[plugin]))
+    except BaseException:  # noqa: BLE001 - a mutant that breaks pytest itself is killed, as a failing run is
+        rc = 1
+    if req.get("record"):
+        with open(req["record"], "w") as f:
+            json.dump(plugin.seconds, f)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
+
+
+def _wait(pid: int, timeout: float) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    os.waitpid(pid, 0)
+    return 124
+
+
+def serve(tree: str) -> None:
+    import numpy  # noqa: F401 - imported once here, inherited by every child
+    import pytest  # noqa: F401
+    import ray  # noqa: F401
+    import torch  # noqa: F401
+
+    log = os.path.join(tree, ".mutant.log")
+    for line in sys.stdin:
+        req = json.loads(line)
+        path = os.path.join(tree, req["module"])
+        with open(path) as f:
+            original = f.read()
+        if req["source"] is not None:
+            with open(path, "w") as f:
+                f.write(req["source"])
+        try:
+            pid = os.fork()
+            if pid == 0:
+                _child(tree, req, log)
+            rc = _wait(pid, req["timeout"])
+        finally:
+            with open(path, "w") as f:
+                f.write(original)
+        with open(log) as f:
+            tail = f.read()[-4000:]
+        print(json.dumps({"rc": rc, "output": tail}), flush=True)
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
