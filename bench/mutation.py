@@ -239,6 +239,21 @@ def _outcome(item, server: subprocess.Popen, original: str, request: dict):
                       test_outcome=TestOutcome.SURVIVED if reply["rc"] == 0 else TestOutcome.KILLED)
 
 
+def _baseline(servers: list[subprocess.Popen], module: str, record: Path, timeout: float) -> dict:
+    """The mutants' request, its tests' order from an unmutated run's durations; then the unmutated tree in that
+    order on every job: a mutant "killed" by tests that fail anyway (an order they depend on, a tree left
+    mutated) would inflate the score."""
+    request = {"module": f"rayfed_dg/{module}", "args": _pytest(module)[3:], "timeout": timeout}
+    base = _ask(servers[0], {**request, "source": None, "record": str(record)})
+    request["order"] = json.loads(record.read_text()) if record.exists() else {}
+    for server in servers:
+        if not base["rc"]:
+            base = _ask(server, {**request, "source": None})
+    if base["rc"]:
+        raise SystemExit(f"mutation: the tests of {module} fail unmutated: {base['output'].strip()[-500:]}")
+    return request
+
+
 def _execute(session: Path, module: str, work: Path, jobs: int, timeout: float) -> None:
     """Every pending mutant of ``session``, on ``jobs`` fork servers, each with its own copy of the tree; the
     tests in the order of their unmutated durations, fastest first in each file."""
@@ -254,12 +269,7 @@ def _execute(session: Path, module: str, work: Path, jobs: int, timeout: float) 
     servers = [_serve(tree) for tree in trees]
     original = (work / "rayfed_dg" / module).read_text()
     try:
-        record = work / ".durations.json"
-        request = {"module": f"rayfed_dg/{module}", "args": _pytest(module)[3:], "timeout": timeout}
-        base = _ask(servers[0], {**request, "source": None, "record": str(record)})
-        if base["rc"]:  # a mutant "killed" by tests that fail anyway would inflate the score
-            raise SystemExit(f"mutation: the tests of {module} fail unmutated: {base['output'].strip()[-500:]}")
-        request["order"] = json.loads(record.read_text())
+        request = _baseline(servers, module, work / ".durations.json", timeout)
         free: queue.Queue = queue.Queue()
         for server in servers:
             free.put(server)
@@ -277,8 +287,13 @@ def _execute(session: Path, module: str, work: Path, jobs: int, timeout: float) 
                                                                   i.mutations[0].occurrence))
             t0, done, killed = time.monotonic(), 0, 0
             with ThreadPoolExecutor(jobs) as pool:
-                for fut in as_completed([pool.submit(one, item) for item in items]):
-                    item, result = fut.result()
+                futures = [pool.submit(one, item) for item in items]
+                for fut in as_completed(futures):
+                    try:
+                        item, result = fut.result()
+                    except BaseException:  # a server that ended, Ctrl-C: the queued mutants are not run for nothing
+                        pool.shutdown(wait=False, cancel_futures=True)
+                        raise
                     db.set_result(item.job_id, result)
                     done += 1
                     killed += result.test_outcome is not None and result.test_outcome.value == "killed"

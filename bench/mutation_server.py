@@ -55,16 +55,16 @@ def _child(tree: str, req: dict, log: str) -> None:
     import pytest
 
     plugin = FastFirst(req.get("order"))
+    rc = 1  # a mutant that breaks pytest itself is killed, as a failing run is
     try:
         rc = int(pytest.main(req["args"], plugins=[plugin]))
-    except BaseException:  # noqa: BLE001 - a mutant that breaks pytest itself is killed, as a failing run is
-        rc = 1
-    if req.get("record"):
-        with open(req["record"], "w") as f:
-            json.dump(plugin.seconds, f)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(rc)
+        if req.get("record"):
+            with open(req["record"], "w") as f:
+                json.dump(plugin.seconds, f)
+    finally:  # whatever happens, the child never returns into the server's loop
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
 
 
 def _wait(pid: int, timeout: float) -> int:
@@ -101,7 +101,11 @@ def serve(tree: str) -> None:
             pid = os.fork()
             if pid == 0:
                 _child(tree, req, log)
-            rc = _wait(pid, req["timeout"])
+            try:
+                rc = _wait(pid, req["timeout"])
+            except BaseException:  # Ctrl-C: the child's group (its Ray processes too) ends with the server
+                os.killpg(pid, signal.SIGKILL)
+                raise
         finally:
             with open(path, "w") as f:
                 f.write(original)

@@ -408,3 +408,26 @@ def test_fedbuffs_first_update_through_the_server_is_x_plus_eta_times_the_weight
     want = x0[k].astype(np.float64) + 0.5 * (out["sync"][k].astype(np.float64) - x0[k])
     np.testing.assert_allclose(out["buff"][k], want, rtol=1e-5, atol=1e-6)
     assert not np.allclose(out["buff"][k], x0[k])
+
+
+def test_fedasyncs_first_update_through_the_server_mixes_the_first_arrival_by_hand(ray_session, tiny_ds, engine_host):
+    """FedAsync with every client training from x_0: the first arrival (staleness 0, t - tau = 1) is mixed in as
+    x_1 = (1 - alpha s(1)) x_0 + alpha s(1) y, y its upload recomputed in this process (alpha 0.6, polynomial
+    a = 0.5: s(1) = 2^-0.5); the upload reaches the estimator whole."""
+    from rayfed_dg.engine import ClientRunner
+
+    ray = ray_session
+    cfg = tiny_cfg("training.rounds=1", "training.local_steps=2", "evaluation.every=0", "server.mode=fedasync")
+    split = leave_one_domain_out(tiny_ds, "texture", cfg.data.val_fraction, cfg.data.split_seed)
+    server = engine_host(tiny_ds, 2).open(cfg, split, tiny_ds.num_classes)
+    x0 = ray.get(server.get_state.remote())["global_state"]
+    out = ray.get(server.run_round.remote())
+    x1 = ray.get(server.get_state.remote())["global_state"]
+    (c,) = [r.client for r in out.clients if not r.dropped]
+    runner = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, tiny_ds.num_classes, 3)
+    y = runner.run_client(c, 1, split.clients[c], x0, {}, {}).update
+    a = 0.6 * 2 ** -0.5
+    k = "head.weight"
+    want = (1 - a) * x0[k].astype(np.float64) + a * y[k].astype(np.float64)
+    np.testing.assert_allclose(x1[k], want, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(x1[k], x0[k])

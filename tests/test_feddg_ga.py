@@ -67,7 +67,7 @@ def test_weights_follow_the_gaps_and_drive_the_next_reduce(ray_session, tiny_ds,
     assert sorted(x.client for x in rows) == clients and all(x.bytes == 16 for x in rows)
 
 
-def test_the_server_moves_the_weights_after_every_trained_round(ray_session, tiny_ds, engine_host):
+def test_the_server_moves_the_weights_after_a_trained_round(ray_session, tiny_ds, engine_host):
     """The fast tier's check of the wiring (the test above, slow, checks the values): ``after_round`` runs on the
     server after each round its clients trained, so the weights exist and move from round 1."""
     ray = ray_session
