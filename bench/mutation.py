@@ -134,9 +134,19 @@ def _copy_tree(dst: Path) -> None:
     shutil.copytree(REPO, dst, ignore=ignore)
 
 
+def _pytest_args(module: str) -> list[str]:
+    """pytest's arguments that judge ``module``'s mutants (on the fork servers, and in ``--recheck``)."""
+    return ["-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", *MODULES[module]]
+
+
 def _pytest(module: str) -> list[str]:
-    """The test command that judges ``module``'s mutants: unmutated, under cosmic-ray, and in ``--recheck``."""
-    return [PY, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", *MODULES[module]]
+    return [PY, "-m", "pytest", *_pytest_args(module)]
+
+
+def _mutant_key(item) -> tuple:
+    """What a mutant is (unique, unlike its uuid job id): the order of the sample's draw and of the runs."""
+    m = item.mutations[0]
+    return m.start_pos, m.operator_name, m.occurrence
 
 
 def _config(module: str, timeout: float) -> str:
@@ -191,10 +201,7 @@ def _sample(session: Path, n: int, seed: str) -> int:
     from cosmic_ray.work_item import WorkerOutcome, WorkResult
 
     with use_db(str(session), WorkDB.Mode.open) as db:
-        # job ids are uuids: order by what the mutant is (unique), so the draw does not depend on them
-        pending = sorted(db.pending_work_items, key=lambda i: (i.mutations[0].start_pos,
-                                                                i.mutations[0].operator_name,
-                                                                i.mutations[0].occurrence))
+        pending = sorted(db.pending_work_items, key=_mutant_key)
         keep = set(random.Random(seed).sample(range(len(pending)), min(n, len(pending))))
         for k, item in enumerate(pending):
             if k not in keep:
@@ -243,7 +250,7 @@ def _baseline(servers: list[subprocess.Popen], module: str, record: Path, timeou
     """The mutants' request, its tests' order from an unmutated run's durations; then the unmutated tree in that
     order on every job: a mutant "killed" by tests that fail anyway (an order they depend on, a tree left
     mutated) would inflate the score."""
-    request = {"module": f"rayfed_dg/{module}", "args": _pytest(module)[3:], "timeout": timeout}
+    request = {"module": f"rayfed_dg/{module}", "args": _pytest_args(module), "timeout": timeout}
     base = _ask(servers[0], {**request, "source": None, "record": str(record)})
     request["order"] = json.loads(record.read_text()) if record.exists() else {}
     for server in servers:
@@ -282,9 +289,7 @@ def _execute(session: Path, module: str, work: Path, jobs: int, timeout: float) 
                 free.put(server)
 
         with use_db(str(session), WorkDB.Mode.open) as db:
-            items = sorted(db.pending_work_items, key=lambda i: (i.mutations[0].start_pos,
-                                                                  i.mutations[0].operator_name,
-                                                                  i.mutations[0].occurrence))
+            items = sorted(db.pending_work_items, key=_mutant_key)
             t0, done, killed = time.monotonic(), 0, 0
             with ThreadPoolExecutor(jobs) as pool:
                 futures = [pool.submit(one, item) for item in items]

@@ -120,15 +120,19 @@ def test_pld_equals_the_gaussian_mechanisms_closed_form():
     assert eps >= exact - 1e-9
 
 
-def test_rdp_of_unsampled_rounds_is_the_gaussian_rdp_converted_by_hand():
+def _gaussian_rdp_epsilon(z: float, rounds: int, delta: float) -> float:
+    """R Gaussians of multiplier z, by hand: RDP R a / (2 z^2), to (eps, delta) by Canonne, Kamath and Steinke's
+    conversion, over dp-accounting's orders."""
     from dp_accounting.rdp.rdp_privacy_accountant import DEFAULT_RDP_ORDERS
 
-    z, rounds, delta = 1.5, 15, 1e-5
-    # RDP of R Gaussians: R a / (2 z^2); to (eps, delta) by Canonne, Kamath and Steinke's conversion
-    best = min(rounds * a / (2 * z * z) + math.log1p(-1 / a) - math.log(delta * a) / (a - 1)
+    return min(rounds * a / (2 * z * z) + math.log1p(-1 / a) - math.log(delta * a) / (a - 1)
                for a in DEFAULT_RDP_ORDERS if a > 1.01)
+
+
+def test_rdp_of_unsampled_rounds_is_the_gaussian_rdp_converted_by_hand():
+    z, rounds, delta = 1.5, 15, 1e-5
     acc = Accountant(_privacy(z, delta=delta), num_clients=3, per_round=3)
-    assert acc.epsilon(acc.counts(rounds, {})) == pytest.approx(best, rel=1e-12)
+    assert acc.epsilon(acc.counts(rounds, {})) == pytest.approx(_gaussian_rdp_epsilon(z, rounds, delta), rel=1e-12)
 
 
 def test_sampling_without_replacement_is_wang_et_als_bound_at_half_the_multiplier():
@@ -234,14 +238,6 @@ def test_the_updates_and_one_image_group_alone_total_per_image():
     total = acc.epsilon(acc.counts(5, {"amplitude_spectra": 1}))
     assert total == pytest.approx(Accountant(_privacy((5 / 1.0 ** 2 + 1 / 3.0 ** 2) ** -0.5), 3, 3).epsilon(
         {UPDATES: 1}), rel=1e-9)
-
-
-def _gaussian_rdp_epsilon(z: float, rounds: int, delta: float) -> float:
-    """R Gaussians of multiplier z, by hand: RDP R a / (2 z^2), converted as dp-accounting does."""
-    from dp_accounting.rdp.rdp_privacy_accountant import DEFAULT_RDP_ORDERS
-
-    return min(rounds * a / (2 * z * z) + math.log1p(-1 / a) - math.log(delta * a) / (a - 1)
-               for a in DEFAULT_RDP_ORDERS if a > 1.01)
 
 
 def test_the_updates_sampling_amplifies_the_updates_only_not_a_payload_group_of_any_name():
