@@ -5,6 +5,7 @@
     python bench/mutation.py --modules engine/store/selection.py methods/fedgma.py --out runs/mutation
     python bench/mutation.py --recheck runs/mutation/engine_dispatch.md   # its survivors against today's tests
     python bench/mutation.py --sample 40 --modules models/norms.py        # an estimate from 40 random mutants
+    python bench/mutation.py --resume --modules engine/aggregation/exact.py --out runs/mutation_full  # in parts
 
 ``SCOPES`` narrows a large module to the functions the tests are meant to pin (the sweep's selection, the pool's
 failure accounting); the rest of it is not scored. Each module is mutated one plausible single bug at a time (an
@@ -30,10 +31,15 @@ replacers, so the count stays within reach: typically 50-300 mutants per module,
 time) from each module's mutants, and prints the score with its binomial standard error sqrt(p (1 - p) / N): random
 mutant sampling (Acree 1980; Wong and Mathur 1995) estimates the full score without running every mutant, at a
 tenth of the time for the largest modules. The report says which mutants were drawn.
+
+``--resume`` keeps each module's results in ``OUT/<module>.sqlite``: a run stopped (Ctrl-C, the machine's session
+ending) and started again goes on with the mutants not yet run, as long as the module, its tests' files and
+``conftest.py`` are byte for byte the same; otherwise it starts afresh, as results against other code do not hold.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -82,6 +88,9 @@ MODULES: dict[str, list[str]] = {
                                     "tests/test_clientstore.py", "tests/test_feddg_ga.py", "-m", "not slow"],
     "engine/rounds/server.py": ["tests/test_engine.py", "tests/test_async.py", "tests/test_resume.py",
                                 "tests/test_concurrent.py", "tests/test_pool.py", "-m", "not slow"],
+    # one round on the pool: its cohort, phases, the workers' exact partial sums merged, its rows
+    "engine/rounds/round.py": ["tests/test_engine.py", "tests/test_aggregate.py", "tests/test_async.py",
+                               "tests/test_devices.py", "tests/test_feddg_ga.py", "-m", "not slow"],
     "engine/store/clientstore.py": ["tests/test_clientstore.py", "-m", "not slow"],
     # the concurrent federations' schedule on one machine
     "engine/running/schedule.py": ["tests/test_schedule.py", "tests/test_concurrent.py", "-m", "not slow"],
@@ -312,20 +321,37 @@ def _execute(session: Path, module: str, work: Path, jobs: int, timeout: float) 
             server.wait()
 
 
+def _digest(module: str, work: Path, sample: int | None, seed: int) -> str:
+    """What a kept session's results depend on: the module, its tests' files and arguments, the draw."""
+    h = hashlib.sha256(json.dumps([module, MODULES[module], sample, seed]).encode())
+    for rel in [f"rayfed_dg/{module}"] + [a for a in MODULES[module] if a.endswith(".py")] + ["tests/conftest.py"]:
+        h.update((work / rel).read_bytes())
+    return h.hexdigest()
+
+
 def mutate(module: str, work: Path, timeout: float, sample: int | None = None, seed: int = 0,
-           jobs: int = 2) -> dict:
+           jobs: int = 2, keep: Path | None = None) -> dict:
+    """Score ``module``.  With ``keep`` (a folder) its session database is kept there, and a later call with the
+    module and its tests unchanged goes on with the mutants not yet run instead of starting afresh."""
     name = module.replace("/", "_").removesuffix(".py")
     cfg = work / f"{name}.toml"
-    session = work / f"{name}.sqlite"
+    session = (keep or work) / f"{name}.sqlite"
+    stamp, digest = session.with_suffix(".sha256"), _digest(module, work, sample, seed)
     cfg.write_text(_config(module, timeout))
     t0 = time.monotonic()
-    for step in (["cosmic-ray", "init", str(cfg), str(session)], ["cr-filter-operators", str(session), str(cfg)]):
-        r = _run(step, work)
-        if r.returncode:
-            raise SystemExit(f"mutation: {' '.join(step[:2])} failed for {module}: {r.stderr.strip()[-500:]}")
-    if module in SCOPES:
-        _skip_outside(session, _scope_lines(work / "rayfed_dg" / module, SCOPES[module]))
-    population = _sample(session, sample, f"{seed}:{module}") if sample else None
+    kept = json.loads(stamp.read_text()) if keep is not None and session.exists() and stamp.exists() else {}
+    population = kept.get("population")
+    if kept.get("digest") != digest:
+        session.unlink(missing_ok=True)  # a kept session of other code or tests: its results no longer hold
+        for step in (["cosmic-ray", "init", str(cfg), str(session)], ["cr-filter-operators", str(session), str(cfg)]):
+            r = _run(step, work)
+            if r.returncode:
+                raise SystemExit(f"mutation: {' '.join(step[:2])} failed for {module}: {r.stderr.strip()[-500:]}")
+        if module in SCOPES:
+            _skip_outside(session, _scope_lines(work / "rayfed_dg" / module, SCOPES[module]))
+        population = _sample(session, sample, f"{seed}:{module}") if sample else None
+        if keep is not None:
+            stamp.write_text(json.dumps({"digest": digest, "population": population}))
     _execute(session, module, work, jobs, timeout)
     dump = _run(["cosmic-ray", "dump", str(session)], work).stdout.splitlines()
     rows = [json.loads(line) for line in dump if line.strip()]
@@ -407,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sample", type=int, metavar="N", help="score N mutants drawn at random from each module")
     ap.add_argument("--seed", type=int, default=0, help="the draw of --sample")
     ap.add_argument("--jobs", type=int, default=2, help="mutants tested at once, each in its own copy of the tree")
+    ap.add_argument("--resume", action="store_true", help="keep results in --out; go on from the mutants not yet run")
     a = ap.parse_args(argv)
     if a.jobs < 1:
         print(f"mutation: --jobs {a.jobs}: give at least 1", file=sys.stderr)
@@ -434,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         failed = 0
         for module in a.modules:
             try:
-                res = mutate(module, work, a.timeout, a.sample, a.seed, a.jobs)
+                res = mutate(module, work, a.timeout, a.sample, a.seed, a.jobs, out.resolve() if a.resume else None)
             except SystemExit as err:  # one module's failure (its tests fail unmutated, ...) does not end the run
                 print(f"| {module} | - | - | - | - | not scored: {str(err).splitlines()[0][:150]} | - |", flush=True)
                 failed += 1

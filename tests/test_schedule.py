@@ -84,3 +84,85 @@ def test_a_federation_in_its_last_round_gets_no_worker():
 def test_a_cluster_without_a_worker_is_refused():
     with pytest.raises(ValueError, match="slots=0"):
         plan([job("a", 1)], 0)
+
+
+# ------------------------------------------------------------ costs from a run's config, and the edges
+
+
+def test_a_federations_cost_comes_from_its_config_and_partition(tiny_ds):
+    """fed_job on a real config and split, as the driver calls it: samples stepped per client of a round."""
+    from conftest import tiny_cfg
+
+    from rayfed_dg.engine.running.plan import split_for
+    from rayfed_dg.engine.running.schedule import fed_job
+
+    def cost(*sets):
+        cfg = tiny_cfg("partition.strategy=single_domain", "partition.num_clients=3", *sets)
+        split = split_for(cfg, tiny_ds, "texture")
+        return split, fed_job("k", cfg, split)
+
+    _, steps = cost("training.local_steps=3", "training.batch_size=16", "training.rounds=4")
+    assert steps.round_clients == (48.0, 48.0, 48.0) and steps.rounds == 4  # 3 steps x 16, whatever the sizes
+    split, epochs = cost("training.local_steps=null", "training.local_epochs=2")
+    sizes = [float(s) for s in split.client_sizes()]
+    assert len(set(sizes)) > 1  # unequal clients: the mean below differs from any one of them
+    assert epochs.round_clients == tuple(2 * s for s in sizes)
+    _, two = cost("training.local_steps=null", "training.local_epochs=2", "training.clients_per_round=2")
+    assert two.round_clients == (2 * sum(sizes) / 3,) * 2  # k sampled of n: k clients of mean size
+
+
+def test_grow_ranks_by_rounds_left_times_round_time():
+    # a: 1 round of 12 (12 left); b: 4 rounds of 2.5 (10): a sum or a ratio of the two would pick b
+    a, b = job("a", 6, 6), job("b", 1.25, 1.25)
+    assert grow({"a": (a, 1, 1), "b": (b, 1, 4)}, 1) == {"a": 1}
+    assert grow({"a": (a, 1, 1), "b": (b, 1, 6)}, 1) == {"b": 1}  # 6 x 2.5 = 15 > 12
+    twin = job("t", 1, 1)
+    assert grow({"x": (twin, 1, 1), "y": (twin, 1, 1)}, 1) == {"x": 1}  # a tie: the first key
+    small = job("s", 0.25, 0.25)
+    assert grow({"s": (small, 1, 1)}, 1) == {"s": 1}  # any gain counts, however little remains
+
+
+def test_grow_adds_a_worker_only_where_the_next_one_shortens_a_round():
+    # [4, 1, 1] on 2 workers: 4 | 2, on 3: 4 | 1 | 1: no gain, no worker
+    assert grow({"a": (job("a", 4, 1, 1), 2, 3)}, 1) == {}
+    # [3, 3, 3, 3]: 6 on 2 workers and on 3, 3 only on 4: one more worker alone gains nothing
+    assert grow({"q": (job("q", 3, 3, 3, 3), 2, 3)}, 1) == {}
+    assert grow({"q": (job("q", 3, 3, 3, 3), 2, 3)}, 2) == {}
+
+
+def test_free_workers_wait_while_a_federation_waits_to_start():
+    # one at a time (max_running 1) on 2 slots at width 1: a keeps its one worker while b waits; b, alone, grows
+    s = simulate([job("a", 1, 1, rounds=2), job("b", 1, 1, rounds=2)], 2, max_running=1, width=1)
+    assert s.widths == {"a": [1, 1], "b": [1, 2]}
+
+
+def test_a_wide_federation_first_in_line_is_not_skipped_for_a_narrow_one():
+    # c (2 workers) starts; a needs 2 of the 1 left and waits, though b behind it needs 1: the order holds
+    jobs = [job("c", 5, 5), job("a", 4, 4), job("b", 3)]
+    s = simulate(jobs, 3, width=2)
+    assert s.start == {"c": 0.0, "a": 5.0, "b": 5.0}
+
+
+def test_longest_work_first_whatever_the_keys():
+    assert plan([job("a", 1), job("b", 5), job("c", 3)], 1).order == ["b", "c", "a"]
+
+
+def test_schedule_ratio_is_makespan_over_the_ideal():
+    from rayfed_dg.engine.running.schedule import Schedule
+
+    assert Schedule(6.0, 4.0).ratio == 1.5
+    assert Schedule(1.5, 0.5).ratio == 3.0  # an ideal below one second still divides
+    assert Schedule(0.0, 0.0).ratio == 1.0  # no work: nothing to waste
+
+
+def test_edges_no_federation_one_slot_one_client():
+    empty = simulate([], 2)
+    assert (empty.makespan, empty.most_running, empty.start) == (0.0, 0, {})
+    jobs = [job("a", 2, 1, rounds=2), job("b", 3)]
+    s = simulate(jobs, 1)  # one worker: one federation after the other, every client in turn
+    assert (s.makespan, s.most_running) == (9.0, 1)
+    assert job("one", 5).max_workers == 1 and job("none").max_workers == 1
+    assert job("two", 2, 3).round_time(0) == 5.0  # no worker counts as one, not as none
+    j = job("f", 1, 2)
+    with pytest.raises(AttributeError):  # frozen: round_time's sorted cache can never go stale
+        j.round_clients = (9.0,)
