@@ -343,6 +343,7 @@ def mutate(module: str, work: Path, timeout: float, sample: int | None = None, s
     population = kept.get("population")
     if kept.get("digest") != digest:
         session.unlink(missing_ok=True)  # a kept session of other code or tests: its results no longer hold
+        stamp.unlink(missing_ok=True)  # an interrupted init must not leave an old stamp beside a new session
         for step in (["cosmic-ray", "init", str(cfg), str(session)], ["cr-filter-operators", str(session), str(cfg)]):
             r = _run(step, work)
             if r.returncode:
@@ -351,7 +352,8 @@ def mutate(module: str, work: Path, timeout: float, sample: int | None = None, s
             _skip_outside(session, _scope_lines(work / "rayfed_dg" / module, SCOPES[module]))
         population = _sample(session, sample, f"{seed}:{module}") if sample else None
         if keep is not None:
-            stamp.write_text(json.dumps({"digest": digest, "population": population}))
+            stamp.with_suffix(".tmp").write_text(json.dumps({"digest": digest, "population": population}))
+            stamp.with_suffix(".tmp").replace(stamp)
     _execute(session, module, work, jobs, timeout)
     dump = _run(["cosmic-ray", "dump", str(session)], work).stdout.splitlines()
     rows = [json.loads(line) for line in dump if line.strip()]

@@ -87,13 +87,13 @@ def test_a_fresh_sum_counts_from_zero():
 def test_one_step_up_to_two_to_the_1023_two_steps_above():
     from rayfed_dg.engine.aggregation.exact import _scale
 
-    x = 2.0 ** -60
-    for e in (-1023, -1022, 1023, 1024, 1025):  # 2^1024 is not a float64: 1024 needs the two steps
-        assert _scale(torch.tensor([x], dtype=torch.float64), e).item() == math.ldexp(x, e), e
+    for x, e in ((2.0 ** 60, -1023), (2.0 ** 60, -1022), (2.0 ** -60, 1023), (2.0 ** -60, 1024), (2.0 ** -60, 1025)):
+        # 2^-1023 is subnormal and 2^1024 not a float64: those take the two steps; every product is a normal float64
+        assert _scale(torch.tensor([x], dtype=torch.float64), e).item() == math.ldexp(x, e) != 0.0, e
 
 
 def test_terms_far_below_one_are_scaled_in_two_steps_exactly():
-    # a global model of 2^-970: the window 2^-1008 lies below 2^-1000, where w 2^-e is not formed in one step
+    # a global model of 2^-970: its window e = -1008 is outside the one-step guard (|e| < 1000): w v scaled in two steps
     v = np.array([2.0 ** -970, -3 * 2.0 ** -975], np.float64)
     assert exact.windows({"t": v}, [2.0]) == {"t": -970 + 5 + 1 - exact.B}  # 16 * 2 * 2^-970 = 2^-965
     red = Reducer([0, 1], {0: 2.0, 1: 2.0}, {"t": v})

@@ -112,7 +112,7 @@ def test_a_federations_cost_comes_from_its_config_and_partition(tiny_ds):
 
 
 def test_grow_ranks_by_rounds_left_times_round_time():
-    # a: 1 round of 12 (12 left); b: 4 rounds of 2.5 (10): a sum or a ratio of the two would pick b
+    # a: 1 round of 12 (12 left); b: 4 rounds of 2.5 (10): a ratio would pick b here, a sum a in the next line
     a, b = job("a", 6, 6), job("b", 1.25, 1.25)
     assert grow({"a": (a, 1, 1), "b": (b, 1, 4)}, 1) == {"a": 1}
     assert grow({"a": (a, 1, 1), "b": (b, 1, 6)}, 1) == {"b": 1}  # 6 x 2.5 = 15 > 12
