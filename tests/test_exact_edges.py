@@ -40,6 +40,9 @@ def test_a_sum_holds_two_to_the_62_minus_b_terms_and_refuses_one_more():
     FixedSum({"x": -40}, terms=1).merge(FixedSum({"x": -40}, terms=most - 1))  # a partial's terms count in a merge
     with pytest.raises(AssertionError):
         FixedSum({"x": -40}, terms=2).merge(FixedSum({"x": -40}, terms=most - 1))
+    FixedSum({"x": 0}).merge(FixedSum({"x": 0}, terms=most))  # a fresh sum counts from zero
+    with pytest.raises(AssertionError):
+        FixedSum({"x": 0}).merge(FixedSum({"x": 0}, terms=most + 1))
 
 
 BIG = 2.0 ** 44 - 1  # the largest integer of B = 44 bits: 512 of them sum to 2^53 - 512, 513 pass 2^53
@@ -75,13 +78,6 @@ def test_a_merge_never_writes_the_partial_it_reads():
         out.merge(packed_ints)
     assert out.total("x").tolist() == [2 * 3.0 + 2 * 513.0, 2 * 5.0 + 2 * 1026.0]
     assert all(np.array_equal(a, b) for a, b in zip(before, packed.pieces + packed_ints.pieces))
-
-
-def test_a_fresh_sum_counts_from_zero():
-    most = 2 ** (62 - exact.B)
-    FixedSum({"x": 0}).merge(FixedSum({"x": 0}, terms=most))  # holds every term a full partial has
-    with pytest.raises(AssertionError):
-        FixedSum({"x": 0}).merge(FixedSum({"x": 0}, terms=most + 1))
 
 
 def test_one_step_up_to_two_to_the_1023_two_steps_above():
