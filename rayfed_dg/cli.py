@@ -38,7 +38,7 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     # in this order in ``--help``
     for add in (_add_run, _add_partition, _add_evaluate, _add_data, _add_report, _add_collect, _add_privacy,
-                _add_plot):
+                _add_devices, _add_plot):
         add(sub)
     return p
 
@@ -121,17 +121,44 @@ def _add_collect(sub: Subcommands) -> None:
     _debug_flag(col)
 
 
+def _config_args(parser: argparse.ArgumentParser, target_help: str) -> None:
+    parser.add_argument("config")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--target", default=None, help=target_help)
+
+
 def _add_privacy(sub: Subcommands) -> None:
     priv = sub.add_parser("privacy", help="differential privacy: the noise a run needs for a target epsilon")
     _debug_flag(priv)
     psub = priv.add_subparsers(dest="privacy_command", required=True)
     cal = psub.add_parser("calibrate", help="the update noise multiplier z at which the config's rounds spend "
                                             "--epsilon at privacy.delta (its clients, clients per round, accountant)")
-    cal.add_argument("config")
+    _config_args(cal, "target domain whose partition counts (default: the first)")
     cal.add_argument("--epsilon", type=float, required=True, help="the target epsilon")
-    cal.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    cal.add_argument("--target", default=None, help="target domain whose partition counts (default: the first)")
     _debug_flag(cal)
+
+
+def _add_devices(sub: Subcommands) -> None:
+    dev = sub.add_parser("devices", help="the device model's clock: calibration, traces in other simulators' "
+                                         "formats")
+    _debug_flag(dev)
+    dsub = dev.add_subparsers(dest="devices_command", required=True)
+    cal = dsub.add_parser("calibrate", help="measure devices.step_seconds and overhead_s on this machine: the "
+                                            "config's trainings at two numbers of local steps")
+    _config_args(cal, "the target domain whose federation runs (default: the first)")
+    cal.add_argument("--steps", default="2,8", metavar="A,B", help="the two numbers of local steps (default 2,8)")
+    cal.add_argument("--rounds", type=int, default=3, help="rounds of each (round 1 left out; default 3)")
+    cal.add_argument("--out", default=None, help="write the measurement (JSON) here")
+    _debug_flag(cal)
+    conv = dsub.add_parser("convert", help="FedScale's or FLASH's device traces to the engine's CSV files "
+                                           "(speeds.csv, bandwidth.csv, availability.csv)")
+    conv.add_argument("--format", choices=("fedscale", "flash"), required=True)
+    conv.add_argument("--capacity", default=None, help="FedScale's client_device_capacity (speeds, bandwidths)")
+    conv.add_argument("--availability", default=None,
+                      help="FedScale's client_behave_trace or FLASH's state_traces.json")
+    conv.add_argument("--clients", type=int, required=True, help="the run's number of clients")
+    conv.add_argument("--out", required=True, help="folder for the CSV files")
+    _debug_flag(conv)
 
 
 def _add_plot(sub: Subcommands) -> None:
@@ -289,6 +316,44 @@ def _privacy(args) -> int:
     return 0
 
 
+def _devices(args) -> int:
+    from rayfed_dg.errors import ConfigError
+
+    if args.devices_command == "calibrate":
+        return _calibrate_devices(args)
+    from rayfed_dg.engine.clock.traces import convert
+
+    if args.clients < 1:
+        raise ConfigError(f"--clients {args.clients}: give the run's number of clients (at least 1)")
+    for path in convert(args.format, args.clients, Path(args.out), args.capacity, args.availability):
+        print(path)
+    return 0
+
+
+def _calibrate_devices(args) -> int:
+    import json
+
+    from rayfed_dg.engine.running.calibration import calibrate_clock
+    from rayfed_dg.errors import ConfigError
+
+    try:
+        a, b = (int(v) for v in args.steps.split(","))
+    except ValueError:
+        raise ConfigError(f"--steps {args.steps}: give two numbers of local steps, e.g. --steps 2,8") from None
+    rec = calibrate_clock(args.config, args.overrides, args.target, (a, b), args.rounds)
+    lo, hi = rec["step_seconds_5_95"]
+    n = len(rec["trainings"][str(a)]) + len(rec["trainings"][str(b)])
+    print(f"one local step: {rec['step_seconds']:.4g} s (5-95 % {lo:.4g}-{hi:.4g}); a training besides its steps: "
+          f"{rec['overhead_s']:.4g} s; from {n} trainings of {a} and {b} steps on {rec['machine']['processor']}, "
+          f"{rec['workers'] or 'auto'} worker(s)")
+    over = max(0.0, rec["overhead_s"])  # a negative intercept is noise: no training costs less than its steps
+    print(f"--set devices.step_seconds={rec['step_seconds']:.6g} --set devices.overhead_s={over:.6g}")
+    if args.out:
+        write_text(json.dumps(rec, indent=1) + "\n", Path(args.out))
+        print(args.out)
+    return 0
+
+
 def _data(args) -> int:
     from rayfed_dg.data.fetch import describe, fetch
     from rayfed_dg.data.sources import DATA_ENV, data_root
@@ -316,6 +381,8 @@ def _dispatch(args) -> int:
         return _plot(args)
     if args.command == "privacy":
         return _privacy(args)
+    if args.command == "devices":
+        return _devices(args)
     if args.command == "collect":
         return _collect(args)
     if args.command == "evaluate":

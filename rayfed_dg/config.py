@@ -400,19 +400,62 @@ class DomainWindow(_Strict):
         return self
 
 
+class NetworkConfig(_Strict):
+    """Each device's link to the server (engine/clock/network.py, docs/cross_device.md): a training downloads the
+    model and uploads its update, each transfer taking latency, a seeded jitter and the model's bits over the
+    device's bandwidth in that direction; concurrent uploads may share the server's link."""
+
+    down_mbps: float | None = Field(None, gt=0.0)  # median download bandwidth of a device; None: no limit
+    up_mbps: float | None = Field(None, gt=0.0)  # median upload bandwidth of a device; None: no limit
+    sigma: float = Field(0.0, ge=0.0)  # each device's bandwidths: the medians x exp(sigma z), z ~ N(0, 1) per direction
+    trace: str | None = None  # a CSV file client,down_mbps,up_mbps, a row per client (instead of the medians)
+    latency_s: float = Field(0.0, ge=0.0)  # one-way delay of every transfer
+    jitter_s: float = Field(0.0, ge=0.0)  # mean of an exponential delay added to every transfer (seeded)
+    # the server's link: the uploads in flight divide it max-min fairly, none above its own up bandwidth;
+    # None: every upload has its own link
+    server_mbps: float | None = Field(None, gt=0.0)
+
+    @field_validator("trace")
+    @classmethod
+    def _absolute(cls, v: str | None) -> str | None:
+        return None if v is None else str(Path(v).expanduser().resolve())
+
+    @model_validator(mode="after")
+    def _one_source(self) -> NetworkConfig:
+        if self.trace is not None and (self.down_mbps, self.up_mbps, self.sigma) != (None, None, 0.0):
+            raise ValueError("trace gives every device's bandwidths: drop down_mbps, up_mbps and sigma, or the trace")
+        return self
+
+
+class ProfileShare(_Strict):
+    """A share of the population with one named device profile (engine/clock/profiles.py has the tiers and
+    their published sources)."""
+
+    compute: str  # compute tier: phone_high, phone_mid, phone_low (speed = 1 / its slowdown)
+    network: str | None = None  # network tier: mobile, broadband, mobile_5g; None: devices.network's own values
+    share: float = Field(1.0, gt=0.0)  # relative share of the clients (shares are normalised)
+
+
 class DevicesConfig(_Strict):
     """The device model on a virtual clock (engine/clock/devices.py, docs/cross_device.md): speeds, availability,
     dropout and a round deadline decide which sampled clients a round aggregates, before any training."""
 
     enabled: bool = False  # off: every sampled client trains and is aggregated, with no simulated time
     step_seconds: float = Field(1.0, gt=0.0)  # simulated seconds of one local step on a device of speed 1
+    # simulated seconds a training costs besides its steps on a device of speed 1 (loading the model, packing the
+    # update); rayfed-dg devices calibrate measures both on this machine
+    overhead_s: float = Field(0.0, ge=0.0)
     # per-client compute speed: constant (1), lognormal (median 1, speed_sigma), or trace (speed_trace)
     speed: Literal["constant", "lognormal", "trace"] = "constant"
     speed_sigma: float = Field(0.5, gt=0.0)  # lognormal: the standard deviation of ln(speed)
     speed_trace: str | None = None  # speed trace: a CSV file with a header `client,speed`, a row per client
-    # bandwidth of every device in megabits per second: a training also downloads and uploads the model's bytes;
-    # None: communication takes no simulated time
+    # bandwidth of every device in megabits per second, both ways (shorthand for network.down_mbps and up_mbps):
+    # a training also downloads and uploads the model's bytes; None: network's, else no simulated time
     bandwidth_mbps: float | None = Field(None, gt=0.0)
+    network: NetworkConfig = NetworkConfig()  # per-device up- and downlinks, latency, jitter, the server's link
+    # named device profiles with shares: each client's speed (and bandwidths and latency, where a profile names a
+    # network tier; else network's) from published figures; with speed constant
+    profiles: list[ProfileShare] = []
     # when a device is online: always; diurnal (online_fraction of every period_s, a seeded phase per client);
     # markov (a two-state chain, mean_online_s / mean_offline_s, stepped every markov_step_s); trace
     # (availability_trace)
@@ -422,9 +465,14 @@ class DevicesConfig(_Strict):
     mean_online_s: float = Field(3600.0, gt=0.0)  # markov: mean time a device stays online
     mean_offline_s: float = Field(3600.0, gt=0.0)  # markov: mean time a device stays offline
     markov_step_s: float = Field(60.0, gt=0.0)  # markov: the chain's state changes only at multiples of this
-    # trace: a CSV file with a header `client,start_s,end_s`, a row per online interval, every client at least
-    # once (a client that is never online has a row with start_s = end_s); it repeats after its largest end_s
+    # trace: a CSV file with a header `client,start_s,end_s[,period_s]`, a row per online interval, every client at
+    # least once (a client that is never online has a row with start_s = end_s); each client's repeat after its
+    # period_s, else after the file's largest end_s
     availability_trace: str | None = None
+    # the traces' format: csv (the engine's, above), fedscale (FedScale's client_device_capacity pickle as
+    # speed_trace and network.trace, client_behave_trace as availability_trace) or flash (FLASH's
+    # state_traces.json as availability_trace); engine/clock/traces.py, docs/cross_device.md
+    trace_format: Literal["csv", "fedscale", "flash"] = "csv"
     domain_offline: list[DomainWindow] = []  # windows during which every client holding that domain is offline
     dropout: float = Field(0.0, ge=0.0, lt=1.0)  # probability that a started training never uploads
     # a round closes when clients_per_round clients have uploaded or deadline_s after its start, whichever is first;
@@ -454,6 +502,14 @@ class DevicesConfig(_Strict):
             raise ValueError("speed: trace needs devices.speed_trace (a CSV file client,speed)")
         if self.availability == "trace" and self.availability_trace is None:
             raise ValueError("availability: trace needs devices.availability_trace (a CSV file client,start_s,end_s)")
+        n = self.network
+        if self.bandwidth_mbps is not None and (n.down_mbps, n.up_mbps, n.trace) != (None, None, None):
+            raise ValueError("bandwidth_mbps sets both ways for every device: drop it, or network.down_mbps, "
+                             "up_mbps and trace")
+        if self.profiles and self.speed != "constant":
+            raise ValueError(f"profiles set each device's speed: drop speed: {self.speed}, or the profiles")
+        if n.trace is not None and any(p.network is not None for p in self.profiles):
+            raise ValueError("network.trace gives every device's bandwidths: drop it, or the profiles' network tiers")
         return self
 
 

@@ -36,6 +36,9 @@ class Stream(IntEnum):
     ASYNC_SAMPLE = 20  # who takes a free training slot in an asynchronous server mode (engine/clock/asynchronous.py)
     DP_UPDATES = 21  # the Gaussian noise added to the sum of clipped updates (DP-FedAvg), per round
     DP_PAYLOAD = 22  # the Gaussian noise on a client's shared statistics, per (round, client, group)
+    DEVICE_BANDWIDTH = 23  # each device's down- and uplink bandwidth (engine/clock/network.py)
+    DEVICE_JITTER = 24  # the jitter of a training's download and upload (per client and draw)
+    DEVICE_PROFILE = 25  # which named device profile each client has (engine/clock/profiles.py)
 
 
 def _words(parts) -> list[int]:

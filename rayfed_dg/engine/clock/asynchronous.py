@@ -20,18 +20,24 @@ seconds later, or at the next update, whichever comes first (the buffered
 clients may start again then).  A training that drops out
 (``Devices.drops``) frees its slot at its finish and is reported, not
 aggregated; its device may start again at once (it uploaded nothing).
+With a shared server link (``devices.network.server_mbps``) a training's
+finish is not known when it starts: its upload joins the link when its
+local steps end (an event of its own) and arrives once its last bit has
+left and its delay passed; a dropout's finish is on its own link.
 The clock's state is plain data for the checkpoint.
 """
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rayfed_dg.errors import ConfigError, EngineError
 from rayfed_dg.seeding import Stream, numpy_rng
 
-from .devices import Devices
+from .devices import DeviceModel, Devices
+from .network import SharedLink
 
 MODES = ("fedbuff", "fedasync")
 FEDBUFF_K = 10  # Nguyen et al.'s buffer size (their experiments: K = 10 of 100-1000 concurrent clients)
@@ -52,6 +58,7 @@ class Training:
     draw: int
     drops: bool
     staleness: int = 0  # set when an update takes its upload
+    ready: float | None = None  # on a shared link: when its upload starts (its finish is set when it ends)
 
 
 @dataclass
@@ -77,7 +84,11 @@ class AsyncClock:
         self.devices, self.steps, self.retry_s = devices, steps, retry_s
         self.time, self.version, self.starts, self.picks = 0.0, 0, 0, 0
         self.flight: dict[int, Training] = {}  # client -> its training in flight
-        self.events: list[tuple[float, int, int]] = []  # heap: (time, 0 arrival / 1 idle slot, client / slot seq)
+        # heap: (time, 0 arrival / 1 idle slot / 2 upload start, client / slot seq / client)
+        self.events: list[tuple[float, int, int]] = []
+        self.link = None
+        if isinstance(devices, DeviceModel) and devices.network.capacity_bps is not None:
+            self.link = SharedLink(devices.network.capacity_bps)
         self.seen: list[int] = []  # clients whose upload waits in the buffer (one upload per client and update)
         self.buffer: list[Training] = []
         self.dropped: list[Training] = []
@@ -116,15 +127,39 @@ class AsyncClock:
         tr = Training(c, self.version, t, t + float(self.devices.duration(c, steps, d)), d,
                       bool(self.devices.drops(c, d)))
         self.flight[c] = tr
-        heapq.heappush(self.events, (tr.finish, 0, c))
+        if self.link is not None and not tr.drops:
+            assert isinstance(self.devices, DeviceModel)
+            tr.ready, tr.finish = t + self.devices.ready(c, steps, d), math.inf
+            heapq.heappush(self.events, (tr.ready, 2, c))
+        else:
+            heapq.heappush(self.events, (tr.finish, 0, c))
+
+    def _pop(self) -> tuple[float, int, int]:
+        """The next event; on a shared link an upload whose last bit leaves
+        first schedules its arrival (after its delay) before that."""
+        while self.link is not None:
+            end = self.link.next_end()
+            if end is None or (self.events and self.events[0][0] < end[0]):
+                break
+            t, c = end
+            self.link.remove(c, t)
+            tr = self.flight[c]
+            assert isinstance(self.devices, DeviceModel)
+            tr.finish = t + self.devices.network.up_delay_s(c, tr.draw)
+            heapq.heappush(self.events, (tr.finish, 0, c))
+        return heapq.heappop(self.events)
 
     def next_update(self) -> Update:
         """Run the clock to the arrival that fills the buffer: that update's
         arrivals, with their staleness, and the dropouts on the way."""
         fruitless = 0
         while True:
-            t, kind, who = heapq.heappop(self.events)
+            t, kind, who = self._pop()
             self.time = t
+            if kind == 2:
+                assert self.link is not None and isinstance(self.devices, DeviceModel)
+                self.link.add(who, t, self.devices.network.bits, float(self.devices.network.up_bps[who]))
+                continue
             if kind == 1:
                 before = self.starts
                 self._fill(t)
@@ -152,7 +187,7 @@ class AsyncClock:
             # the clients seen since the last update may start again: idle slots try now, not at their retry time
             idle = sorted((e for e in self.events if e[1] == 1), key=lambda e: e[2])
             if idle:
-                self.events = [e for e in self.events if e[1] == 0]
+                self.events = [e for e in self.events if e[1] != 1]
                 heapq.heapify(self.events)
                 for _ in idle:
                     self._fill(t)
@@ -163,7 +198,8 @@ class AsyncClock:
         """Plain data (between updates the buffer is empty)."""
         return {"time": self.time, "version": self.version, "starts": self.starts, "picks": self.picks,
                 "idle": self.idle, "events": [list(e) for e in self.events],
-                "flight": [vars(t).copy() for t in self.flight.values()]}
+                "flight": [vars(t).copy() for t in self.flight.values()],
+                **({"link": self.link.state_dict()} if self.link is not None else {})}
 
     def load_state_dict(self, state: dict) -> None:
         self.time, self.version = float(state["time"]), int(state["version"])
@@ -171,6 +207,8 @@ class AsyncClock:
         self.events = [(float(t), int(k), int(w)) for t, k, w in state["events"]]
         heapq.heapify(self.events)
         self.flight = {int(d["client"]): Training(**d) for d in state["flight"]}
+        if self.link is not None:
+            self.link.load_state_dict(state["link"])
         self.buffer, self.dropped, self.seen = [], [], []
 
 

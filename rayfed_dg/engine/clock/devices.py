@@ -13,7 +13,6 @@ trace formats.
 """
 from __future__ import annotations
 
-import csv
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -25,6 +24,13 @@ from rayfed_dg.config import DevicesConfig, ExperimentConfig, TrainingConfig
 from rayfed_dg.data.protocol import FederatedSplit
 from rayfed_dg.errors import ConfigError, EngineError
 from rayfed_dg.seeding import Stream, numpy_rng
+
+from . import profiles
+from .network import Network, SharedLink, shared_uploads
+from .traces import AvailabilityTrace, read_availability, read_speeds
+
+__all__ = ["AvailabilityTrace", "DeviceModel", "Devices", "MarkovChain", "RoundPlan", "check_devices", "model_bytes",
+           "plan_round", "planned_steps"]
 
 MAX_WAITS = 100_000  # a round start that finds nobody online this many wait_s steps in a row is an error
 _SNAPSHOT = 256  # markov: the chain's states are kept every this many steps, so an earlier t replays at most this many
@@ -56,86 +62,6 @@ def planned_steps(training: TrainingConfig, n_samples: int) -> int:
     full, rest = divmod(n_samples, training.batch_size)
     per_epoch = full + (1 if rest >= 2 or n_samples == 1 else 0)
     return training.local_epochs * per_epoch
-
-
-def _read_csv(path: str, columns: tuple[str, ...], key: str) -> dict[str, np.ndarray]:
-    try:
-        with open(path, newline="") as f:
-            rows = list(csv.DictReader(f))
-    except OSError as e:
-        raise ConfigError(f"devices.{key}: cannot read {path} ({e.strerror}); give a CSV file") from None
-    if not rows or not set(columns) <= set(rows[0]):
-        raise ConfigError(f"devices.{key}: {path} needs a header line with the columns {','.join(columns)}")
-    try:
-        return {c: np.array([float(r[c]) for r in rows]) for c in columns}
-    except (TypeError, ValueError):
-        raise ConfigError(f"devices.{key}: {path} has a value that is not a number in columns "
-                          f"{','.join(columns)}") from None
-
-
-def _clients(ids: np.ndarray, num_clients: int, path: str, key: str) -> np.ndarray:
-    """The trace's client ids, checked to cover 0 .. num_clients - 1."""
-    if not np.all(ids == np.round(ids)) or ids.min() < 0:
-        raise ConfigError(f"devices.{key}: {path} has a client that is not a whole number >= 0")
-    ids = ids.astype(np.int64)
-    missing = np.setdiff1d(np.arange(num_clients), ids)
-    if len(missing):
-        raise ConfigError(f"devices.{key}: {path} covers {num_clients - len(missing)} of the {num_clients} clients "
-                          f"(client {missing[0]} has no row); give a row to every client 0..{num_clients - 1}")
-    return ids
-
-
-def read_speed_trace(path: str, num_clients: int) -> np.ndarray:
-    """Each client's speed from a CSV ``client,speed`` (extra clients ignored)."""
-    cols = _read_csv(path, ("client", "speed"), "speed_trace")
-    ids = _clients(cols["client"], num_clients, path, "speed_trace")
-    if np.any(cols["speed"] <= 0) or not np.all(np.isfinite(cols["speed"])):
-        raise ConfigError(f"devices.speed_trace: {path} has a speed <= 0 or not finite; speeds are finite multiples "
-                          "of a device doing one step in step_seconds")
-    speeds = np.empty(num_clients)
-    keep = ids < num_clients
-    speeds[ids[keep]] = cols["speed"][keep]
-    return speeds
-
-
-@dataclass(frozen=True)
-class AvailabilityTrace:
-    """Online intervals [start, end) of every client, sorted, in CSR form
-    (client c's are ``starts[offsets[c]:offsets[c + 1]]``, ``owner`` the
-    client of each), repeating after ``period`` (the largest end)."""
-    offsets: np.ndarray
-    starts: np.ndarray
-    ends: np.ndarray
-    owner: np.ndarray
-    period: float
-
-    @staticmethod
-    def read(path: str, num_clients: int) -> AvailabilityTrace:
-        cols = _read_csv(path, ("client", "start_s", "end_s"), "availability_trace")
-        ids = _clients(cols["client"], num_clients, path, "availability_trace")
-        starts, ends = cols["start_s"], cols["end_s"]
-        if np.any(starts < 0) or np.any(ends < starts):
-            raise ConfigError(f"devices.availability_trace: {path} has an interval with start_s < 0 or "
-                              "end_s < start_s")
-        if ends.max() <= 0:
-            raise ConfigError(f"devices.availability_trace: {path}: no client is ever online (every end_s is 0)")
-        keep = ids < num_clients
-        ids, starts, ends = ids[keep], starts[keep], ends[keep]
-        order = np.lexsort((starts, ids))
-        offsets = np.searchsorted(ids[order], np.arange(num_clients + 1))
-        return AvailabilityTrace(offsets, starts[order], ends[order], ids[order], float(ends.max()))
-
-    def online(self, t: float) -> np.ndarray:
-        t = t % self.period
-        out = np.zeros(len(self.offsets) - 1, bool)
-        out[self.owner[(self.starts <= t) & (t < self.ends)]] = True
-        return out
-
-    def available(self, client: int, t: float) -> bool:
-        t = t % self.period
-        lo, hi = self.offsets[client], self.offsets[client + 1]
-        i = lo + np.searchsorted(self.starts[lo:hi], t, side="right") - 1
-        return bool(i >= lo and t < self.ends[i])
 
 
 class MarkovChain:
@@ -175,33 +101,44 @@ class DeviceModel:
     """Implements ``Devices`` from the ``devices:`` section for the clients
     whose domains ``client_domains`` lists (a multi-domain client,
     ``photo+sketch``, is offline in either domain's window); ``model_bytes``:
-    what one download (and again one upload) carries, timed at
-    ``bandwidth_mbps``.  A device's speed is fixed: ``duration`` is the same
-    for every draw."""
+    what one download (and again one upload) carries over ``network``.  A
+    device's speed is fixed; its transfers' jitter is drawn per training."""
 
     def __init__(self, cfg: DevicesConfig, seed: int, client_domains: list[str], model_bytes: int = 0):
         self.cfg, self.seed, self.n = cfg, seed, len(client_domains)
-        if cfg.speed == "lognormal":
+        links = self.profile = None
+        if cfg.profiles:
+            computes, links = profiles.tiers(cfg.profiles)
+            self.profile = profiles.assign([p.share for p in cfg.profiles], self.n, seed)
+            self.speeds = 1.0 / np.array([computes[k].slowdown for k in self.profile.tolist()])
+        elif cfg.speed == "lognormal":
             self.speeds = np.exp(cfg.speed_sigma * numpy_rng(seed, Stream.DEVICE_SPEED).standard_normal(self.n))
         elif cfg.speed == "trace":
             assert cfg.speed_trace is not None  # the config's validator
-            self.speeds = read_speed_trace(cfg.speed_trace, self.n)
+            self.speeds = read_speeds(cfg.speed_trace, cfg.trace_format, self.n)
         else:
             self.speeds = np.ones(self.n)
-        self.comm_s = 0.0 if cfg.bandwidth_mbps is None else 2 * model_bytes * 8 / (cfg.bandwidth_mbps * 1e6)
+        self.network = Network(cfg, seed, self.n, model_bytes, links, self.profile)
         if cfg.availability == "diurnal":
             self.phase = numpy_rng(seed, Stream.DEVICE_PHASE).uniform(0.0, cfg.period_s, self.n)
         elif cfg.availability == "markov":
             self.chain = MarkovChain(seed, self.n, cfg.mean_online_s, cfg.mean_offline_s, cfg.markov_step_s)
         elif cfg.availability == "trace":
             assert cfg.availability_trace is not None
-            self.trace = AvailabilityTrace.read(cfg.availability_trace, self.n)
+            self.trace = read_availability(cfg.availability_trace, cfg.trace_format, self.n)
         doms = [set(d.split("+")) for d in client_domains]
         self.windows = [(w.start_s, w.end_s, np.array([w.domain in d for d in doms], bool))
                         for w in cfg.domain_offline]
 
+    def ready(self, client: int, steps: int, draw: int) -> float:
+        """Seconds from a training's start until its upload starts: the download, the local steps and the
+        training's overhead, both at the device's speed."""
+        c = self.cfg
+        return self.network.down_s(client, draw) + (c.overhead_s + steps * c.step_seconds) / float(self.speeds[client])
+
     def duration(self, client: int, steps: int, draw: int) -> float:
-        return steps * self.cfg.step_seconds / float(self.speeds[client]) + self.comm_s
+        """The whole training with its upload on the device's own link."""
+        return self.ready(client, steps, draw) + self.network.up_s(client, draw)
 
     def online(self, t: float) -> np.ndarray:
         """Every client's ``available`` at ``t`` (one boolean per client)."""
@@ -286,7 +223,10 @@ def plan_round(dev: Devices, num_clients: int, seed: int, r: int, t: float, k: i
     2. sample ceil(over_selection x k) of them (all if fewer are online),
        seeded by (seed, round): with every client online and no
        over-selection, the clients the round samples without the clock;
-    3. each selected client finishes at t + its duration unless it drops out;
+    3. each selected client finishes at t + its duration unless it drops out
+       (with a shared server link, ``devices.network.server_mbps``: the
+       uploads of those that do not drop out divide it, ``shared_uploads``;
+       a dropout's would-be finish is on its own link);
     4. the round closes when k have uploaded or at t + deadline_s, whichever
        is first (FedScale's rule); the first k uploads by then (ties in
        client order) are aggregated.  Without a deadline and fewer than k
@@ -311,6 +251,12 @@ def plan_round(dev: Devices, num_clients: int, seed: int, r: int, t: float, k: i
         selected = sorted(int(c) for c in numpy_rng(seed, Stream.SAMPLE, r).choice(online, size=m, replace=False))
     finish = {c: t + dev.duration(c, int(steps[c]), r) for c in selected}
     dropped = {c for c in selected if dev.drops(c, r)}
+    if isinstance(dev, DeviceModel) and dev.network.shared:
+        net = dev.network
+        assert net.capacity_bps is not None
+        up = {c: t + dev.ready(c, int(steps[c]), r) for c in selected if c not in dropped}
+        ends = shared_uploads(SharedLink(net.capacity_bps), up, net.bits, {c: float(net.up_bps[c]) for c in up})
+        finish.update({c: e + net.up_delay_s(c, r) for c, e in ends.items()})
     cutoff = math.inf if deadline_s is None else t + deadline_s
     arrivals = sorted((finish[c], c) for c in selected if c not in dropped and finish[c] <= cutoff)[:k]
     made = {c for _, c in arrivals}

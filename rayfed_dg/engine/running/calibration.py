@@ -1,0 +1,80 @@
+"""``rayfed-dg devices calibrate``: the virtual clock's step time measured on
+this machine.  The config runs (one target, its model, resolution, batch,
+precision, method and workers, devices off) for a few rounds at two numbers
+of local steps a and b; every client row records the wall seconds of its
+training (loading the global model, the local steps, packing the update).
+A line through the medians gives the seconds of one step,
+(median T_b - median T_a) / (b - a), and what a training costs besides,
+median T_a - a x step: ``devices.step_seconds`` and ``devices.overhead_s``
+of a device of speed 1 that is this machine.  Round 1 is left out (its
+first batches pay for allocation and warm-up); the spread is a seeded
+bootstrap of the trainings.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import tempfile
+
+import numpy as np
+
+from rayfed_dg.errors import ConfigError
+
+_PLAIN = ["compare=null", "devices.enabled=false", "evaluation.every=0", "output.save_best_checkpoint=false",
+          "output.checkpoint_every=0", "output.sync_to=null"]
+
+
+def _trainings(config: str, overrides: list[str], target: str | None, steps: int, rounds: int) -> list[float]:
+    """Wall seconds of every training after round 1 of ``steps`` local steps."""
+    from .service import RunRequest, execute_run
+
+    sets = [*overrides, *_PLAIN, f"training.local_steps={steps}", f"training.rounds={rounds}"]
+    with tempfile.TemporaryDirectory(prefix="rayfed-dg-calibrate-") as tmp:
+        out = execute_run(RunRequest(config=config, target=target, overrides=sets, run_dir=tmp + "/run",
+                                     no_progress=True))
+        rows = out.run_dir.read_rows("clients")
+    return [float(r["seconds"]) for r in rows if r["round"] > 1 and r["seconds"] is not None and not r["dropped"]]
+
+
+def fit(a: int, ta: list[float], b: int, tb: list[float], resamples: int = 2000) -> dict:
+    """Step and overhead through the medians of ``ta`` (a steps) and ``tb``
+    (b steps), with 5 and 95 % bootstrap percentiles of each."""
+    def line(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        step = (np.median(y, axis=-1) - np.median(x, axis=-1)) / (b - a)
+        return step, np.median(x, axis=-1) - a * step
+
+    step, over = line(np.array(ta), np.array(tb))
+    rng = np.random.default_rng(0)
+    xs = rng.choice(ta, size=(resamples, len(ta)))
+    ys = rng.choice(tb, size=(resamples, len(tb)))
+    bs, bo = line(xs, ys)
+    return {"step_seconds": float(step), "overhead_s": float(over),
+            "step_seconds_5_95": [float(v) for v in np.percentile(bs, [5, 95])],
+            "overhead_s_5_95": [float(v) for v in np.percentile(bo, [5, 95])]}
+
+
+def calibrate_clock(config: str, overrides: list[str], target: str | None, steps: tuple[int, int] = (2, 8),
+                    rounds: int = 3) -> dict:
+    """The measurement of the module docstring, as a record for a JSON file."""
+    import torch
+
+    from rayfed_dg.config import load_config
+
+    a, b = steps
+    if not 1 <= a < b:
+        raise ConfigError(f"--steps {a},{b}: give two numbers of local steps, 1 <= a < b (e.g. --steps 2,8)")
+    if rounds < 2:
+        raise ConfigError(f"--rounds {rounds}: give at least 2 (round 1, the warm-up, is left out)")
+    cfg = load_config(config, [*overrides, *_PLAIN])
+    ta, tb = (_trainings(config, overrides, target, s, rounds) for s in steps)
+    if len(ta) < 2 or len(tb) < 2:
+        raise ConfigError("devices calibrate: fewer than 2 trainings after round 1; raise --rounds or "
+                          "training.clients_per_round")
+    e, d, t = cfg.engine, cfg.data, cfg.training
+    cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() and e.device != "cpu" else None
+    return {**fit(a, ta, b, tb), "steps": [a, b], "rounds": rounds, "trainings": {str(a): ta, str(b): tb},
+            "config": str(config), "overrides": list(overrides), "model": cfg.model.arch, "method": cfg.method.name,
+            "resolution": d.resolution, "batch_size": t.batch_size, "precision": t.precision,
+            "workers": e.num_workers, "cpus_per_worker": e.num_cpus_per_worker, "device": e.device,
+            "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                        "cpus": os.cpu_count(), "torch": torch.__version__, "gpu": cuda}}

@@ -1,0 +1,168 @@
+"""Device traces in FedScale's and FLASH's formats (engine/clock/traces.py),
+written by the tests: the rows FedScale's aggregator and client manager map
+each client to, FLASH's availability rule against its timer transcribed,
+the engine's CSV with a period per client, the converters' round trip, and
+bad files refused in one line through the CLI."""
+import json
+import os
+import pickle
+
+import numpy as np
+import pytest
+
+from rayfed_dg.cli import main
+from rayfed_dg.config import DevicesConfig
+from rayfed_dg.engine.clock.devices import DeviceModel
+from rayfed_dg.engine.clock.traces import convert, flash_user, read_availability, read_bandwidths, read_speeds
+from rayfed_dg.errors import ConfigError
+
+
+def _pickle(path, obj):
+    path.write_bytes(pickle.dumps(obj))
+    return str(path)
+
+
+@pytest.fixture
+def capacity(tmp_path):
+    # keys 0..3: FedScale's client id c + 1 reads key (c + 1) % 4
+    return _pickle(tmp_path / "client_device_capacity", {
+        0: {"computation": 400.0, "communication": 1000.0}, 1: {"computation": 100.0, "communication": 2000.0},
+        2: {"computation": 200.0, "communication": 8000.0}, 3: {"computation": 50.0, "communication": 500.0}})
+
+
+def test_fedscale_capacity_rows_and_speeds_relative_to_the_median_device(capacity, tmp_path):
+    # median ms per sample of the file: (100 + 200) / 2 = 150; clients 0..4 read keys 1, 2, 3, 0, 1
+    assert read_speeds(capacity, "fedscale", 5).tolist() == [1.5, 0.75, 3.0, 0.375, 1.5]
+    down, up = read_bandwidths(capacity, "fedscale", 5)
+    assert down.tolist() == up.tolist() == [2.0, 8.0, 0.5, 1.0, 2.0]  # kbit/s / 1000, both ways
+    # keys 1..3, as FedScale's own file may be: client 2 maps to key 0, which FedScale silently replaces
+    short = _pickle(tmp_path / "short", {k: {"computation": 1.0, "communication": 1.0} for k in (1, 2, 3)})
+    with pytest.raises(ConfigError, match=r"^devices.speed_trace: .* has no client 0, which FedScale maps client 3 "
+                                          r"to \(id % 3 rows\)"):
+        read_speeds(short, "fedscale", 3)
+
+
+def test_a_pickle_that_is_not_plain_data_is_refused_unrun(tmp_path):
+    class Boom:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "ran"),))
+
+    evil = _pickle(tmp_path / "evil", {1: Boom()})
+    with pytest.raises(ConfigError, match=r"^devices.speed_trace: .* is not a FedScale pickle of plain data"):
+        read_speeds(evil, "fedscale", 1)
+    assert not (tmp_path / "ran").exists()
+    # NumPy scalars, as a file written from NumPy values holds, are numbers
+    np_file = _pickle(tmp_path / "np", {0: {"computation": np.float64(2.0), "communication": np.float32(4.0)},
+                                        1: {"computation": np.float64(1.0), "communication": np.float32(8.0)}})
+    assert read_speeds(np_file, "fedscale", 2).tolist() == [1.5, 0.75]
+
+
+def test_fedscale_behaviour_records_in_file_order_each_with_its_own_period(tmp_path):
+    path = _pickle(tmp_path / "client_behave_trace", {
+        5: {"active": [0], "inactive": [10], "finish_time": 100, "duration": 10, "model": "x"},
+        2: {"active": [20, 50], "inactive": [30, 60], "finish_time": 80, "duration": 20, "model": "y"},
+        9: {"active": [5], "inactive": [6], "finish_time": 50, "duration": 1, "model": "z"}})
+    tr = read_availability(path, "fedscale", 3)  # clients 0, 1, 2 take records 2, 3, 1 (key 2, 9, 5)
+    cases = {(0, 25): True, (0, 35): False, (0, 55): True, (0, 105): True, (0, 125): False, (1, 5.5): True,
+             (1, 7): False, (1, 55.5): True, (2, 5): True, (2, 105): True, (2, 150): False, (2, 10): False}
+    for (c, t), on in cases.items():
+        assert tr.available(c, t) is on, (c, t)
+        assert tr.online(t)[c] == on, (c, t)
+
+
+def _flash_lines(*rows):
+    return "\n".join(f"2020-01-02 00:{s // 60:02d}:{s % 60:02d}\t{state}" for s, state in rows) + "\n"
+
+
+USER_2 = _flash_lines((10, "screen_lock"), (20, "wifi"), (30, "battery_charged_on"), (50, "screen_unlock"),
+                      (60, "screen_lock"), (70, "4G"), (100, "85%"))
+USER_10 = _flash_lines((100, "screen_lock"), (100, "wifi"), (110, "battery_charged_on"), (170, "battery_charged_off"),
+                       (180, "screen_on"))
+
+
+def test_flash_windows_follow_its_rule_locked_on_wifi_and_charging():
+    # online from 30 (the third condition) to 50 (unlocked), again from 60 to 70 (off wifi); messages from 10 to 100
+    assert flash_user(USER_2) == ([(30.0, 50.0), (60.0, 70.0)], 10.0, 100.0)
+    assert flash_user(USER_10) == ([(110.0, 170.0)], 100.0, 180.0)
+    assert flash_user(_flash_lines((0, "screen_lock"), (5, "wifi"), (9, "screen_off"))) is None  # never online
+    assert flash_user(_flash_lines((0, "screen_lock"), (5, "wifi"), (6, "battery_charged_on"))) is None  # still open
+    assert flash_user("2020-01-02 00:00:10 screen_lock\n") is None  # no tab: FLASH rejects the trace
+    assert flash_user(_flash_lines((0, "wifi"), (1, "x%"))) is None
+    with pytest.raises(ConfigError, match="unknown FLASH state 'dancing'"):
+        flash_user(_flash_lines((0, "dancing")))
+
+
+def _flash_timer(windows, first, last, t):
+    """FLASH's Timer.ready (models/timer.py), in floats and half-open as the engine's traces."""
+    now = (t - first) % (last - first) + first
+    return any(a <= now < b for a, b in windows)
+
+
+def test_flash_availability_is_flashs_timer_with_each_users_own_period(tmp_path):
+    path = tmp_path / "state_traces.json"
+    bad = _flash_lines((0, "screen_lock")).replace("00:00:00", "2020-13-40 00:00:00")
+    path.write_text(json.dumps({"10": {"guid": "b", "model": "m", "messages": USER_10},
+                                "2": {"guid": "a", "model": "m", "messages": USER_2},
+                                "3": {"guid": "c", "model": "m", "messages": bad}}))
+    tr = read_availability(str(path), "flash", 3)  # valid users in uid order: 2, 10; client 2 wraps to user 2
+    users = [flash_user(USER_2), flash_user(USER_10), flash_user(USER_2)]
+    for t in np.arange(-200.0, 400.0, 2.5):
+        want = [_flash_timer(*u, t) for u in users]
+        assert [tr.available(c, t) for c in range(3)] == want, t
+        assert tr.online(t).tolist() == want, t
+    # user 10's window [110, 170] of period 80 from 100 wraps: online at t = 5 (local 165), not at 15 (175)
+    assert tr.available(1, 5.0) and not tr.available(1, 15.0) and tr.available(1, 35.0)
+
+
+def test_csv_availability_with_a_period_per_client(tmp_path):
+    path = tmp_path / "a.csv"
+    path.write_text("client,start_s,end_s,period_s\n0,0,10,20\n1,5,30,100\n0,15,20,20\n")
+    tr = read_availability(str(path), "csv", 2)
+    assert [tr.available(0, t) for t in (5, 12, 17, 25, 36)] == [True, False, True, True, True]
+    assert [tr.available(1, t) for t in (4, 5, 29, 30, 106, 131)] == [False, True, True, False, True, False]
+    path.write_text("client,start_s,end_s,period_s\n0,0,10,20\n0,12,14,30\n")
+    with pytest.raises(ConfigError, match="gives one client two period_s values"):
+        read_availability(str(path), "csv", 1)
+    path.write_text("client,start_s,end_s,period_s\n0,0,25,20\n")
+    with pytest.raises(ConfigError, match="an interval ending after its period_s"):
+        read_availability(str(path), "csv", 1)
+
+
+def test_converted_csv_reads_as_the_original(capacity, tmp_path):
+    behave = _pickle(tmp_path / "behave", {
+        k: {"active": [3 * k, 40 + k], "inactive": [3 * k + 7, 45 + k], "finish_time": 60 + k} for k in range(4)})
+    files = convert("fedscale", 6, tmp_path / "csv", capacity=capacity, availability=behave)
+    assert [f.name for f in files] == ["speeds.csv", "bandwidth.csv", "availability.csv"]
+    csv_dir = tmp_path / "csv"
+    assert np.array_equal(read_speeds(str(csv_dir / "speeds.csv"), "csv", 6), read_speeds(capacity, "fedscale", 6))
+    for a, b in zip(read_bandwidths(str(csv_dir / "bandwidth.csv"), "csv", 6), read_bandwidths(capacity, "fedscale", 6)):
+        assert np.array_equal(a, b)
+    mine, theirs = read_availability(str(csv_dir / "availability.csv"), "csv", 6), read_availability(behave, "fedscale", 6)
+    for t in np.arange(0.0, 500.0, 0.5):
+        assert np.array_equal(mine.online(t), theirs.online(t)), t
+
+
+def test_the_device_model_reads_the_format_it_is_told(capacity, tmp_path):
+    cfg = DevicesConfig(enabled=True, step_seconds=2.0, speed="trace", speed_trace=capacity, trace_format="fedscale",
+                        network={"trace": capacity})
+    dev = DeviceModel(cfg, 0, ["a"] * 5, model_bytes=250_000)  # 2 Mbit each way
+    # client 0: speed 1.5, 2 Mbit/s both ways: 1 s down, 3 steps x 2 s / 1.5, 1 s up
+    assert dev.duration(0, 3, 0) == pytest.approx(1.0 + 4.0 + 1.0)
+    with pytest.raises(ConfigError, match="^devices.trace_format: flash has no speed trace; use trace_format csv"):
+        DeviceModel(cfg.model_copy(update={"trace_format": "flash"}), 0, ["a"] * 5)
+
+
+def test_convert_through_the_cli_and_its_refusals(capacity, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["devices", "convert", "--format", "fedscale", "--capacity", capacity, "--clients", "3",
+                 "--out", str(out)]) == 0
+    assert capsys.readouterr().out.split() == [str(out / "speeds.csv"), str(out / "bandwidth.csv")]
+    for argv, says in [
+        (["--format", "flash", "--capacity", capacity], "devices.trace_format: flash has no speed trace"),
+        (["--format", "fedscale", "--availability", str(tmp_path / "none")], "devices.availability_trace: cannot read"),
+        (["--format", "fedscale"], "devices convert: give --capacity, --availability or both"),
+    ]:
+        code = main(["devices", "convert", *argv, "--clients", "3", "--out", str(tmp_path / "no")])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and says in err[0], err
+        assert not (tmp_path / "no").exists()
