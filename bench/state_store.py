@@ -60,15 +60,10 @@ def index_bytes(piece: Path) -> int:
         return int.from_bytes(f.read(8), "little") + 8
 
 
-def run(method: str, n_clients: int, rounds: int, per_round: int, tiny: bool = False) -> dict:
-    import ray
-    import torch
-
-    from rayfed_dg.config import load_config
+def block_population(n_clients: int):
+    """(images, labels, split): random 32 px images, client i holding block i mod 30 of 64 images, one source
+    domain's validation and the target's test of 32 each."""
     from rayfed_dg.data.protocol import FederatedSplit
-    from rayfed_dg.engine import run_federation
-    from rayfed_dg.engine.running.host import EngineHost
-    from rayfed_dg.engine.store.clientstore import piece_name, read_index
 
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, (30 * 64 + 64, 32, 32, 3), dtype=np.uint8)
@@ -76,6 +71,19 @@ def run(method: str, n_clients: int, rounds: int, per_round: int, tiny: bool = F
     blocks = [np.arange(b * 64, (b + 1) * 64) for b in range(30)]
     split = FederatedSplit("t", [blocks[i % 30] for i in range(n_clients)], ["d"] * n_clients,
                            {"d": np.arange(1920, 1952)}, {"t": np.arange(1952, 1984)})
+    return images, labels, split
+
+
+def run(method: str, n_clients: int, rounds: int, per_round: int, tiny: bool = False) -> dict:
+    import ray
+    import torch
+
+    from rayfed_dg.config import load_config
+    from rayfed_dg.engine import run_federation
+    from rayfed_dg.engine.running.host import EngineHost
+    from rayfed_dg.engine.store.clientstore import piece_name, read_index
+
+    images, labels, split = block_population(n_clients)
     cfg = load_config(None, [f"method.name={method}", f"training.clients_per_round={per_round}",
                              f"training.rounds={rounds}", "training.batch_size=32", "evaluation.every=0",
                              "evaluation.personal=false", "engine.num_workers=2", "engine.num_cpus_per_worker=1",

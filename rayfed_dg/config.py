@@ -271,6 +271,9 @@ class EvaluationConfig(_Strict):
     batch_size: int = Field(256, ge=1)  # images per evaluation batch
     # methods with client-local state: also evaluate each client's own model on its domain's validation split
     personal: bool = True
+    # each evaluation takes the own models of a seeded sample of this many of the clients with a state, drawn per
+    # round (a population of 10^5 would otherwise evaluate 10^5 models); None: every client with a state
+    personal_clients: int | None = Field(64, ge=1)
 
 
 # server learning rate eta when server.lr is not set.  FedAvgM: 1, Hsu et al. (2019) step by the whole momentum
@@ -405,15 +408,19 @@ class NetworkConfig(_Strict):
     model and uploads its update, each transfer taking latency, a seeded jitter and the model's bits over the
     device's bandwidth in that direction; concurrent uploads may share the server's link."""
 
-    down_mbps: float | None = Field(None, gt=0.0)  # median download bandwidth of a device; None: no limit
-    up_mbps: float | None = Field(None, gt=0.0)  # median upload bandwidth of a device; None: no limit
-    sigma: float = Field(0.0, ge=0.0)  # each device's bandwidths: the medians x exp(sigma z), z ~ N(0, 1) per direction
-    trace: str | None = None  # a CSV file client,down_mbps,up_mbps, a row per client (instead of the medians)
-    latency_s: float = Field(0.0, ge=0.0)  # one-way delay of every transfer
-    jitter_s: float = Field(0.0, ge=0.0)  # mean of an exponential delay added to every transfer (seeded)
+    # median download and upload bandwidth of a device in Mbit/s; None: no limit
+    down_mbps: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    up_mbps: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    # each device's bandwidths: the medians (or a profile's tier) x exp(sigma z), z ~ N(0, 1) per client and direction
+    sigma: float = Field(0.0, ge=0.0, allow_inf_nan=False)
+    # each device's bandwidths (instead of the medians): in devices.trace_format, a CSV file client,down_mbps,up_mbps
+    trace: str | None = None
+    latency_s: float = Field(0.0, ge=0.0, allow_inf_nan=False)  # one-way delay of every transfer
+    # mean of an exponential delay added to every transfer (seeded per client, training and direction)
+    jitter_s: float = Field(0.0, ge=0.0, allow_inf_nan=False)
     # the server's link: the uploads in flight divide it max-min fairly, none above its own up bandwidth;
     # None: every upload has its own link
-    server_mbps: float | None = Field(None, gt=0.0)
+    server_mbps: float | None = Field(None, gt=0.0, allow_inf_nan=False)
 
     @field_validator("trace")
     @classmethod
@@ -448,7 +455,8 @@ class DevicesConfig(_Strict):
     # per-client compute speed: constant (1), lognormal (median 1, speed_sigma), or trace (speed_trace)
     speed: Literal["constant", "lognormal", "trace"] = "constant"
     speed_sigma: float = Field(0.5, gt=0.0)  # lognormal: the standard deviation of ln(speed)
-    speed_trace: str | None = None  # speed trace: a CSV file with a header `client,speed`, a row per client
+    # speed trace in devices.trace_format: a CSV file with a header `client,speed`, a row per client (csv)
+    speed_trace: str | None = None
     # bandwidth of every device in megabits per second, both ways (shorthand for network.down_mbps and up_mbps):
     # a training also downloads and uploads the model's bytes; None: network's, else no simulated time
     bandwidth_mbps: float | None = Field(None, gt=0.0)
@@ -499,9 +507,10 @@ class DevicesConfig(_Strict):
     @model_validator(mode="after")
     def _traces_named(self) -> DevicesConfig:
         if self.speed == "trace" and self.speed_trace is None:
-            raise ValueError("speed: trace needs devices.speed_trace (a CSV file client,speed)")
+            raise ValueError("speed: trace needs devices.speed_trace (a trace file, devices.trace_format)")
         if self.availability == "trace" and self.availability_trace is None:
-            raise ValueError("availability: trace needs devices.availability_trace (a CSV file client,start_s,end_s)")
+            raise ValueError("availability: trace needs devices.availability_trace (a trace file, "
+                             "devices.trace_format)")
         n = self.network
         if self.bandwidth_mbps is not None and (n.down_mbps, n.up_mbps, n.trace) != (None, None, None):
             raise ValueError("bandwidth_mbps sets both ways for every device: drop it, or network.down_mbps, "

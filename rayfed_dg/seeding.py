@@ -39,6 +39,7 @@ class Stream(IntEnum):
     DEVICE_BANDWIDTH = 23  # each device's down- and uplink bandwidth (engine/clock/network.py)
     DEVICE_JITTER = 24  # the jitter of a training's download and upload (per client and draw)
     DEVICE_PROFILE = 25  # which named device profile each client has (engine/clock/profiles.py)
+    PERSONAL_EVAL = 26  # the clients whose own model an evaluation round evaluates (evaluation.personal_clients)
 
 
 def _words(parts) -> list[int]:

@@ -412,6 +412,34 @@ def test_the_federations_store_keeps_client_state_memory_mb_in_memory_and_spills
     assert fed.store.in_memory() == [1] and fed.store.memory_bytes == one and fed.store.spill_bytes > 0
 
 
+def test_an_evaluation_takes_a_seeded_sample_of_the_clients_own_models_drawn_per_round(ray_session, tiny_ds,
+                                                                                        engine_host):
+    """FedBN, 12 clients all trained in round 1: rounds 1 and 2 evaluate the own models of 5 of the 12, the
+    sample of (seed, PERSONAL_EVAL, round); ``personal_clients: null`` evaluates every one."""
+    import ray
+
+    from rayfed_dg.data import leave_one_domain_out
+    from rayfed_dg.engine import run_federation
+    from rayfed_dg.seeding import Stream, numpy_rng
+
+    split = leave_one_domain_out(tiny_ds, "texture", 0.2, 0, "single_domain", 12)
+    sets = ("method.name=fedbn", "training.local_steps=1", "training.rounds=2")
+
+    def tiny_federation(ds, target, *more, host):
+        return run_federation(tiny_cfg(*more), split, ray.put(ds.images), ray.put(ds.labels), ds.num_classes,
+                              progress=False, host=host)
+
+    res = tiny_federation(tiny_ds, "texture", *sets, "evaluation.personal_clients=5", host=engine_host(tiny_ds, 2))
+    seen = {r: sorted(m["client"] for m in res.metrics if m["split"] == "personal_val" and m["round"] == r)
+            for r in (1, 2)}
+    want = {r: sorted(numpy_rng(0, Stream.PERSONAL_EVAL, r).choice(12, 5, replace=False).tolist()) for r in (1, 2)}
+    assert seen == want and seen[1] != seen[2]
+    every = tiny_federation(tiny_ds, "texture", *sets, "evaluation.personal_clients=null",
+                            host=engine_host(tiny_ds, 2))
+    assert sorted(m["client"] for m in every.metrics if m["split"] == "personal_val" and m["round"] == 2) == \
+        list(range(12))
+
+
 def test_clients_own_models_are_evaluated_when_they_keep_local_state_and_evaluation_personal_asks():
     """``Federation.personalizes``: FedBN's clients keep BatchNorm of their own (evaluated unless
     ``evaluation.personal`` is off); FedAvg's keep nothing, whatever the setting."""
@@ -426,5 +454,5 @@ def test_clients_own_models_are_evaluated_when_they_keep_local_state_and_evaluat
 
     assert fed("method.name=fedbn").personalizes()
     assert not fed("method.name=fedbn", "evaluation.personal=false").personalizes()
-    assert fed("method.name=fedbn", "evaluation.personal=false").own_states() == {}
+    assert fed("method.name=fedbn", "evaluation.personal=false").own_states(1) == {}
     assert not fed("method.name=fedavg", "evaluation.personal=true").personalizes()

@@ -23,6 +23,19 @@ def test_planned_steps_match_the_workers_batches():
     assert planned_steps(TrainingConfig(batch_size=32, local_steps=7), 5) == 7
 
 
+def test_planned_work_counts_each_batch_by_its_samples():
+    from rayfed_dg.engine.clock.devices import planned_work
+
+    # 106 samples of batch 32: batches of 32, 32, 32, 10 an epoch, six epochs: 6 x 106 / 32
+    assert planned_work(TrainingConfig(batch_size=32, local_epochs=6), 106) == 6 * 106 / 32
+    # 5 steps over 70 samples: 32, 32, 6, then 32, 32 of the next epoch
+    assert planned_work(TrainingConfig(batch_size=32, local_steps=5), 70) == (32 + 32 + 6 + 32 + 32) / 32
+    # 33 samples: the last sample alone is skipped (BatchNorm needs two); one sample alone is its own batch
+    assert planned_work(TrainingConfig(batch_size=32, local_epochs=2), 33) == 2.0
+    assert planned_work(TrainingConfig(batch_size=32, local_epochs=1), 1) == 1 / 32
+    assert planned_work(TrainingConfig(batch_size=32, local_steps=3), 200) == 3.0
+
+
 def test_durations_are_steps_over_speed_plus_the_models_transfer():
     cfg = DevicesConfig(enabled=True, step_seconds=2.0, speed="lognormal", speed_sigma=0.5, bandwidth_mbps=8.0)
     dev = DeviceModel(cfg, 0, ["a"] * 4, model_bytes=1_000_000)  # 2 x 8 Mbit at 8 Mbit/s: 2 s each way and back
@@ -193,8 +206,9 @@ def test_bad_device_input_is_one_line_exit_2_and_writes_nothing(ray_session, tmp
     cases = [
         (["devices.availability=trace", f"devices.availability_trace={short}"],
          "devices.availability_trace: " + short + " covers 11 of the 12 clients (client"),
-        # every device at speed 1: the smallest client (88 samples, batch 32) takes 3 steps of 1 s
-        (["devices.deadline_s=2.5"], "devices.deadline_s: 2.5 s is shorter than the fastest client's training (3 s"),
+        # every device at speed 1: the smallest client (88 samples, batch 32) takes 3 steps of 32, 32 and 24 samples,
+        # 88 / 32 full batches' worth of 1 s
+        (["devices.deadline_s=2.5"], "devices.deadline_s: 2.5 s is shorter than the fastest client's training (2.75 s"),
         (["devices.over_selection=0.8"], "devices.over_selection: Value error, must be at least 1"),
         (["devices.domain_offline=[{domain: textures, start_s: 0, end_s: 10}]"],
          "devices.domain_offline.0.domain: unknown domain 'textures'; use one of"),

@@ -89,6 +89,12 @@ def test_bandwidths_spread_around_their_medians_or_come_from_a_trace(tmp_path):
         _model(n=2, trace=str(path))
 
 
+def test_a_devices_bandwidths_do_not_depend_on_how_many_devices_there_are():
+    few, many = _model(n=10, down_mbps=20.0, up_mbps=5.0, sigma=0.7), _model(n=25, down_mbps=20.0, up_mbps=5.0, sigma=0.7)
+    assert np.array_equal(few.network.down_bps, many.network.down_bps[:10])
+    assert np.array_equal(few.network.up_bps, many.network.up_bps[:10])
+
+
 def _speeds(tmp_path, speeds):
     path = tmp_path / "speeds.csv"
     path.write_text("client,speed\n" + "".join(f"{c},{s}\n" for c, s in enumerate(speeds)))
@@ -113,9 +119,9 @@ def test_a_synchronous_rounds_uploads_share_the_server_link(tmp_path):
     assert (p.aggregated, p.reasons) == ([0, 2], {1: "dropout"})
 
 
-def _async(tmp_path, k=1):
+def _async(tmp_path, k=1, latency=0.0):
     cfg = DevicesConfig(enabled=True, speed="trace", speed_trace=_speeds(tmp_path, [1, 2]),
-                        network={"server_mbps": 10.0})
+                        network={"server_mbps": 10.0, "latency_s": latency})
     dev = DeviceModel(cfg, 0, ["a"] * 2, model_bytes=1_250_000)
     return AsyncClock(2, 2, k, 0, dev, lambda c: 1)
 
@@ -128,6 +134,16 @@ def test_the_asynchronous_clock_on_a_shared_link_by_hand(tmp_path):
     got = [(u.time, [(t.client, t.staleness) for t in u.arrivals]) for u in (clock.next_update() for _ in range(4))]
     assert got == [(pytest.approx(2.0), [(1, 0)]), (pytest.approx(2.5), [(0, 1)]), (pytest.approx(3.5), [(1, 1)]),
                    (pytest.approx(5.0), [(0, 1)])]
+
+
+def test_the_asynchronous_clock_on_a_shared_link_with_latency_by_hand(tmp_path):
+    # 0.25 s each way: ready at 1.25 (client 0) and 0.75 (1); 1 alone until 1.25, both at 5 until 1's last bit at
+    # 2.25, arriving 2.5 (update 1); 0's last 5 Mbit alone end at 2.75, arriving 3 (update 2); 1 restarted at 2.5 is
+    # ready at 3.25, alone to 4.25, arriving 4.5 (update 3); 0 restarted at 3 is ready at 4.25, alone to 5.25: 5.5
+    clock = _async(tmp_path, latency=0.25)
+    got = [(u.time, [t.client for t in u.arrivals]) for u in (clock.next_update() for _ in range(4))]
+    assert got == [(pytest.approx(2.5), [1]), (pytest.approx(3.0), [0]), (pytest.approx(4.5), [1]),
+                   (pytest.approx(5.5), [0])]
 
 
 def test_an_update_that_wakes_idle_slots_keeps_the_trainings_waiting_to_upload(tmp_path):
@@ -183,6 +199,7 @@ QS = str(REPO / "configs" / "quickstart.yaml")
      "devices.network: Value error, trace gives every device's bandwidths: drop down_mbps, up_mbps and sigma"),
     (["devices.network.latency_s=-1"], "devices.network.latency_s: Input should be greater than or equal to 0"),
     (["devices.network.server_mbps=0"], "devices.network.server_mbps: Input should be greater than 0"),
+    (["devices.network.server_mbps=.inf"], "devices.network.server_mbps: Input should be a finite number"),
     (["devices.network.trace=missing.csv"], "devices.network.trace: cannot read"),
     (["devices.profiles=[{compute: phone_tiny}]"], "devices.profiles.0.compute: unknown tier 'phone_tiny'; use one of "
                                                    "phone_high, phone_mid, phone_low"),
@@ -255,3 +272,14 @@ def test_calibrate_through_the_cli_times_the_trainings_after_round_one(ray_sessi
                         f"--set devices.overhead_s={max(0.0, rec['overhead_s']):.6g}")
     assert main(["devices", "calibrate", QS, "--steps", "3,3"]) == 2
     assert "--steps 3,3: give two numbers of local steps, 1 <= a < b" in capsys.readouterr().err
+
+
+def test_a_runs_recorded_trainings_count_each_batch_by_its_samples(ray_session, tiny_ds, engine_host):
+    """One epoch of batch 32 on the clock at 1 s a full batch: each client's training takes its samples / 32 s
+    (the last batch short; one left alone would be skipped), read from the server's client rows."""
+    sets = ("training.rounds=1", "training.local_epochs=1", "evaluation.every=0", "devices.enabled=true")
+    rows = tiny_federation(tiny_ds, "texture", *sets, host=engine_host(tiny_ds, 1)).clients
+    assert len(rows) == 3 and any(r["samples"] % 32 >= 2 for r in rows)
+    for r in rows:
+        n = r["samples"] - (1 if r["samples"] % 32 == 1 else 0)
+        assert r["sim_finish"] - r["sim_start"] == pytest.approx(n / 32, rel=1e-12), r

@@ -3,6 +3,7 @@ written by the tests: the rows FedScale's aggregator and client manager map
 each client to, FLASH's availability rule against its timer transcribed,
 the engine's CSV with a period per client, the converters' round trip, and
 bad files refused in one line through the CLI."""
+import decimal
 import json
 import os
 import pickle
@@ -34,11 +35,12 @@ def test_fedscale_capacity_rows_and_speeds_relative_to_the_median_device(capacit
     # median ms per sample of the file: (100 + 200) / 2 = 150; clients 0..4 read keys 1, 2, 3, 0, 1
     assert read_speeds(capacity, "fedscale", 5).tolist() == [1.5, 0.75, 3.0, 0.375, 1.5]
     down, up = read_bandwidths(capacity, "fedscale", 5)
-    assert down.tolist() == up.tolist() == [2.0, 8.0, 0.5, 1.0, 2.0]  # kbit/s / 1000, both ways
+    # kbit/s both ways, FedScale's kbit being 1024 bits
+    assert down.tolist() == up.tolist() == pytest.approx([2.048, 8.192, 0.512, 1.024, 2.048], rel=1e-12)
     # keys 1..3, as FedScale's own file may be: client 2 maps to key 0, which FedScale silently replaces
     short = _pickle(tmp_path / "short", {k: {"computation": 1.0, "communication": 1.0} for k in (1, 2, 3)})
     with pytest.raises(ConfigError, match=r"^devices.speed_trace: .* has no client 0, which FedScale maps client 3 "
-                                          r"to \(id % 3 rows\)"):
+                                          r"to \(id % 3 rows\); use fewer than 3 clients or add a key 0$"):
         read_speeds(short, "fedscale", 3)
 
 
@@ -123,14 +125,16 @@ def test_csv_availability_with_a_period_per_client(tmp_path):
     path.write_text("client,start_s,end_s,period_s\n0,0,10,20\n0,12,14,30\n")
     with pytest.raises(ConfigError, match="gives one client two period_s values"):
         read_availability(str(path), "csv", 1)
-    path.write_text("client,start_s,end_s,period_s\n0,0,25,20\n")
-    with pytest.raises(ConfigError, match="an interval ending after its period_s"):
-        read_availability(str(path), "csv", 1)
+    for rows in ("0,0,25,20", "0,0,0,0"):
+        path.write_text(f"client,start_s,end_s,period_s\n{rows}\n")
+        with pytest.raises(ConfigError, match="has a period_s <= 0 or an interval ending after its period_s; give"):
+            read_availability(str(path), "csv", 1)
 
 
 def test_converted_csv_reads_as_the_original(capacity, tmp_path):
+    # second intervals: record 0's runs past its finish_time, record 3's starts after it
     behave = _pickle(tmp_path / "behave", {
-        k: {"active": [3 * k, 40 + k], "inactive": [3 * k + 7, 45 + k], "finish_time": 60 + k} for k in range(4)})
+        k: {"active": [3 * k, 40 + 10 * k], "inactive": [3 * k + 7, 70 + 10 * k], "finish_time": 60 + k} for k in range(4)})
     files = convert("fedscale", 6, tmp_path / "csv", capacity=capacity, availability=behave)
     assert [f.name for f in files] == ["speeds.csv", "bandwidth.csv", "availability.csv"]
     csv_dir = tmp_path / "csv"
@@ -145,8 +149,8 @@ def test_converted_csv_reads_as_the_original(capacity, tmp_path):
 def test_the_device_model_reads_the_format_it_is_told(capacity, tmp_path):
     cfg = DevicesConfig(enabled=True, step_seconds=2.0, speed="trace", speed_trace=capacity, trace_format="fedscale",
                         network={"trace": capacity})
-    dev = DeviceModel(cfg, 0, ["a"] * 5, model_bytes=250_000)  # 2 Mbit each way
-    # client 0: speed 1.5, 2 Mbit/s both ways: 1 s down, 3 steps x 2 s / 1.5, 1 s up
+    dev = DeviceModel(cfg, 0, ["a"] * 5, model_bytes=256_000)  # 2.048 Mbit each way
+    # client 0: speed 1.5, 2000 FedScale kbit/s (2.048 Mbit/s) both ways: 1 s down, 3 steps x 2 s / 1.5, 1 s up
     assert dev.duration(0, 3, 0) == pytest.approx(1.0 + 4.0 + 1.0)
     with pytest.raises(ConfigError, match="^devices.trace_format: flash has no speed trace; use trace_format csv"):
         DeviceModel(cfg.model_copy(update={"trace_format": "flash"}), 0, ["a"] * 5)
@@ -161,8 +165,32 @@ def test_convert_through_the_cli_and_its_refusals(capacity, tmp_path, capsys):
         (["--format", "flash", "--capacity", capacity], "devices.trace_format: flash has no speed trace"),
         (["--format", "fedscale", "--availability", str(tmp_path / "none")], "devices.availability_trace: cannot read"),
         (["--format", "fedscale"], "devices convert: give --capacity, --availability or both"),
+        (["--format", "fedscale", "--capacity", _pickle(tmp_path / "short", {
+            k: {"computation": 1.0, "communication": 1.0} for k in (1, 2, 3)})], "has no client 0, which FedScale maps"),
+        (["--format", "fedscale", "--capacity", _pickle(tmp_path / "code", {1: decimal.Decimal(1)})],
+         "is not a FedScale pickle of plain data (decimal.Decimal is not plain data)"),
     ]:
         code = main(["devices", "convert", *argv, "--clients", "3", "--out", str(tmp_path / "no")])
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and len(err) == 1 and says in err[0], err
         assert not (tmp_path / "no").exists()
+
+
+def test_converted_flash_csv_reads_as_the_original(tmp_path):
+    path = tmp_path / "state_traces.json"
+    path.write_text(json.dumps({"2": {"messages": USER_2}, "10": {"messages": USER_10}}))
+    convert("flash", 3, tmp_path / "csv", availability=str(path))
+    mine, theirs = read_availability(str(tmp_path / "csv" / "availability.csv"), "csv", 3), \
+        read_availability(str(path), "flash", 3)
+    for t in np.arange(-100.0, 400.0, 0.5):
+        assert np.array_equal(mine.online(t), theirs.online(t)), t
+
+
+def test_flash_refusals_keep_their_reason(tmp_path):
+    path = tmp_path / "state_traces.json"
+    path.write_text(json.dumps({"2": {"messages": _flash_lines((0, "dancing"))}}))
+    with pytest.raises(ConfigError, match="unknown FLASH state 'dancing' \\(FLASH stops on it\\); remove"):
+        read_availability(str(path), "flash", 1)
+    # messages out of time order: FLASH's period would be negative
+    backwards = _flash_lines((50, "screen_lock"), (60, "wifi"), (70, "battery_charged_on"), (80, "4G"), (10, "wifi"))
+    assert flash_user(backwards) is None

@@ -73,10 +73,10 @@ class Update:
 
 class AsyncClock:
     """The event simulation of the module docstring.  ``steps(client)``:
-    the local steps of one training of that client (``planned_steps``)."""
+    the local steps of one training of that client (``planned_work``)."""
 
     def __init__(self, num_clients: int, concurrency: int, buffer_size: int, seed: int, devices: Devices,
-                 steps: Callable[[int], int], retry_s: float = 60.0):
+                 steps: Callable[[int], float], retry_s: float = 60.0):
         if not 1 <= buffer_size <= concurrency <= num_clients:
             raise ValueError(f"need 1 <= buffer_size ({buffer_size}) <= concurrency ({concurrency}) "
                              f"<= clients ({num_clients})")

@@ -30,17 +30,18 @@ from .network import Network, SharedLink, shared_uploads
 from .traces import AvailabilityTrace, read_availability, read_speeds
 
 __all__ = ["AvailabilityTrace", "DeviceModel", "Devices", "MarkovChain", "RoundPlan", "check_devices", "model_bytes",
-           "plan_round", "planned_steps"]
+           "plan_round", "planned_steps", "planned_work"]
 
 MAX_WAITS = 100_000  # a round start that finds nobody online this many wait_s steps in a row is an error
 _SNAPSHOT = 256  # markov: the chain's states are kept every this many steps, so an earlier t replays at most this many
 
 
 class Devices(Protocol):
-    def duration(self, client: int, steps: int, draw: int) -> float:
-        """Simulated seconds of one training (``steps`` local steps, plus the
-        model's download and upload if modelled); ``draw``: which training of
-        this client (the sync round number; the async start counter)."""
+    def duration(self, client: int, steps: float, draw: int) -> float:
+        """Simulated seconds of one training (``steps`` local steps in full
+        batches' worth, ``planned_work``, plus the model's download and
+        upload if modelled); ``draw``: which training of this client (the
+        sync round number; the async start counter)."""
         ...
 
     def available(self, client: int, t: float) -> bool:
@@ -50,6 +51,20 @@ class Devices(Protocol):
     def drops(self, client: int, draw: int) -> bool:
         """Whether this training drops out before uploading."""
         ...
+
+
+def planned_work(training: TrainingConfig, n_samples: int) -> float:
+    """A training's local steps in full batches' worth, what its duration
+    counts: the worker's batches (``planned_steps``), a batch of k samples
+    counting k / batch_size (an epoch's last batch is short; compute goes
+    with the samples)."""
+    b = training.batch_size
+    full, rest = divmod(n_samples, b)
+    epoch = [b] * full + ([rest] if rest >= 2 or n_samples == 1 else [])
+    if training.local_steps is None:
+        return training.local_epochs * sum(epoch) / b
+    laps, part = divmod(training.local_steps, len(epoch))
+    return (laps * sum(epoch) + sum(epoch[:part])) / b
 
 
 def planned_steps(training: TrainingConfig, n_samples: int) -> int:
@@ -130,13 +145,13 @@ class DeviceModel:
         self.windows = [(w.start_s, w.end_s, np.array([w.domain in d for d in doms], bool))
                         for w in cfg.domain_offline]
 
-    def ready(self, client: int, steps: int, draw: int) -> float:
+    def ready(self, client: int, steps: float, draw: int) -> float:
         """Seconds from a training's start until its upload starts: the download, the local steps and the
         training's overhead, both at the device's speed."""
         c = self.cfg
         return self.network.down_s(client, draw) + (c.overhead_s + steps * c.step_seconds) / float(self.speeds[client])
 
-    def duration(self, client: int, steps: int, draw: int) -> float:
+    def duration(self, client: int, steps: float, draw: int) -> float:
         """The whole training with its upload on the device's own link."""
         return self.ready(client, steps, draw) + self.network.up_s(client, draw)
 
@@ -192,11 +207,11 @@ def check_devices(cfg: ExperimentConfig, split: FederatedSplit, nbytes: int) -> 
     dev = DeviceModel(d, cfg.training.seed, split.client_domains, nbytes)
     if d.deadline_s is not None:
         sizes = split.client_sizes()
-        fastest = min(dev.duration(c, planned_steps(cfg.training, int(n)), 0) for c, n in enumerate(sizes))
+        fastest = min(dev.duration(c, planned_work(cfg.training, int(n)), 0) for c, n in enumerate(sizes))
         if fastest > d.deadline_s:
             raise ConfigError(f"devices.deadline_s: {d.deadline_s:g} s is shorter than the fastest client's "
                               f"training ({fastest:g} s simulated); raise it above {fastest:g} or lower "
-                              "devices.step_seconds")
+                              "devices.step_seconds (or raise the network's bandwidths)")
 
 
 @dataclass
@@ -249,12 +264,12 @@ def plan_round(dev: Devices, num_clients: int, seed: int, r: int, t: float, k: i
         selected = [int(c) for c in online]
     else:
         selected = sorted(int(c) for c in numpy_rng(seed, Stream.SAMPLE, r).choice(online, size=m, replace=False))
-    finish = {c: t + dev.duration(c, int(steps[c]), r) for c in selected}
+    finish = {c: t + dev.duration(c, float(steps[c]), r) for c in selected}
     dropped = {c for c in selected if dev.drops(c, r)}
     if isinstance(dev, DeviceModel) and dev.network.shared:
         net = dev.network
         assert net.capacity_bps is not None
-        up = {c: t + dev.ready(c, int(steps[c]), r) for c in selected if c not in dropped}
+        up = {c: t + dev.ready(c, float(steps[c]), r) for c in selected if c not in dropped}
         ends = shared_uploads(SharedLink(net.capacity_bps), up, net.bits, {c: float(net.up_bps[c]) for c in up})
         finish.update({c: e + net.up_delay_s(c, r) for c, e in ends.items()})
     cutoff = math.inf if deadline_s is None else t + deadline_s

@@ -53,8 +53,9 @@ class Network:
         if net.trace is not None:
             down, up = read_bandwidths(net.trace, cfg.trace_format, num_clients)
         else:
-            z = numpy_rng(seed, Stream.DEVICE_BANDWIDTH).standard_normal((2, num_clients)) * net.sigma
-            down, up = down * np.exp(z[0]), up * np.exp(z[1])
+            # a row per client: a client's draws do not depend on how many clients there are
+            z = numpy_rng(seed, Stream.DEVICE_BANDWIDTH).standard_normal((num_clients, 2)) * net.sigma
+            down, up = down * np.exp(z[:, 0]), up * np.exp(z[:, 1])
         self.down_bps, self.up_bps = down * 1e6, up * 1e6
         self.capacity_bps = None if net.server_mbps is None else net.server_mbps * 1e6
 

@@ -9,7 +9,9 @@ No published figure here ties a phone's step to this machine's: ``rayfed-dg
 devices calibrate`` measures this machine, and setting step_seconds to it
 models phones as fast as this machine.  Network tiers are median down- and
 upload bandwidths and a one-way latency (half the round-trip time the
-source reports).
+source reports); the device model takes each as the median of its devices
+(with ``devices.network.sigma`` spreading them), which the 5G figures are
+and the 2020 averages are not quite.
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ from rayfed_dg.seeding import Stream, numpy_rng
 _FLASH = ("FLASH (Yang et al., WWW 2021), PKU-Chengxu/FLASH models/utils/device_util/device_util.py: measured training "
           "time per batch of its FEMNIST CNN on its three device classes, femnist_mean = [1642, 588, 179] ms")
 _OOKLA_2020 = ("Ookla Speedtest Global Index, September 2020, as reported by my-financial-wealth.com (2020-10-25): "
-               "mobile 35.96 down / 11.22 up Mbit/s, latency 40 ms; fixed broadband 85.73 / 45.74, latency 21 ms")
+               "averages of mobile 35.96 down / 11.22 up Mbit/s, latency 40 ms; fixed broadband 85.73 / 45.74, "
+               "latency 21 ms")
 _OOKLA_5G = ("Ookla, 'Growing and Slowing: The State of 5G Worldwide in 2021' (2021-12-20): median 5G download "
              "166.13 Mbit/s, upload 21.08 Mbit/s (Q3 2021)")
 

@@ -11,7 +11,10 @@ docs/cross_device.md has the formats and the commands that convert them).
   ids from 1, the row keyed ``id % rows``); a speed is the file's median
   ms per sample over the client's, so speed 1 is the median device, and a
   bandwidth is the kbit/s both ways (FedScale's one bandwidth for the model's
-  upload and download).  ``client_behave_trace``: id -> {'active': [s],
+  upload and download; its kbit is 1024 bits).  FedScale's synchronous
+  aggregator also drops a client that is offline at the round's start plus
+  its own duration; the engine asks at the round's start only (mid-training
+  losses are ``devices.dropout``).  ``client_behave_trace``: id -> {'active': [s],
   'inactive': [s], 'finish_time': s}, the id-th record in file order
   (``client_manager.py``), online within [active_i, inactive_i], repeating
   after finish_time.
@@ -21,7 +24,11 @@ docs/cross_device.md has the formats and the commands that convert them).
   locked, it is charging and on wifi (the state starts all off), each user's
   trace repeating over its own first to last message.  A user whose trace
   FLASH rejects (a bad line, no online time, one instant) is skipped; client
-  c is the c-th remaining user in uid order.
+  c is the c-th remaining user in uid order.  FLASH truncates times to whole
+  seconds, closes both ends of a window, asks at the round's start plus its
+  selection window and pauses a training while its device is offline; the
+  engine's windows are half-open, asked at the round's start, and a device
+  going offline mid-training is ``devices.dropout``.
 
 Where this differs from the reference code it says so at the line.  The
 pickles are read by an unpickler that accepts plain data only.
@@ -122,7 +129,8 @@ def _csv_availability(path: str, num_clients: int) -> AvailabilityTrace:
     if "period_s" in cols:
         period = cols["period_s"]
         if np.any(period <= 0) or np.any(ends > period):
-            raise ConfigError(f"devices.{key}: {path} has a period_s <= 0 or an interval ending after its period_s")
+            raise ConfigError(f"devices.{key}: {path} has a period_s <= 0 or an interval ending after its period_s; "
+                              "give each client a period_s > 0 and end_s <= period_s")
         per = _per_client(ids, period, num_clients)
         if np.any(period[ids < num_clients] != per[ids[ids < num_clients]]):
             raise ConfigError(f"devices.{key}: {path} gives one client two period_s values; give one per client")
@@ -138,7 +146,8 @@ def _csv_availability(path: str, num_clients: int) -> AvailabilityTrace:
 
 class _PlainData(pickle.Unpickler):
     # dicts, lists and numbers need no class; NumPy's scalars need these two; anything else is refused unrun
-    ALLOWED = {("numpy._core.multiarray", "scalar"), ("numpy.core.multiarray", "scalar"), ("numpy", "dtype")}
+    ALLOWED = {("numpy._core.multiarray", "scalar"), ("numpy.core.multiarray", "scalar"), ("numpy", "dtype"),
+               ("_codecs", "encode")}  # pickle protocol <= 2 keeps a scalar's bytes as text through _codecs.encode
 
     def find_class(self, module, name):
         if (module, name) in self.ALLOWED:
@@ -153,9 +162,11 @@ def _pickle(path: str, key: str) -> dict:
     except OSError as e:
         raise ConfigError(f"devices.{key}: cannot read {path} ({e.strerror}); give FedScale's pickle") from None
     except Exception as e:  # a truncated or foreign file raises any of pickle's many errors
-        raise ConfigError(f"devices.{key}: {path} is not a FedScale pickle of plain data ({e})") from None
+        raise ConfigError(f"devices.{key}: {path} is not a FedScale pickle of plain data ({e}); give FedScale's "
+                          "device_info file") from None
     if not isinstance(data, dict) or not data:
-        raise ConfigError(f"devices.{key}: {path} is not a FedScale dict of clients")
+        raise ConfigError(f"devices.{key}: {path} is not a FedScale dict of clients; give FedScale's device_info "
+                          "file")
     return data
 
 
@@ -167,17 +178,19 @@ def fedscale_capacity(path: str, num_clients: int, key: str) -> tuple[np.ndarray
     lack = next((c for c in range(num_clients) if (c + 1) % len(rows) not in rows), None)
     if lack is not None:
         raise ConfigError(f"devices.{key}: {path} has no client {(lack + 1) % len(rows)}, which FedScale maps "
-                          f"client {lack + 1} to (id % {len(rows)} rows); give a file keyed 0 .. {len(rows) - 1}")
+                          f"client {lack + 1} to (id % {len(rows)} rows); use fewer than {len(rows)} clients or add "
+                          f"a key {(lack + 1) % len(rows)}")
     try:
         ms_all = np.array([float(v["computation"]) for v in rows.values()])
         pairs = [(float(rows[(c + 1) % len(rows)]["computation"]), float(rows[(c + 1) % len(rows)]["communication"]))
                  for c in range(num_clients)]
     except (KeyError, TypeError, ValueError, AttributeError):
-        raise ConfigError(f"devices.{key}: {path}: a client is not {{'computation': ms, 'communication': kbps}}") \
-            from None
+        raise ConfigError(f"devices.{key}: {path}: a client is not {{'computation': ms, 'communication': kbps}}; "
+                          "give FedScale's client_device_capacity") from None
     ms, kbps = np.array(pairs).reshape(num_clients, 2).T
     if np.any(ms_all <= 0) or np.any(kbps <= 0) or not np.all(np.isfinite(ms_all)) or not np.all(np.isfinite(kbps)):
-        raise ConfigError(f"devices.{key}: {path} has a computation or communication <= 0 or not finite")
+        raise ConfigError(f"devices.{key}: {path} has a computation or communication <= 0 or not finite; every "
+                          "device needs a positive, finite ms per sample and kbit/s")
     return ms, kbps, float(np.median(ms_all))
 
 
@@ -190,16 +203,18 @@ def _fedscale_availability(path: str, num_clients: int) -> AvailabilityTrace:
         try:
             on, off, fin = list(map(float, rec["active"])), list(map(float, rec["inactive"])), float(rec["finish_time"])
         except (KeyError, TypeError, ValueError):
-            raise ConfigError(f"devices.{key}: {path}: a record lacks numeric 'active', 'inactive' or 'finish_time'") \
-                from None
+            raise ConfigError(f"devices.{key}: {path}: a record lacks numeric 'active', 'inactive' or 'finish_time'; "
+                              "give FedScale's client_behave_trace") from None
         if len(on) != len(off) or fin <= 0 or any(a < 0 or b < a for a, b in zip(on, off)):
             raise ConfigError(f"devices.{key}: {path}: a record's 'active' and 'inactive' are not paired intervals "
-                              "0 <= active <= inactive, or its finish_time is <= 0")
+                              "0 <= active <= inactive, or its finish_time is <= 0; fix that record")
         # FedScale's is_active moves a cursor one interval per call and can answer False inside an interval after a
         # jump; this asks whether t falls in any interval, and half-open (FedScale closes both ends)
-        ids += [c] * len(on)
-        starts += on
-        ends += off
+        # an interval past finish_time is never asked about there (t % finish_time < finish_time): clipped
+        kept = [(a, min(b, fin)) for a, b in zip(on, off) if a < fin]
+        ids += [c] * len(kept)
+        starts += [a for a, _ in kept]
+        ends += [b for _, b in kept]
         period[c] = fin
     return AvailabilityTrace.build(np.array(ids, np.int64), np.array(starts), np.array(ends), period)
 
@@ -225,7 +240,8 @@ def _flash_state(state: str, flags: dict[str, bool]) -> bool:
         except ValueError:
             return False
     elif state not in ("screen_on", "screen_off"):
-        raise ConfigError(f"devices.availability_trace: unknown FLASH state {state!r} (FLASH stops on it)")
+        raise ConfigError(f"devices.availability_trace: unknown FLASH state {state!r} (FLASH stops on it); remove "
+                          "that message or map it to one FLASH knows")
     return True
 
 
@@ -263,7 +279,9 @@ def flash_user(messages: str) -> tuple[list[tuple[float, float]], float, float] 
         elif not ready and start is not None:
             windows.append((start, t))
             start = None
-    if not windows or times[-1] == times[0]:  # a window still open at the last message is dropped, as in timer.py
+    # a window still open at the last message is dropped, as in timer.py; messages out of time order would give
+    # FLASH a negative period: rejected here too
+    if not windows or times[-1] <= times[0]:
         return None
     return _merge(windows), times[0], times[-1]
 
@@ -274,15 +292,18 @@ def _flash_availability(path: str, num_clients: int) -> AvailabilityTrace:
         with open(path) as f:
             users = json.load(f)
         items = sorted(users.items(), key=lambda kv: (len(kv[0]), kv[0]))  # uid order: "2" before "10"
-        parsed = [flash_user(u["messages"]) for _, u in items]
+        messages = [str(u["messages"]) for _, u in items]
     except OSError as e:
         raise ConfigError(f"devices.{key}: cannot read {path} ({e.strerror}); give FLASH's state_traces.json") \
             from None
     except (ValueError, KeyError, TypeError, AttributeError):
-        raise ConfigError(f"devices.{key}: {path} is not FLASH's JSON of users with 'messages'") from None
+        raise ConfigError(f"devices.{key}: {path} is not FLASH's JSON of users with 'messages'; give FLASH's "
+                          "state_traces.json") from None
+    parsed = [flash_user(m) for m in messages]
     valid = [p for p in parsed if p is not None]
     if not valid:
-        raise ConfigError(f"devices.{key}: {path}: no user has a trace FLASH accepts (online windows over time)")
+        raise ConfigError(f"devices.{key}: {path}: no user has a trace FLASH accepts (online windows over time); "
+                          "give FLASH's state_traces.json")
     ids, starts, ends, period = [], [], [], np.empty(num_clients)
     for c in range(num_clients):
         # FLASH draws a valid user at random per client; client c takes the c-th, so a trace maps the same every run
@@ -327,7 +348,8 @@ def read_bandwidths(path: str, fmt: str, num_clients: int) -> tuple[np.ndarray, 
     key = "network.trace"
     if fmt == "fedscale":
         _, kbps, _ = fedscale_capacity(path, num_clients, key)
-        return kbps / 1e3, kbps / 1e3
+        # FedScale's kbit is 1024 bits (aggregator.py: the model's bytes / 1024 x 8 over kbps)
+        return kbps * 1.024e-3, kbps * 1.024e-3
     if fmt != "csv":
         raise _format_refused(fmt, "bandwidth")
     cols = read_csv(path, ("client", "down_mbps", "up_mbps"), key)

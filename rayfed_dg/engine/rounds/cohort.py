@@ -19,7 +19,7 @@ import numpy as np
 from rayfed_dg.config import DevicesConfig, ExperimentConfig
 from rayfed_dg.data.protocol import FederatedSplit
 from rayfed_dg.engine.clock import asynchronous as aio
-from rayfed_dg.engine.clock.devices import DeviceModel, RoundPlan, model_bytes, plan_round, planned_steps
+from rayfed_dg.engine.clock.devices import DeviceModel, RoundPlan, model_bytes, plan_round, planned_work
 from rayfed_dg.engine.store.records import ClientRow, Ledger, client_rows
 from rayfed_dg.methods import ClientUpdate
 
@@ -62,7 +62,7 @@ class Schedule:
         self.devices = DeviceModel(cfg.devices, cfg.training.seed, split.client_domains,
                                    model_bytes(global_state)) if cfg.devices.enabled else None
         self.clock = 0.0
-        steps = lambda c: planned_steps(cfg.training, int(sizes[c]))
+        steps = lambda c: planned_work(cfg.training, int(sizes[c]))
         # each client's local steps in a round, which its duration counts
         self.steps = np.array([steps(c) for c in range(len(sizes))]) if cfg.devices.enabled else None
         self.async_clock = None

@@ -127,11 +127,18 @@ class Federation:
         own model is worth evaluating beside the global one."""
         return bool(self.local_keys) and Phase.PERSONAL_EVAL in self.method.phases and self.cfg.evaluation.personal
 
-    def own_states(self) -> Mapping[int, dict[str, np.ndarray]]:
-        """Each client's local state, for the clients whose own model is
-        evaluated (none unless ``personalizes``), read from the store as the
-        evaluation asks for each."""
-        return self.store.view() if self.personalizes() else {}
+    def own_states(self, r: int) -> Mapping[int, dict[str, np.ndarray]]:
+        """Each client's local state, for the clients whose own model round
+        ``r`` evaluates (none unless ``personalizes``; a seeded sample of
+        ``evaluation.personal_clients`` of those with a state), read from the
+        store as the evaluation asks for each."""
+        if not self.personalizes():
+            return {}
+        view, k, have = self.store.view(), self.cfg.evaluation.personal_clients, self.store.clients()
+        if k is None or len(have) <= k:
+            return view
+        pick = numpy_rng(self.cfg.training.seed, Stream.PERSONAL_EVAL, r).choice(have, size=k, replace=False)
+        return {c: view[c] for c in sorted(pick.tolist())}
 
     # ------------------------------------------------------------ checkpoint
     def get_state(self, pieces: Path | None = None, clients: bool = True) -> dict:

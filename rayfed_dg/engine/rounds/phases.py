@@ -57,7 +57,7 @@ def global_on_clients(work: RoundWork) -> None:
 
 def personal_states(work: RoundWork) -> None:
     """The local states whose own model the evaluation adds (``personal_val``)."""
-    work.own = work.fed.own_states()
+    work.own = work.fed.own_states(work.round)
 
 
 # a new phase adds its member (with its slot) to ``Phase`` and its runner here

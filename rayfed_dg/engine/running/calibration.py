@@ -70,9 +70,14 @@ def calibrate_clock(config: str, overrides: list[str], target: str | None, steps
     if len(ta) < 2 or len(tb) < 2:
         raise ConfigError("devices calibrate: fewer than 2 trainings after round 1; raise --rounds or "
                           "training.clients_per_round")
+    f = fit(a, ta, b, tb)
+    if f["step_seconds"] <= 0:
+        raise ConfigError(f"devices calibrate: the trainings of {b} steps took no longer than those of {a} (medians "
+                          f"{np.median(tb):.4g} s, {np.median(ta):.4g} s): the machine's noise hides the steps; raise "
+                          "--steps (e.g. 2,20) or --rounds")
     e, d, t = cfg.engine, cfg.data, cfg.training
     cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() and e.device != "cpu" else None
-    return {**fit(a, ta, b, tb), "steps": [a, b], "rounds": rounds, "trainings": {str(a): ta, str(b): tb},
+    return {**f, "steps": [a, b], "rounds": rounds, "trainings": {str(a): ta, str(b): tb},
             "config": str(config), "overrides": list(overrides), "model": cfg.model.arch, "method": cfg.method.name,
             "resolution": d.resolution, "batch_size": t.batch_size, "precision": t.precision,
             "workers": e.num_workers, "cpus_per_worker": e.num_cpus_per_worker, "device": e.device,
