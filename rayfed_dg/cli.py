@@ -343,9 +343,9 @@ def _calibrate_devices(args) -> int:
     rec = calibrate_clock(args.config, args.overrides, args.target, (a, b), args.rounds)
     lo, hi = rec["step_seconds_5_95"]
     n = len(rec["trainings"][str(a)]) + len(rec["trainings"][str(b)])
-    print(f"one local step: {rec['step_seconds']:.4g} s (5-95 % {lo:.4g}-{hi:.4g}); a training besides its steps: "
-          f"{rec['overhead_s']:.4g} s; from {n} trainings of {a} and {b} steps on {rec['machine']['processor']}, "
-          f"{rec['workers'] or 'auto'} worker(s)")
+    print(f"a local step of a full batch: {rec['step_seconds']:.4g} s (5-95 % {lo:.4g}-{hi:.4g}); a training "
+          f"besides its steps: {rec['overhead_s']:.4g} s; from {n} trainings of {a} and {b} steps on "
+          f"{rec['machine']['processor']}, {rec['workers'] or 'auto'} worker(s)")
     over = max(0.0, rec["overhead_s"])  # a negative intercept is noise: no training costs less than its steps
     print(f"--set devices.step_seconds={rec['step_seconds']:.6g} --set devices.overhead_s={over:.6g}")
     if args.out:

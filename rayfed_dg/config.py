@@ -448,7 +448,8 @@ class DevicesConfig(_Strict):
     dropout and a round deadline decide which sampled clients a round aggregates, before any training."""
 
     enabled: bool = False  # off: every sampled client trains and is aggregated, with no simulated time
-    step_seconds: float = Field(1.0, gt=0.0)  # simulated seconds of one local step on a device of speed 1
+    # simulated seconds of one local step of a full batch on a device of speed 1 (a short batch costs its share)
+    step_seconds: float = Field(1.0, gt=0.0)
     # simulated seconds a training costs besides its steps on a device of speed 1 (loading the model, packing the
     # update); rayfed-dg devices calibrate measures both on this machine
     overhead_s: float = Field(0.0, ge=0.0)

@@ -358,7 +358,7 @@ def test_fedasync_with_local_state_and_faults_same_on_one_and_two_workers(ray_se
     """FedAsync on FedBN (BatchNorm stays on the clients) with seeded faults:
     four updates of one arrival each give the same tables on one and two
     workers, the retries recorded as charged."""
-    sets = ("server.mode=fedasync", "method.name=fedbn", "engine.fault_probability=0.3", "training.batch_size=64",
+    sets = ("server.mode=fedasync", "method.name=fedbn", "engine.fault_probability=0.5", "training.batch_size=64",
             "training.rounds=4")
     one = tiny_federation(tiny_ds, "texture", *sets, "engine.num_workers=1", host=engine_host(tiny_ds, 1))
     two = tiny_federation(tiny_ds, "texture", *sets, "engine.num_workers=2", host=engine_host(tiny_ds, 2))

@@ -249,11 +249,14 @@ def test_a_runs_recorded_finishes_are_its_transfers_and_the_shared_uploads_by_ha
 def test_the_calibration_line_through_the_medians_by_hand():
     from rayfed_dg.engine.running.calibration import fit
 
-    # medians 1.1 s (2 steps) and 3.0 s (8 steps): a step 1.9 / 6 s, a training 1.1 - 2 x 1.9 / 6 s besides
-    f = fit(2, [1.0, 1.2, 1.1], 8, [3.1, 2.9, 3.0])
+    # medians 1.1 s (2 full batches) and 3.0 s (8): a batch 1.9 / 6 s, a training 1.1 - 2 x 1.9 / 6 s besides
+    f = fit([2, 2, 2], [1.0, 1.2, 1.1], [8, 8, 8], [3.1, 2.9, 3.0])
     assert f["step_seconds"] == pytest.approx(1.9 / 6) and f["overhead_s"] == pytest.approx(1.1 - 3.8 / 6)
     lo, hi = f["step_seconds_5_95"]
     assert lo < f["step_seconds"] < hi and (lo, hi) == pytest.approx(((2.9 - 1.2) / 6, (3.1 - 1.0) / 6), abs=0.02)
+    # work counted by samples: a group of 8 steps whose median client did 6.5 batches' worth
+    f = fit([2, 1.5, 2], [1.0, 1.2, 1.1], [8, 6.5, 6.5], [3.1, 2.9, 3.0])
+    assert f["step_seconds"] == pytest.approx(1.9 / 4.5) and f["overhead_s"] == pytest.approx(1.1 - 2 * 1.9 / 4.5)
 
 
 def test_calibrate_through_the_cli_times_the_trainings_after_round_one(ray_session, tmp_path, capsys):

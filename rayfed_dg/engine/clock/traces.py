@@ -156,17 +156,17 @@ class _PlainData(pickle.Unpickler):
 
 
 def _pickle(path: str, key: str) -> dict:
+    want = "client_behave_trace" if key == "availability_trace" else "client_device_capacity"
     try:
         with open(path, "rb") as f:
             data = _PlainData(io.BytesIO(f.read())).load()
     except OSError as e:
-        raise ConfigError(f"devices.{key}: cannot read {path} ({e.strerror}); give FedScale's pickle") from None
+        raise ConfigError(f"devices.{key}: cannot read {path} ({e.strerror}); give FedScale's {want}") from None
     except Exception as e:  # a truncated or foreign file raises any of pickle's many errors
         raise ConfigError(f"devices.{key}: {path} is not a FedScale pickle of plain data ({e}); give FedScale's "
-                          "device_info file") from None
+                          f"{want}") from None
     if not isinstance(data, dict) or not data:
-        raise ConfigError(f"devices.{key}: {path} is not a FedScale dict of clients; give FedScale's device_info "
-                          "file")
+        raise ConfigError(f"devices.{key}: {path} is not a FedScale dict of clients; give FedScale's {want}")
     return data
 
 

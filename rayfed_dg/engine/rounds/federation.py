@@ -129,9 +129,10 @@ class Federation:
 
     def own_states(self, r: int) -> Mapping[int, dict[str, np.ndarray]]:
         """Each client's local state, for the clients whose own model round
-        ``r`` evaluates (none unless ``personalizes``; a seeded sample of
-        ``evaluation.personal_clients`` of those with a state), read from the
-        store as the evaluation asks for each."""
+        ``r`` evaluates (none unless ``personalizes``): every client with a
+        state, read from the store as the evaluation asks for each, or, past
+        ``evaluation.personal_clients`` of them, a seeded sample of that many
+        drawn afresh each round (read at once)."""
         if not self.personalizes():
             return {}
         view, k, have = self.store.view(), self.cfg.evaluation.personal_clients, self.store.clients()
