@@ -16,9 +16,10 @@ i mod 30), so the split is small whatever the population; the conv net is
 Markov availability and 10 % dropout; FedBuff trains 100 at once and
 updates every 10 arrivals; an evaluation every 50 updates (with FedBN's own
 models, a seeded sample of ``evaluation.personal_clients``); a checkpoint
-every 10 updates; a store budget of 4 MiB.
+every 10 updates; a store budget of 4 MiB (``--budget-mb``: below what the
+run's states take, the store spills).
 
-    python bench/soak.py [--clients 100000] [--updates 500] [--concurrency 100]
+    python bench/soak.py [--clients 100000] [--updates 500] [--concurrency 100] [--budget-mb 4]
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ BUDGET_MB = 4
 CHECKPOINT_EVERY = 10
 
 
-def soak(n_clients: int, updates: int, concurrency: int) -> list[dict]:
+def soak(n_clients: int, updates: int, concurrency: int, budget_mb: float = BUDGET_MB) -> list[dict]:
     import ray
 
     from rayfed_dg.config import load_config
@@ -52,7 +53,7 @@ def soak(n_clients: int, updates: int, concurrency: int) -> list[dict]:
         "server.buffer_size=10", "devices.enabled=true", "devices.speed=lognormal", "devices.availability=markov",
         "devices.mean_online_s=600", "devices.mean_offline_s=600", "devices.dropout=0.1", "evaluation.every=50",
         "engine.num_workers=2", "engine.num_cpus_per_worker=1", f"output.checkpoint_every={CHECKPOINT_EVERY}",
-        "output.save_best_checkpoint=false", f"engine.client_state_memory_mb={BUDGET_MB}"])
+        "output.save_best_checkpoint=false", f"engine.client_state_memory_mb={budget_mb}"])
     run_dir = Path(tempfile.mkdtemp(prefix="rayfed-dg-soak-"))
     ckpt = run_dir / "checkpoints" / "t"
     host = EngineHost(cfg.engine, [ray.put(images), ray.put(labels)], 2)
@@ -109,18 +110,19 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=100_000)
     ap.add_argument("--updates", type=int, default=500)
     ap.add_argument("--concurrency", type=int, default=100)
+    ap.add_argument("--budget-mb", type=float, default=BUDGET_MB, help="the store's memory budget (spills past it)")
     args = ap.parse_args()
     import ray
 
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     t0 = time.perf_counter()
     try:
-        rows = soak(args.clients, args.updates, args.concurrency)
+        rows = soak(args.clients, args.updates, args.concurrency, args.budget_mb)
     finally:
         ray.shutdown()
     mib = 2**20
     print(f"fedbn, {args.clients:,} clients, FedBuff K=10 of {args.concurrency} at once, {args.updates} updates, "
-          f"devices on, a checkpoint every {CHECKPOINT_EVERY}, store budget {BUDGET_MB} MiB: "
+          f"devices on, a checkpoint every {CHECKPOINT_EVERY}, store budget {args.budget_mb:g} MiB: "
           f"{time.perf_counter() - t0:.0f} s")
     print(f"{'update':>6} {'s/update':>8} {'server RSS':>10} {'store mem':>9} {'spill':>9} {'held':>6} {'.pt':>9} "
           f"{'piece':>9}")
