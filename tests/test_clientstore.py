@@ -440,6 +440,24 @@ def test_an_evaluation_takes_a_seeded_sample_of_the_clients_own_models_drawn_per
         list(range(12))
 
 
+def test_the_personal_sample_is_drawn_among_clients_with_a_validation_split_of_their_own():
+    """Explicit clients, two of them holding mono+colour (no validation split of that name, so never evaluated
+    personally): with 3 of the 4 others to draw, the sample is 3 of clients 0, 2, 3, 4, that of (seed, round)."""
+    from rayfed_dg.data import leave_one_domain_out, load_dataset
+    from rayfed_dg.engine.rounds.federation import Federation
+    from rayfed_dg.seeding import Stream, numpy_rng
+
+    ds = load_dataset("embedded_digits", None, 16)
+    spec = [["mono"], ["mono", "colour"], ["colour"], ["mono"], ["colour"], ["mono", "colour"]]
+    split = leave_one_domain_out(ds, "texture", 0.2, 0, "explicit", None, None, 1, spec)
+    fed = Federation(tiny_cfg("method.name=fedbn", "evaluation.personal_clients=3"), split, ds.num_classes, 1)
+    for c in range(6):
+        fed.store.put(c, dict(fed.store.initial), {})
+    for r in (1, 2):
+        want = sorted(numpy_rng(0, Stream.PERSONAL_EVAL, r).choice([0, 2, 3, 4], size=3, replace=False).tolist())
+        assert sorted(fed.own_states(r)) == want
+
+
 def test_clients_own_models_are_evaluated_when_they_keep_local_state_and_evaluation_personal_asks():
     """``Federation.personalizes``: FedBN's clients keep BatchNorm of their own (evaluated unless
     ``evaluation.personal`` is off); FedAvg's keep nothing, whatever the setting."""

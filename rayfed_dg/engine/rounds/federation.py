@@ -135,7 +135,8 @@ class Federation:
         drawn afresh each round (read at once)."""
         if not self.personalizes():
             return {}
-        view, k, have = self.store.view(), self.cfg.evaluation.personal_clients, self.store.clients()
+        view, k, doms = self.store.view(), self.cfg.evaluation.personal_clients, self.split.client_domains
+        have = [c for c in self.store.clients() if doms[c] in self.split.val]  # those with a split to evaluate on
         if k is None or len(have) <= k:
             return view
         pick = numpy_rng(self.cfg.training.seed, Stream.PERSONAL_EVAL, r).choice(have, size=k, replace=False)
