@@ -62,7 +62,7 @@ def _method(*files: str, k: str) -> list[str]:
 
 # module (under rayfed_dg/) -> the pytest arguments of the tests that guard it (fast ones)
 MODULES: dict[str, list[str]] = {
-    "engine/aggregation/exact.py": ["tests/test_aggregate.py", "-m", "not slow"],
+    "engine/aggregation/exact.py": ["tests/test_aggregate.py", "tests/test_exact_edges.py", "-m", "not slow"],
     "engine/aggregation/server_opt.py": ["tests/test_server_opt.py", "-m", "not slow"],
     "engine/aggregation/robust.py": ["tests/test_robust.py", "-m", "not slow"],
     "engine/aggregation/pipeline.py": ["tests/test_robust.py", "tests/test_async.py", "tests/test_privacy_updates.py",
@@ -71,7 +71,11 @@ MODULES: dict[str, list[str]] = {
     "engine/workers/pool.py": ["tests/test_pool.py", "-m", "not slow"],
     "engine/workers/dispatch.py": ["tests/test_dispatch.py"],  # the pool's failure accounting and dispatch, without Ray
     # the device model and the synchronous round's plan on its clock; FedBuff/FedAsync run on it
-    "engine/clock/devices.py": ["tests/test_devices.py", "tests/test_async.py", "-m", "not slow"],
+    "engine/clock/devices.py": ["tests/test_devices.py", "tests/test_async.py", "tests/test_network.py", "-m",
+                                "not slow"],
+    "engine/clock/network.py": ["tests/test_network.py", "-m", "not slow"],
+    "engine/clock/traces.py": ["tests/test_traces.py", "tests/test_devices.py", "tests/test_network.py", "-m",
+                               "not slow"],
     "engine/privacy/accountant.py": ["tests/test_privacy_updates.py", "-m", "not slow"],
     # the clip and noise of a client's update, and of the payloads a method sends beside it
     # (test_robust.py: DP's estimator refused beside an unbounded one, by its declarations)
@@ -79,7 +83,8 @@ MODULES: dict[str, list[str]] = {
                                   "tests/test_robust.py", "-m", "not slow"],
     "engine/privacy/payloads.py": ["tests/test_privacy_payloads.py", "tests/test_privacy_updates.py", "-m", "not slow"],
     # FedBuff / FedAsync on the clock: the schedule of starts, arrivals and server updates
-    "engine/clock/asynchronous.py": ["tests/test_async.py", "tests/test_devices.py", "-m", "not slow"],
+    "engine/clock/asynchronous.py": ["tests/test_async.py", "tests/test_devices.py", "tests/test_network.py", "-m",
+                                     "not slow"],
     # FedBuff's buffer and FedAsync's mixing, and their server updates through the engine
     "engine/aggregation/buffered.py": ["tests/test_async.py", "-m", "not slow"],
     # the federation's wiring: its state, the aggregation pipeline's inputs, the round's order, the checkpoint
