@@ -53,14 +53,20 @@ class Devices(Protocol):
         ...
 
 
+def _epoch_batches(batch_size: int, n_samples: int) -> list[int]:
+    """The sizes of one epoch's mini-batches as the worker's ``batches``
+    draws them: full ones, then the rest, unless it is a single sample of
+    several (BatchNorm needs two)."""
+    full, rest = divmod(n_samples, batch_size)
+    return [batch_size] * full + ([rest] if rest >= 2 or n_samples == 1 else [])
+
+
 def planned_work(training: TrainingConfig, n_samples: int) -> float:
     """A training's local steps in full batches' worth, what its duration
-    counts: the worker's batches (``planned_steps``), a batch of k samples
-    counting k / batch_size (an epoch's last batch is short; compute goes
-    with the samples)."""
+    counts: a batch of k samples counts k / batch_size (an epoch's last batch
+    is short; compute goes with the samples)."""
     b = training.batch_size
-    full, rest = divmod(n_samples, b)
-    epoch = [b] * full + ([rest] if rest >= 2 or n_samples == 1 else [])
+    epoch = _epoch_batches(b, n_samples)
     if training.local_steps is None:
         return training.local_epochs * sum(epoch) / b
     laps, part = divmod(training.local_steps, len(epoch))
@@ -69,14 +75,10 @@ def planned_work(training: TrainingConfig, n_samples: int) -> float:
 
 def planned_steps(training: TrainingConfig, n_samples: int) -> int:
     """The local steps a client of ``n_samples`` samples takes in one round:
-    ``training.local_steps``, or ``local_epochs`` passes of its mini-batches,
-    where a final batch of one sample is skipped (BatchNorm needs two), as
-    the worker's ``batches`` does."""
+    ``training.local_steps``, or ``local_epochs`` passes of its mini-batches."""
     if training.local_steps is not None:
         return training.local_steps
-    full, rest = divmod(n_samples, training.batch_size)
-    per_epoch = full + (1 if rest >= 2 or n_samples == 1 else 0)
-    return training.local_epochs * per_epoch
+    return training.local_epochs * len(_epoch_batches(training.batch_size, n_samples))
 
 
 class MarkovChain:

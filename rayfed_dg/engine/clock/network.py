@@ -42,14 +42,14 @@ class Network:
         self.seed, self.bits, self.jitter_s = seed, 8.0 * model_bytes, net.jitter_s
         down_mbps = cfg.bandwidth_mbps if cfg.bandwidth_mbps is not None else net.down_mbps
         up_mbps = cfg.bandwidth_mbps if cfg.bandwidth_mbps is not None else net.up_mbps
-        mine = [(math.inf if down_mbps is None else down_mbps, math.inf if up_mbps is None else up_mbps,
-                 net.latency_s)] * num_clients
+        down = np.full(num_clients, math.inf if down_mbps is None else down_mbps)
+        up = np.full(num_clients, math.inf if up_mbps is None else up_mbps)
+        self.latency_s = np.full(num_clients, net.latency_s)
         if links is not None and profile is not None:
-            mine = [mine[c] if links[k] is None else (links[k].down_mbps, links[k].up_mbps, links[k].latency_s)
-                    for c, k in enumerate(profile.tolist())]
-        cols = [np.array(col, float) for col in zip(*mine)] if mine else [np.ones(0)] * 3
-        down, up = cols[0], cols[1]
-        self.latency_s: np.ndarray = cols[2]
+            for k, link in enumerate(links):
+                if link is not None:
+                    mask = profile == k
+                    down[mask], up[mask], self.latency_s[mask] = link.down_mbps, link.up_mbps, link.latency_s
         if net.trace is not None:
             down, up = read_bandwidths(net.trace, cfg.trace_format, num_clients)
         else:
