@@ -17,7 +17,9 @@ packed update), and the round's clients' phase, the longest predicted
 training against the server's seconds from the first dispatch to the last
 update in (``seconds_clients``: it also holds dispatch and transfer, which
 the clock leaves out).  It prints each table and the mean absolute error
-per round in % of the measured time (target <= 5 %).
+per round in % of the measured time (target <= 5 %), and what bounds that
+error here (``report``): the same with the step refitted on the run, and the
+spread of repeated identical trainings.
 
     python bench/clock_validation.py [--rounds 12] [--epochs 6] [--workers 2] [--skip-calibration STEP,OVERHEAD]
 """
@@ -66,11 +68,16 @@ def run(sets: list[str], rounds: int, workers: int) -> list[dict]:
 
 
 def report(name: str, rows: list[dict], skip: int = 1) -> None:
-    """The table of one run and its errors; the first ``skip`` rounds (warm-up) are shown, not counted."""
+    """The table of one run and its errors; the first ``skip`` rounds (warm-up) are shown, not counted.
+
+    Beside the clock's error it prints what bounds it on this machine: the error left with the step refitted on
+    the run's own trainings (the median measured/predicted: what a calibration taken during the run would give),
+    and the floor, the spread of the run's repeated trainings (the same client and steps) about their median:
+    no clock that gives a training one duration does better than that."""
     print(f"\n{name}")
     print(f"{'round':>5} {'clients (steps)':>22} {'predicted':>10} {'measured':>9} {'error':>7} "
           f"{'phase pred.':>11} {'phase meas.':>11} {'error':>7}  cut")
-    per, phase = [], []
+    per, phase, signed = [], [], []
     for r in rows:
         if not r["clients"]:
             print(f"{r['round']:5d} {'(none)':>22}")
@@ -82,12 +89,25 @@ def report(name: str, rows: list[dict], skip: int = 1) -> None:
         if r["round"] > skip:
             per.append(abs(e1))
             phase.append(abs(e2))
+            signed.append(e1)
         who = ",".join(f"{c[0]}({c[1]})" for c in r["clients"])
         print(f"{r['round']:5d} {who:>22} {pred:9.3f}s {meas:8.3f}s {100 * e1:+6.1f}% {ppred:10.3f}s "
               f"{r['makespan']:10.3f}s {100 * e2:+6.1f}%  {','.join(map(str, r['cut'])) or '-'}")
     print(f"mean absolute error per round, rounds {skip + 1}-{rows[-1]['round']}: trainings "
           f"{100 * statistics.mean(per):.1f} %, the clients' phase {100 * statistics.mean(phase):.1f} % "
-          "(target <= 5 %)")
+          f"(target <= 5 %); mean signed error of the trainings {100 * statistics.mean(signed):+.1f} %")
+    counted = [c for r in rows if r["round"] > skip for c in r["clients"]]
+    scale = statistics.median(c[3] / c[2] for c in counted)
+    refit = statistics.mean(abs(c[2] * scale - c[3]) / c[3] for c in counted)
+    groups: dict[tuple[int, int], list[float]] = {}
+    for c in counted:
+        groups.setdefault((c[0], c[1]), []).append(c[3])
+    spread = [abs(m - statistics.median(g)) / statistics.median(g) for g in groups.values() if len(g) > 1 for m in g]
+    clock = statistics.mean(abs(c[2] - c[3]) / c[3] for c in counted)
+    print(f"each training: the clock's mean absolute error {100 * clock:.1f} %, "
+          f"with the step refitted on this run (x {scale:.3f}) {100 * refit:.1f} %; the floor, "
+          f"{len(spread)} repeated trainings about their median: "
+          + (f"{100 * statistics.mean(spread):.1f} %" if spread else "none repeated"))
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ import copy
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
@@ -150,6 +150,7 @@ class MethodConfig(_Named):
     partition: dict[str, Any] | None = None  # compare rows only: this row's partition settings
     stages: dict[str, Any] | None = None  # compare rows only: data stages of this row
     server: dict[str, Any] | None = None  # compare rows only: this row's server optimizer settings
+    devices: dict[str, Any] | None = None  # compare rows only: this row's device-model settings
 
 
 class StageConfig(_Named):
@@ -483,6 +484,9 @@ class DevicesConfig(_Strict):
     # state_traces.json as availability_trace); engine/clock/traces.py, docs/cross_device.md
     trace_format: Literal["csv", "fedscale", "flash"] = "csv"
     domain_offline: list[DomainWindow] = []  # windows during which every client holding that domain is offline
+    # {domain: factor}: every client holding that domain computes this many times slower (3: a step takes 3x as
+    # long), on top of its own speed; a multi-domain client takes the largest of its domains' factors
+    domain_slowdown: dict[str, Annotated[float, Field(gt=0.0, allow_inf_nan=False)]] = {}
     dropout: float = Field(0.0, ge=0.0, lt=1.0)  # probability that a started training never uploads
     # a round closes when clients_per_round clients have uploaded or deadline_s after its start, whichever is first;
     # None: no deadline (it waits for every selected client that does not drop out)
@@ -861,9 +865,9 @@ def validate(tree: dict, source: str = "<config>") -> ExperimentConfig:
             raise ConfigError(f"{source}: stages.{name}: {e.args[0]}") from None
         _typed(sc, scls.Params, f"stages.{name}", source)
         stage_classes.append(scls)
-    if cfg.method.partition is not None or cfg.method.stages is not None or cfg.method.server is not None:
-        raise ConfigError(f"{source}: method.partition / method.stages / method.server: only compare rows carry their "
-                          "own partition, stages or server; set the top-level partition: / stages: / server: sections "
+    if any(getattr(cfg.method, k) is not None for k in ROW_SECTIONS):
+        raise ConfigError(f"{source}: method.partition / method.stages / method.server / method.devices: only compare "
+                          "rows carry their own partition, stages, server or devices; set the top-level sections "
                           "instead")
     mcls = get_method_class(cfg.method.name)
     missing = [s for s in mcls.stages_needed if cfg.stages.get(s) is None]
@@ -895,6 +899,9 @@ def row_labels(names: list[str]) -> list[str]:
     return out
 
 
+ROW_SECTIONS = ("partition", "stages", "server", "devices")  # what a compare row may carry beside its method
+
+
 def method_variants(cfg: ExperimentConfig) -> list[tuple[str, ExperimentConfig]]:
     """(label, config) for each method to run: ``compare`` if given, else ``method``."""
     if not cfg.compare:  # a single method's label names its row too (variants of one method, reported together)
@@ -903,11 +910,10 @@ def method_variants(cfg: ExperimentConfig) -> list[tuple[str, ExperimentConfig]]
     for label, m in zip(row_labels([m.label or m.name for m in cfg.compare]), cfg.compare):
         tree = cfg.to_dict()
         tree["compare"] = None
-        tree["method"] = m.model_dump(mode="json", exclude={"partition", "stages", "server"})
-        if m.partition is not None:  # this row's own partition, over the comparison's
-            tree["partition"] = _deep_merge(tree["partition"], m.partition)
-        if m.server is not None:  # this row's server optimizer, over the comparison's
-            tree["server"] = _deep_merge(tree["server"], m.server)
+        tree["method"] = m.model_dump(mode="json", exclude=set(ROW_SECTIONS))
+        for section in ("partition", "server", "devices"):  # this row's own settings, over the comparison's
+            if getattr(m, section) is not None:
+                tree[section] = _deep_merge(tree[section], getattr(m, section))
         if m.stages is not None:  # this row's data stages, after the comparison's
             tree["stages"] = {**(tree.get("stages") or {}), **m.stages}
         out.append((label, validate(tree, f"compare ({label})")))

@@ -345,8 +345,10 @@ def test_stopped_and_resumed_through_disk_equals_the_uninterrupted_run(ray_sessi
     ckpt = cut / "checkpoints" / "texture"
     saved = torch.load(ckpt / "round_00002.pt", weights_only=True)
     manifest = saved["server"]["client_pieces"]
-    # the clients' and ledger's rows stay in the tables: the checkpoint does not grow with the clients trained
-    assert saved["rows"] == "tables" and saved["result"]["clients"] == saved["result"]["ledger"] == []
+    # the metrics', clients' and ledger's rows stay in the tables: the checkpoint does not grow with the rounds
+    # and clients trained
+    assert saved["rows"] == "all tables"
+    assert saved["result"]["metrics"] == saved["result"]["clients"] == saved["result"]["ledger"] == []
     trained = {r: sorted(row["client"] for row in _rows(cut, "clients") if row["round"] == r) for r in (1, 2)}
     rest = set(trained[1]) - set(trained[2])  # piece 1's clients not trained again: rewritten if under half
     moved = 2 * len(rest) < len(trained[1])
@@ -365,6 +367,7 @@ def test_stopped_and_resumed_through_disk_equals_the_uninterrupted_run(ray_sessi
 
     # what the resumed run returns holds the rounds before its checkpoint too, read back from the tables
     assert timeless(resumed.clients) == timeless(whole.clients) and resumed.ledger == whole.ledger
+    assert resumed.metrics == whole.metrics and resumed.metrics
     a, b = (torch.load(d / "final_texture.pt", weights_only=True) for d in (cut, clean))
     assert all(torch.equal(a[k], b[k]) for k in a)
 

@@ -59,6 +59,19 @@ def test_compare_variants():
     assert [label for label, _ in method_variants(load_config(None, []))] == ["fedavg"]
 
 
+def test_a_compare_rows_devices_merge_over_the_comparisons():
+    """A FedBuff row without the synchronous rows' deadline, the rest of the device model shared."""
+    cfg = load_config(None, ["devices={enabled: true, deadline_s: 120, over_selection: 1.3, step_seconds: 10}",
+                             "compare=[{name: fedavg}, {name: fedavg, label: fedbuff, server: {mode: fedbuff, "
+                             "concurrency: 4}, devices: {deadline_s: null, over_selection: 1.0}}]"])
+    rows = dict(method_variants(cfg))
+    sync, buff = rows["fedavg"].devices, rows["fedbuff"].devices
+    assert (sync.deadline_s, sync.over_selection, buff.deadline_s, buff.over_selection) == (120, 1.3, None, 1.0)
+    assert sync.step_seconds == buff.step_seconds == 10 and rows["fedbuff"].method.raw_params() == {}
+    with pytest.raises(ConfigError, match="only compare rows carry their own partition, stages, server or devices"):
+        load_config(None, ["method.devices={deadline_s: 5}"])
+
+
 def test_cli_bad_config_exits_2_with_one_line(tmp_path):
     p = write(tmp_path, "training:\n  lr: -0.1\n")
     out = tmp_path / "run"

@@ -123,6 +123,16 @@ def test_a_domain_window_takes_its_domains_clients_offline():
     assert dev.online(9.9).all() and dev.online(20.0).all() and dev.available(1, 20.0)
 
 
+def test_a_slow_domains_clients_take_its_factor_longer():
+    cfg = DevicesConfig(enabled=True, step_seconds=2.0, overhead_s=1.0, domain_slowdown={"b": 3.0, "c": 1.5})
+    dev = DeviceModel(cfg, 0, ["a", "b", "a+b", "c+b", "c"])
+    # (1 + 10 x 2) s at speed 1; a multi-domain client takes its slowest domain's factor
+    assert [dev.duration(c, 10, 0) for c in range(5)] == [21.0, 63.0, 63.0, 63.0, 31.5]
+    lognormal = DevicesConfig(enabled=True, speed="lognormal", domain_slowdown={"b": 3.0})
+    base = DeviceModel(DevicesConfig(enabled=True, speed="lognormal"), 4, ["a", "b"] * 3).speeds
+    assert DeviceModel(lognormal, 4, ["a", "b"] * 3).speeds.tolist() == pytest.approx(base / np.array([1, 3] * 3))
+
+
 def test_dropout_is_seeded_per_client_and_draw():
     dev = DeviceModel(DevicesConfig(enabled=True, dropout=0.3), 0, ["a"] * 200)
     draws = np.array([[dev.drops(c, d) for d in range(1, 6)] for c in range(200)])
@@ -212,6 +222,8 @@ def test_bad_device_input_is_one_line_exit_2_and_writes_nothing(ray_session, tmp
         (["devices.over_selection=0.8"], "devices.over_selection: Value error, must be at least 1"),
         (["devices.domain_offline=[{domain: textures, start_s: 0, end_s: 10}]"],
          "devices.domain_offline.0.domain: unknown domain 'textures'; use one of"),
+        (["devices.domain_slowdown={textures: 3}"], "devices.domain_slowdown.textures: unknown domain 'textures'"),
+        (["devices.domain_slowdown={colour: 0}"], "devices.domain_slowdown.colour: Input should be greater than 0"),
     ]
     for i, (sets, expect) in enumerate(cases):
         run_dir = tmp_path / f"run-{i}"
@@ -272,6 +284,22 @@ def test_device_model_run_is_the_same_on_one_and_two_workers_and_after_a_resume(
                ("dropout", "deadline", "late") and r["local_steps"] == 0 for r in rows if not r["deadline_met"])
     assert all(len([r for r in made if r["round"] == t]) <= 3 for t in (1, 2, 3))  # at most clients_per_round
     assert any(not r["deadline_met"] for r in rows)  # the scenario drops somebody
+
+
+def test_a_slow_domain_is_slower_on_the_servers_clock(ray_session, tiny_ds, engine_host):
+    """Through the server: every device at speed 1, one a second a full batch's worth, mono's devices 3x
+    slower: each aggregated training's simulated seconds are its planned work, x 3 for mono's."""
+    from rayfed_dg.engine.clock.devices import planned_work
+
+    sets = ("devices.speed=constant", "devices.availability=always", "devices.dropout=0", "devices.deadline_s=null",
+            "devices.over_selection=1", "devices.domain_offline=[]", "devices.domain_slowdown={mono: 3}")
+    res = _clock_run(tiny_ds, *sets, host=engine_host(tiny_ds, 2))
+    training = tiny_cfg(*DEVICES, *sets).training
+    made = [r for r in res.clients if r["deadline_met"]]
+    assert len(made) == 9 and {"mono", "negative"} <= {r["domain"] for r in made}
+    for r in made:
+        slow = 3 if r["domain"] == "mono" else 1
+        assert r["sim_finish"] - r["sim_start"] == pytest.approx(slow * planned_work(training, r["samples"])), r
 
 
 # ------------------------------------------------------------------ report and plot on simulated time

@@ -96,3 +96,19 @@ def test_terms_far_below_one_are_scaled_in_two_steps_exactly():
     red.add(1, {"t": v})
     red.add(0, {"t": v / 2})
     assert red.result({"t": v})["t"].tolist() == [0.75 * 2.0 ** -970, -2.25 * 2.0 ** -975]  # (2 v + v) / 4, exact
+
+
+def test_a_tensor_longer_than_a_chunk_sums_exactly_to_its_last_element():
+    """CPU deposits run chunk by chunk (``exact.CHUNK`` elements): a tensor of one chunk and a short one, three
+    weighted terms (the first written, the others added through the scratch buffer), is each term rounded to the
+    window 2^-30 and summed, element by element, the last chunk's too."""
+    n = exact.CHUNK + 777
+    rng = np.random.default_rng(5)
+    vs, ws = [rng.uniform(-1.0, 1.0, n) for _ in range(3)], [0.3, -1.7, 2.5]
+    s = FixedSum({"x": -30})
+    for w, v in zip(ws, vs):
+        s.add(w, {"x": torch.from_numpy(v)})
+    want = sum(np.round(w * v * 2.0 ** 30) for w, v in zip(ws, vs)) * 2.0 ** -30
+    got = s.total("x").numpy()
+    assert got.shape == (n,) and np.array_equal(got, want)
+    assert not np.array_equal(got[-777:], sum(w * v for w, v in zip(ws, vs))[-777:])  # rounded, not the float sum

@@ -108,7 +108,7 @@ def test_a_newer_format_is_refused_in_one_line(tmp_path, capsys):
     _newer(checkpoint_path(rd.checkpoints("mono"), 1).with_suffix(".json"), format=formats.CHECKPOINT + 1)
     with pytest.raises(ConfigError) as e:
         rd.latest_checkpoint("mono")
-    assert "a checkpoint of format 2" in _one_line(e)
+    assert f"a checkpoint of format {formats.CHECKPOINT + 1}" in _one_line(e)
     # a client-state manifest
     manifest = dict(ClientStore(INIT, 4, 1000).manifest(), format=formats.PIECES + 1)
     with pytest.raises(ConfigError) as e:
@@ -152,6 +152,31 @@ def test_a_checkpoint_written_before_versions_is_read_in_todays_shape(tmp_path):
     assert np.isnan(ckpt["result"]["seconds_clients_per_round"]).all()
     assert len(ckpt["result"]["seconds_clients_per_round"]) == 2
     assert formats.upgrade_checkpoint_state({"round": 3, "clock": 7.0}) == {"round": 3, "clock": 7.0}
+
+
+def test_a_version_1_checkpoint_resumes_with_the_metrics_rows_it_carries(tmp_path):
+    """Version 1 kept the metrics' rows in the checkpoint's result (``rows:
+    "tables"``: only the clients' and ledger's are the tables'); today's
+    keeps them in the metrics table (``rows: "all tables"``), and resuming
+    reads each from where its version put it."""
+    from rayfed_dg.engine.running.run import TargetResult, _resume
+
+    def metric(r, acc):
+        return {"target": "mono", "round": r, "split": "source_val", "domain": "a", "client": None,
+                "accuracy": acc, "loss": 1.0, "samples": 4, "clients_dropped": 0, "sim_time": None}
+
+    rd = RunDir.create(tiny_cfg(), tmp_path / "run")
+    rd.write_record(RECORD)
+    rd.write_round("mono", 1, {"metrics": [metric(1, 0.25)]})  # what the table holds
+    carried = [metric(1, 0.75)]  # what a version 1 checkpoint carried
+    server = {"round": 1, "global_state": {"w": np.ones(4, np.float32)}, "server_state": {}, "clock": 0.0}
+    result = asdict(TargetResult("mono", metrics=carried, rounds_done=1, seconds_per_round=[1.0],
+                                 seconds_clients_per_round=[1.0]))
+    save_checkpoint(rd.checkpoints("mono"), 1, {"format": 1, "server": server, "result": result, "rows": "tables"})
+    res, state = _resume(rd, "mono")
+    assert state["format"] == formats.CHECKPOINT and res.metrics == carried
+    rd.save_checkpoint("mono", 1, {"server": server, "result": dict(result, metrics=[]), "rows": "all tables"})
+    assert _resume(rd, "mono")[0].metrics == [metric(1, 0.25)]
 
 
 def test_the_fixtures_run_json_is_read_through_the_migration(tmp_path):

@@ -135,6 +135,9 @@ class DeviceModel:
             self.speeds = read_speeds(cfg.speed_trace, cfg.trace_format, self.n)
         else:
             self.speeds = np.ones(self.n)
+        doms = [set(d.split("+")) for d in client_domains]
+        if cfg.domain_slowdown:
+            self.speeds = self.speeds / np.array([max(cfg.domain_slowdown.get(x, 1.0) for x in d) for d in doms])
         self.network = Network(cfg, seed, self.n, model_bytes, links, self.profile)
         if cfg.availability == "diurnal":
             self.phase = numpy_rng(seed, Stream.DEVICE_PHASE).uniform(0.0, cfg.period_s, self.n)
@@ -143,7 +146,6 @@ class DeviceModel:
         elif cfg.availability == "trace":
             assert cfg.availability_trace is not None
             self.trace = read_availability(cfg.availability_trace, cfg.trace_format, self.n)
-        doms = [set(d.split("+")) for d in client_domains]
         self.windows = [(w.start_s, w.end_s, np.array([w.domain in d for d in doms], bool))
                         for w in cfg.domain_offline]
 
@@ -202,10 +204,10 @@ def check_devices(cfg: ExperimentConfig, split: FederatedSplit, nbytes: int) -> 
     (the fastest client's training on the clock exceeds it)."""
     d = cfg.devices
     domains = [*split.val, split.target, *split.heldout_val]
-    for i, w in enumerate(d.domain_offline):
-        if w.domain not in domains:
-            raise ConfigError(f"devices.domain_offline.{i}.domain: unknown domain {w.domain!r}; use one of "
-                              f"{', '.join(domains)}")
+    named = [(f"domain_offline.{i}.domain", w.domain) for i, w in enumerate(d.domain_offline)]
+    for key, domain in [*named, *((f"domain_slowdown.{x}", x) for x in d.domain_slowdown)]:
+        if domain not in domains:
+            raise ConfigError(f"devices.{key}: unknown domain {domain!r}; use one of {', '.join(domains)}")
     dev = DeviceModel(d, cfg.training.seed, split.client_domains, nbytes)
     if d.deadline_s is not None:
         sizes = split.client_sizes()

@@ -152,10 +152,10 @@ class RunDirWriter:
         if last:
             self.run_dir.save_weights("final", self.target, state["global_state"])
         if ckpt:
-            # the clients' and ledger's rows are in the run directory's tables already (written before the
-            # callbacks): a checkpoint that carried them too would grow with every client trained so far
-            result = asdict(replace(res, clients=[], ledger=[]))
-            self.run_dir.save_checkpoint(self.target, r, {"server": state, "result": result, "rows": "tables"},
+            # the metrics', clients' and ledger's rows are in the run directory's tables already (written before
+            # the callbacks): a checkpoint that carried them too would grow with every round and client so far
+            result = asdict(replace(res, metrics=[], clients=[], ledger=[]))
+            self.run_dir.save_checkpoint(self.target, r, {"server": state, "result": result, "rows": "all tables"},
                                          state["client_pieces"]["pieces"])
 
     def close(self):
@@ -177,14 +177,17 @@ class OnRound:
 
 # ------------------------------------------------------------------ federation
 
+# a checkpoint's ``rows``: which of its result's row lists are read back from the run directory's tables
+TABLED = {"result": (), "tables": ("clients", "ledger"), "all tables": ("metrics", "clients", "ledger")}
+
+
 def _resume(run_dir: RunDir | None, target: str) -> tuple[TargetResult, dict | None]:
     state = run_dir.latest_checkpoint(target) if run_dir is not None else None
     if state is None or run_dir is None:
         return TargetResult(target), None
     res = TargetResult(**state["result"])  # the checkpoint in today's shape (``formats.upgrade_checkpoint``)
-    if state["rows"] == "tables":  # this checkpoint's rounds' clients and ledger rows are the tables'
-        res.clients = run_dir.read_target_rows("clients", target, res.rounds_done)
-        res.ledger = run_dir.read_target_rows("ledger", target, res.rounds_done)
+    for table in TABLED[state["rows"]]:  # the rows of this checkpoint's rounds that are the tables'
+        setattr(res, table, run_dir.read_target_rows(table, target, res.rounds_done))
     if "client_pieces" in state["server"]:  # where the server reads the states the manifest names
         state["server"]["client_pieces"]["directory"] = str(run_dir.checkpoints(target))
     return res, state
