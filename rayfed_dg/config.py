@@ -140,10 +140,11 @@ class MethodConfig(_Named):
     In a ``compare`` list a row may also carry its own ``partition`` (merged
     over the config's ``partition`` section for that row only, e.g. the
     centralized reference ``partition: {strategy: centralized}``), its own
-    ``stages`` (added to the config's, e.g. ELCFS's amplitude bank) and its
-    own ``server`` settings (merged like ``partition``, e.g. FedAdam), so one
-    comparison holds rows that differ in more than the method; see
-    ``method_variants``."""
+    ``stages`` (added to the config's, e.g. ELCFS's amplitude bank), its own
+    ``server`` settings (merged like ``partition``, e.g. FedAdam) and its own
+    ``devices`` settings (merged the same way, e.g. no deadline for a FedBuff
+    row beside synchronous ones), so one comparison holds rows that differ in
+    more than the method; see ``method_variants``."""
 
     name: str = "fedavg"  # a registered method (rayfed_dg.methods.method_names())
     label: str | None = None  # row name in comparison tables

@@ -134,7 +134,7 @@ def trainable(trial_config: dict, *, config_path: str, fixed: list[str], data: d
     from ray import tune
 
     from rayfed_dg.engine.running.experiment import run_trial
-    from rayfed_dg.engine.store.rundir import RunDir
+    from rayfed_dg.engine.store.rundir import RunDir, resume_files
 
     logging.getLogger("ray.train").setLevel(logging.WARNING)  # "Checkpoint successfully created" each round
     cfg = load_config(config_path, fixed + overrides_of(trial_config) + ["output.save_best_checkpoint=false"])
@@ -168,9 +168,10 @@ def trainable(trial_config: dict, *, config_path: str, fixed: list[str], data: d
             tune.report(metrics)
             return
         snap = RunDir(tempfile.mkdtemp(prefix="rayfed-dg-ckpt-"))
-        snap.checkpoints(target).mkdir(parents=True)
-        for f in work.checkpoint_files(target, out.round):  # with the client-state pieces it names
-            shutil.copy2(f, snap.checkpoints(target) / f.name)
+        # with the client-state pieces it names and the tables' rows it does not carry
+        for f in resume_files(work, target, out.round):
+            (snap.path / f.relative_to(work.path)).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(f, snap.path / f.relative_to(work.path))
         tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(str(snap.path)))
         shutil.rmtree(snap.path, ignore_errors=True)
 

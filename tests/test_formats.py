@@ -192,3 +192,33 @@ def test_the_fixtures_run_json_is_read_through_the_migration(tmp_path):
     marker, records = sweep.read()
     assert marker == {"format": formats.SWEEP, "label": "old-sweep", "params": ["method.lam"], "targets": ["a", "b"]}
     assert all(r["finished"] for r in records)
+
+
+def test_a_copy_of_the_resume_files_alone_resumes_as_the_run_directory_does(tmp_path):
+    """A Tune trial's snapshot is a copy of ``resume_files``: the checkpoint with its pieces and the part files
+    of the target's rounds up to it (its rows are the tables'), not a later round's nor another target's."""
+    import shutil
+
+    from rayfed_dg.engine.running.run import TargetResult, _resume
+    from rayfed_dg.engine.store.rundir import resume_files
+
+    rd, _ = _run_dir_with_checkpoint(tmp_path / "run")
+    for t, r in (("mono", 1), ("mono", 2), ("other", 1)):
+        rd.write_round(t, r, {
+            "metrics": [{"target": t, "round": r, "split": "source_val", "domain": "a", "accuracy": r / 4}],
+            "ledger": [{"target": t, "round": r, "client": 0, "direction": "up", "group": "g", "tensors": 1,
+                        "bytes": 8}]})
+    server = {"round": 1, "global_state": {"w": np.ones(4, np.float32)}, "server_state": {}, "clock": 0.0}
+    rd.save_checkpoint("mono", 1, {"server": server, "rows": "all tables",
+                                   "result": asdict(TargetResult("mono", rounds_done=1, seconds_per_round=[1.0],
+                                                                 seconds_clients_per_round=[1.0]))})
+    files = resume_files(rd, "mono", 1)
+    assert {f.relative_to(rd.path).as_posix() for f in files if f.parent.name != "mono"} == {
+        "metrics.parquet/mono-r00001.parquet", "ledger.parquet/mono-r00001.parquet"}
+    snap = tmp_path / "snap"
+    for f in files:
+        (snap / f.relative_to(rd.path)).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(f, snap / f.relative_to(rd.path))
+    here, there = _resume(rd, "mono")[0], _resume(RunDir(snap), "mono")[0]
+    assert there.metrics == here.metrics and [m["accuracy"] for m in there.metrics] == [0.25]
+    assert there.ledger == here.ledger and len(there.ledger) == 1

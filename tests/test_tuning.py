@@ -200,6 +200,15 @@ def test_two_trial_sweep_writes_table_and_resumes_without_rerunning(ray_session,
         # Tune's metrics are fractions (as the parquet tables); TensorBoard shows percent, as everything read by eye
         assert sc["accuracy/source_val"] == [(r["round"], float(np.float32(100 * r["src_val"]))) for r in reported]
         assert sc["accuracy/target"] == [(r["round"], float(np.float32(100 * r["target_acc"]))) for r in reported]
+    # a kept trial checkpoint is complete by itself: the engine's checkpoint and the tables' rows up to its round,
+    # which a restored trial reads back (its own checkpoint does not carry them)
+    kept = sorted(sel.glob("*/checkpoint_*"))
+    assert kept
+    for ck in kept:
+        (pt,) = sorted((ck / "checkpoints" / "colour").glob("round_*.pt"))
+        r = int(pt.stem.split("_")[1])
+        for table in ("metrics", "clients", "ledger"):
+            assert (ck / f"{table}.parquet" / f"colour-r{r:05d}.parquet").is_file(), (ck, table)
     again = run_sweep("tiny", None, "colour", 1, "fifo", True, [], str(store), space_dir=space_dir, verbose=0)
     assert [p.read_text() for p in sorted(sel.glob("*/result.json"))] == before  # nothing re-ran
     assert again["chosen"] == out["chosen"]

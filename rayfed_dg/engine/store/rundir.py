@@ -56,7 +56,7 @@ from rayfed_dg.utils import atomic_write_with, write_text
 
 from .checkpoint import checkpoint_files, checkpoint_path, load_latest, save_checkpoint, saved_rounds
 from .formats import read_run_record, read_whole_table, row_summary, stamp, upgrade_checkpoint
-from .records import table_schema
+from .records import TABLES, table_schema
 from .remote import Mirror
 
 RUN_RECORD = "run.json"
@@ -328,6 +328,17 @@ class RunDir:
     def write_skipped(self, files: list[str]) -> None:
         """The images ``data.on_corrupt: skip`` left out (the loader warned, naming a few)."""
         write_text("\n".join(files) + "\n", self.path / "skipped_images.txt")
+
+
+def resume_files(run_dir: RunDir, target: str, round: int) -> list[Path]:
+    """Every file a resume from ``target``'s checkpoint of ``round`` reads:
+    the checkpoint's own (``checkpoint_files``) and the part files of the
+    target's rounds 0 .. ``round`` in each table, where a checkpoint's rows
+    are (``running/run.py``, ``TABLED``).  A copy of these alone (a Tune
+    trial's snapshot) resumes as the run directory does."""
+    parts = [p for name in TABLES for p in sorted((run_dir.path / f"{name}.parquet").glob("*.parquet"))
+             if _part_key(p)[0] == target and _part_key(p)[1] <= round]
+    return [*run_dir.checkpoint_files(target, round), *parts]
 
 
 def marks_complete(rel: str) -> bool:
