@@ -112,3 +112,18 @@ def test_a_tensor_longer_than_a_chunk_sums_exactly_to_its_last_element():
     got = s.total("x").numpy()
     assert got.shape == (n,) and np.array_equal(got, want)
     assert not np.array_equal(got[-777:], sum(w * v for w, v in zip(ws, vs))[-777:])  # rounded, not the float sum
+
+
+def test_a_partial_past_two_to_the_53_merges_exactly():
+    """513 terms of 2^44 - 1 (odd, above 2^53) in a worker's partial, held as int64 past FLUSH: merged into the
+    server's sum, directly and packed, the total keeps its last bit (a float64 accumulator would round it)."""
+    part = FixedSum({"x": 0})
+    for _ in range(513):
+        part.add(1.0, {"x": torch.tensor([BIG], dtype=torch.float64)})
+    want = 513 * (2 ** 44 - 1)
+    assert want > 2 ** 53 and want % 2 == 1
+    for source in (part, part.pack()):
+        out = FixedSum({"x": 0})
+        out.merge(source)
+        out.add(1.0, {"x": torch.tensor([-BIG], dtype=torch.float64)})  # back below 2^53: any rounding shows
+        assert int(out.total("x").item()) == want - (2 ** 44 - 1)
