@@ -73,7 +73,8 @@ class Update:
 
 class AsyncClock:
     """The event simulation of the module docstring.  ``steps(client)``:
-    the local steps of one training of that client (``planned_work``)."""
+    one training's local steps of that client in full batches' worth
+    (``planned_work``)."""
 
     def __init__(self, num_clients: int, concurrency: int, buffer_size: int, seed: int, devices: Devices,
                  steps: Callable[[int], float], retry_s: float = 60.0):

@@ -63,7 +63,7 @@ class Schedule:
                                    model_bytes(global_state)) if cfg.devices.enabled else None
         self.clock = 0.0
         steps = lambda c: planned_work(cfg.training, int(sizes[c]))
-        # each client's local steps in a round, which its duration counts
+        # each client's work in a round (its local steps in full batches' worth), which its duration counts
         self.steps = np.array([steps(c) for c in range(len(sizes))]) if cfg.devices.enabled else None
         self.async_clock = None
         if cfg.server.mode != "sync":

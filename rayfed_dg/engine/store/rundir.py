@@ -337,7 +337,7 @@ def resume_files(run_dir: RunDir, target: str, round: int) -> list[Path]:
     are (``running/run.py``, ``TABLED``).  A copy of these alone (a Tune
     trial's snapshot) resumes as the run directory does."""
     parts = [p for name in TABLES for p in sorted((run_dir.path / f"{name}.parquet").glob("*.parquet"))
-             if _part_key(p)[0] == target and _part_key(p)[1] <= round]
+             if (key := _part_key(p))[0] == target and key[1] <= round]
     return [*run_dir.checkpoint_files(target, round), *parts]
 
 
