@@ -462,7 +462,7 @@ class DevicesConfig(_Strict):
     speed_trace: str | None = None
     # bandwidth of every device in megabits per second, both ways (shorthand for network.down_mbps and up_mbps):
     # a training also downloads and uploads the model's bytes; None: network's, else no simulated time
-    bandwidth_mbps: float | None = Field(None, gt=0.0)
+    bandwidth_mbps: float | None = Field(None, gt=0.0, allow_inf_nan=False)
     network: NetworkConfig = NetworkConfig()  # per-device up- and downlinks, latency, jitter, the server's link
     # named device profiles with shares: each client's speed (and bandwidths and latency, where a profile names a
     # network tier; else network's) from published figures; with speed constant

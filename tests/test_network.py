@@ -200,6 +200,7 @@ QS = str(REPO / "configs" / "quickstart.yaml")
     (["devices.network.latency_s=-1"], "devices.network.latency_s: Input should be greater than or equal to 0"),
     (["devices.network.server_mbps=0"], "devices.network.server_mbps: Input should be greater than 0"),
     (["devices.network.server_mbps=.inf"], "devices.network.server_mbps: Input should be a finite number"),
+    (["devices.bandwidth_mbps=.inf"], "devices.bandwidth_mbps: Input should be a finite number"),
     (["devices.network.trace=missing.csv"], "devices.network.trace: cannot read"),
     (["devices.profiles=[{compute: phone_tiny}]"], "devices.profiles.0.compute: unknown tier 'phone_tiny'; use one of "
                                                    "phone_high, phone_mid, phone_low"),
