@@ -215,6 +215,116 @@ def test_without_checkpoints_a_replaced_state_frees_its_spill_slot(tmp_path):
     assert [store.get(c)["w"][0] for c in range(10)] == [values[c] for c in range(10)]
 
 
+def test_a_piece_without_a_whole_index_is_refused_in_one_line_and_one_without_records_reads(tmp_path):
+    """A file too short for the index's length, a length of 0, or one
+    longer than the file: ``OSError`` naming the file, never a struct or
+    seek error.  An index with no records before it is a whole piece."""
+    cases = {"short": b"abc", "zero": bytes(8), "long": b"x" * 20 + np.int64(24).tobytes()}  # 24 > 28 - 8
+    for name, data in cases.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(OSError, match=f"{name}: its index is missing"):
+            read_index(tmp_path / name)
+    index = encode({"clients": np.zeros(0, np.int64), "length": np.zeros(0, np.int64)})
+    (tmp_path / "empty").write_bytes(index + np.int64(len(index)).tobytes())
+    assert [a.tolist() for a in read_index(tmp_path / "empty")] == [[], [], []]
+
+
+def test_a_spilled_record_cut_short_is_refused(tmp_path):
+    store = ClientStore(INIT, 3, 16, tmp_path)  # one state in memory: 0 spills when 1 arrives
+    store.put(0, state(1), {})
+    store.put(1, state(2), {})
+    spill = tmp_path / "spill.bin"
+    spill.write_bytes(spill.read_bytes()[:-1])
+    with pytest.raises(OSError, match="a client state's record ends early"):
+        store.get(0)
+
+
+def test_a_state_read_back_from_the_spill_file_is_not_written_there_again(tmp_path):
+    """Budget 40 (two states).  Put 0, 1, 2: 0 spilled at offset 0.  Get 0:
+    1 spilled.  Put 3: 2 spilled.  Put 4: 0 leaves memory again, and its
+    copy at offset 0 is still current: three slots, not four."""
+    store = ClientStore(INIT, 5, 40, tmp_path)
+    rec = len(encode(state(0)))
+    for c in (0, 1, 2):
+        store.put(c, state(c), {})
+    store.get(0)
+    store.put(3, state(3), {})
+    store.put(4, state(4), {})
+    assert store.in_memory() == [3, 4] and store.spill_bytes == 3 * rec
+    assert [store.get(c)["w"][0] for c in range(5)] == [0, 1, 2, 3, 4]
+
+
+def test_a_checkpoint_frees_the_spill_slots_of_the_states_it_holds(tmp_path):
+    """Budget 16 (one state).  Put 0, 1: 0 spilled.  A checkpoint holds
+    both, so 0's slot is free: 2, evicted by 3, takes it."""
+    store = ClientStore(INIT, 4, 16, tmp_path / "spill")
+    rec = len(encode(state(0)))
+    store.put(0, state(0), {})
+    store.put(1, state(1), {})
+    store.checkpoint(tmp_path, 1)
+    store.put(2, state(2), {})  # 1 leaves memory: unchanged since the checkpoint, nothing written
+    store.put(3, state(3), {})
+    assert store.spill_bytes == rec and (tmp_path / "spill" / "spill.bin").stat().st_size == rec
+    assert [store.get(c)["w"][0] for c in range(4)] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("first,second", [("b", "a"), ("a", "b")])
+def test_a_checkpoint_into_another_folder_takes_every_state(tmp_path, first, second):
+    """Its pieces must stand alone: the unchanged clients move with the changed one."""
+    store = filled(3, 1000)
+    store.checkpoint(tmp_path / first, 1)
+    store.put(1, state(11), {})
+    manifest = store.checkpoint(tmp_path / second, 2)
+    assert list(manifest["pieces"]) == [piece_name(2)]
+    assert read_index(tmp_path / second / piece_name(2))[0].tolist() == [0, 1, 2]
+    fresh = ClientStore(INIT, 3, 1000)
+    fresh.load(manifest, tmp_path / second)
+    assert [fresh.get(c)["w"][0] for c in range(3)] == [0, 11, 2]
+
+
+def test_starting_over_empties_memory_and_the_spill_file_and_counts_from_zero(tmp_path):
+    """Budget 40: five states leave three in the spill file.  Starting over
+    from three states: 32 bytes in memory, one record spilled, and the file
+    is that one record; a store that never spilled writes nothing."""
+    store = filled(8, 40, tmp_path)
+    rec = len(encode(state(0)))
+    assert store.spill_bytes == 6 * rec
+    store.load_states({5: state(5), 6: state(6), 7: state(7)})
+    assert store.memory_bytes == 32 and store.in_memory() == [6, 7]
+    assert store.spill_bytes == rec and (tmp_path / "spill.bin").stat().st_size == rec
+    assert store.clients() == [5, 6, 7] and [store.get(c)["w"][0] for c in (5, 6, 7)] == [5, 6, 7]
+    quiet = ClientStore(INIT, 8, 1000, tmp_path / "never")
+    quiet.load_states({0: state(0)})
+    assert not (tmp_path / "never").exists()
+
+
+def test_locations_name_only_the_clients_a_checkpoint_holds(tmp_path):
+    store = ClientStore(INIT, 5, 1000)
+    for c in range(3):
+        store.put(c, state(c), {})
+    store.checkpoint(tmp_path, 1)
+    store.put(4, state(4), {})  # no checkpoint holds it yet
+    assert store.locations()["clients"].tolist() == [0, 1, 2]
+
+
+def test_a_store_whose_spill_folder_is_gone_ends_quietly(tmp_path, monkeypatch):
+    """The run directory (or the temporary folder) removed before the
+    store is collected: its clean-up ignores what is already gone."""
+    import gc
+    import shutil
+
+    errors = []
+    monkeypatch.setattr("sys.unraisablehook", errors.append)
+    for directory in (tmp_path / "run", None):
+        store = ClientStore(INIT, 2, 16, directory)
+        store.put(0, state(0), {})
+        store.put(1, state(1), {})  # 0 spilled: the spill file exists
+        shutil.rmtree(store._dir)
+        del store
+        gc.collect()
+    assert errors == []
+
+
 def _save(directory, store, r):
     manifest = store.checkpoint(directory, r)
     save_checkpoint(directory, r, {"round": r, "client_pieces": manifest}, manifest["pieces"])

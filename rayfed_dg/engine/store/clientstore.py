@@ -126,7 +126,7 @@ def read_index(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         f.seek(max(end - _LEN.size, 0))
         tail = f.read(_LEN.size)
         n = _LEN.unpack(tail)[0] if len(tail) == _LEN.size else end
-        if n > end - _LEN.size:
+        if not _LEN.size <= n <= end - _LEN.size:  # an index is at least its own length prefix
             raise OSError(f"{path}: its index is missing (the file was cut short or written without one)")
         f.seek(end - _LEN.size - n)
         index = decode(f.read(n))
