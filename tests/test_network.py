@@ -89,6 +89,44 @@ def test_bandwidths_spread_around_their_medians_or_come_from_a_trace(tmp_path):
         _model(n=2, trace=str(path))
 
 
+def test_each_devices_bandwidths_and_delays_by_hand_from_their_seeded_draws():
+    """Down and up: the median times exp(sigma z), z the client's row of one
+    seeded (clients, 2) draw; each delay the latency plus its own
+    exponential draw (the second is the upload's), at jitter 1 as at 0.5."""
+    from rayfed_dg.seeding import Stream, numpy_rng
+
+    for jitter in (0.5, 1.0):
+        net = _model(n=3, down_mbps=20.0, up_mbps=5.0, sigma=0.7, latency_s=0.1, jitter_s=jitter).network
+        z = numpy_rng(0, Stream.DEVICE_BANDWIDTH).standard_normal((3, 2)) * 0.7
+        assert net.down_bps.tolist() == (20.0 * np.exp(z[:, 0]) * 1e6).tolist()
+        assert net.up_bps.tolist() == (5.0 * np.exp(z[:, 1]) * 1e6).tolist()
+        for c, d in ((0, 0), (2, 5)):
+            j = numpy_rng(0, Stream.DEVICE_JITTER, c, d).exponential(jitter, 2)
+            assert net.up_delay_s(c, d) == 0.1 + j[1] and net.down_s(c, d) == 0.1 + j[0] + 8e6 / net.down_bps[c]
+            assert net.up_s(c, d) == 8e6 / net.up_bps[c] + 0.1 + j[1]
+
+
+def test_each_profiles_devices_take_their_own_tiers_link():
+    from rayfed_dg.engine.clock.profiles import NETWORK
+
+    cfg = DevicesConfig(enabled=True, step_seconds=2.0, profiles=[{"compute": "phone_low", "network": "mobile"},
+                                                                  {"compute": "phone_high", "network": "broadband"}])
+    dev = DeviceModel(cfg, 0, ["a"] * 4, model_bytes=1_000_000)
+    for k, tier in enumerate(("mobile", "broadband")):
+        link = NETWORK[tier]
+        c = np.flatnonzero(dev.profile == k)
+        assert dev.network.down_bps[c].tolist() == [link.down_mbps * 1e6] * 2
+        assert dev.network.up_bps[c].tolist() == [link.up_mbps * 1e6] * 2
+
+
+def test_uploads_apart_on_a_shared_link_each_end_alone_by_hand():
+    # 3 Mbit at 10 Mbit/s: 0.3 s each. 0 ends at 0.3 before 2 starts; 2 ends at 1.0 as 1 starts (in floating
+    # point, 0.7 + 0.3 lands within a rounding of 1.0: the bits left are clamped at 0, never below)
+    ends = shared_uploads(SharedLink(10e6), {0: 0.0, 1: 1.0, 2: 0.7}, 3e6, {0: INF, 1: INF, 2: INF})
+    assert ends == pytest.approx({0: 0.3, 2: 1.0, 1: 1.3})
+    assert shared_uploads(SharedLink(10e6), {0: 0.0, 1: 10.0}, 10e6, {0: INF, 1: INF}) == pytest.approx({0: 1.0, 1: 11.0})
+
+
 def test_a_devices_bandwidths_do_not_depend_on_how_many_devices_there_are():
     few, many = _model(n=10, down_mbps=20.0, up_mbps=5.0, sigma=0.7), _model(n=25, down_mbps=20.0, up_mbps=5.0, sigma=0.7)
     assert np.array_equal(few.network.down_bps, many.network.down_bps[:10])
