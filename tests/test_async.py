@@ -217,6 +217,100 @@ def test_every_update_takes_k_distinct_clients_and_the_stream_seeds_the_picks():
     assert Stream.ASYNC_SAMPLE == 20
 
 
+def _sampler(seed: int, i: int, n: int, ok) -> tuple[int, bool]:
+    """The documented sampler's i-th pick: candidates drawn uniformly from the
+    stream's i-th generator (4 x min(n, 64) of them), else the first
+    eligible of a permutation from the same generator; and whether it fell
+    back to the permutation.  Written out so that a change of the picks,
+    which changes every asynchronous run's numbers, is seen."""
+    from rayfed_dg.seeding import numpy_rng
+
+    rng = numpy_rng(seed, Stream.ASYNC_SAMPLE, i)
+    for c in rng.integers(0, n, size=4 * min(n, 64)).tolist():
+        if ok(c):
+            return c, False
+    return next(c for c in rng.permutation(n).tolist() if ok(c)), True
+
+
+def test_the_clock_picks_each_start_with_the_streams_next_sampler_and_numbers_its_draws():
+    """Eight starts at t = 0 among 50 devices: start i is the sampler's pick
+    i among those not yet started, and its draw (the device model's dropout
+    and jitter) is i."""
+    c = AsyncClock(50, 8, 3, 5, ideal(50), lambda cl: 1)
+    want: list[int] = []
+    for i in range(8):
+        want.append(_sampler(5, i, 50, lambda cl: cl not in want)[0])
+    assert [(t.client, t.draw) for t in sorted(c.flight.values(), key=lambda t: t.draw)] == \
+        [(cl, i) for i, cl in enumerate(want)]
+
+
+class TwoOnline:
+    """1,000 devices, only 0 and 700 ever online, one second a training."""
+
+    def duration(self, client, steps, draw):
+        return 1.0
+
+    def available(self, client, t):
+        return client in (0, 700)
+
+    def drops(self, client, draw):
+        return False
+
+
+def test_a_pick_among_few_online_falls_back_to_the_samplers_permutation():
+    """One slot, K = 1: after each update both online devices are free, so
+    update j's client is the sampler's pick j; most picks miss both in the
+    256 candidates and take the permutation's first."""
+    c = AsyncClock(1000, 1, 1, 3, TwoOnline(), lambda cl: 1)
+    got = [c.next_update().arrivals[0].client for _ in range(16)]
+    want = [_sampler(3, j, 1000, lambda cl: cl in (0, 700)) for j in range(16)]
+    assert got == [cl for cl, _ in want] and sum(fell for _, fell in want) >= 5 and set(got) == {0, 700}
+
+
+def test_the_clock_gives_up_after_its_fruitless_tries_counted_from_the_last_arrival(monkeypatch):
+    """Two slots, K = 2, retries every 10 s, the give-up after 5 fruitless
+    tries (monkeypatched from 100,000).  Only client 0 is ever online (at
+    t = 0), and trains 35 s: the other slot tries at 10, 20, 30 (3); 0
+    arrives at 35 (progress: the count starts again) and its slot finds
+    nobody; tries at 40, 45, 50, 55, 60 (5) and 65, the sixth: given up there."""
+    import rayfed_dg.engine.clock.asynchronous as aio
+    from rayfed_dg.errors import EngineError
+
+    monkeypatch.setattr(aio, "IDLE_RETRIES", 5)
+    c = AsyncClock(2, 2, 2, 0, TableDevices({0: 35, 1: 1}, {0: {0}}), steps=lambda cl: 1, retry_s=10.0)
+    with pytest.raises(EngineError, match=r"^no client could start a training for 6 tries \(every 10.0 simulated"):
+        c.next_update()
+    assert c.time == 65.0
+    # a try that starts a training is progress too: three slots, 0 trains 100 s from t = 0, 1 is online at t = 20
+    # only; tries at 10 (2), 20 (1 starts: the count starts again; the other slot's try: 1), 30 ... 70: the sixth
+    c = AsyncClock(3, 3, 3, 0, TableDevices({0: 100, 1: 100}, {0: {0}, 20: {1}}), steps=lambda cl: 1, retry_s=10.0)
+    with pytest.raises(EngineError, match="for 6 tries"):
+        c.next_update()
+    assert c.time == 70.0
+    # nobody ever online: the count starts at 0 with the update, tries at 10 ... 60
+    c = AsyncClock(1, 1, 1, 0, TableDevices({0: 1}, {}), steps=lambda cl: 1, retry_s=10.0)
+    with pytest.raises(EngineError, match="for 6 tries"):
+        c.next_update()
+    assert c.time == 60.0
+
+
+def test_updates_never_start_more_trainings_than_the_concurrency():
+    """A domain offline for the first 50 s leaves slots idle, a shared link
+    leaves uploads waiting to start: after every update exactly the
+    concurrency is in flight (an update restarts the idle slots once, and
+    only them)."""
+    cfg = DevicesConfig(enabled=True, domain_offline=[{"domain": "b", "start_s": 0.0, "end_s": 50.0}],
+                        network={"server_mbps": 10.0})
+    c = AsyncClock(8, 3, 2, 0, DeviceModel(cfg, 0, ["a"] * 3 + ["b"] * 5, model_bytes=2_500_000), lambda cl: 4,
+                   retry_s=7.0)
+    seen = set()
+    for _ in range(30):
+        u = c.next_update()
+        seen |= {t.client for t in u.arrivals}
+        assert len(c.flight) == 3 and {k for _, k, _ in c.events} <= {0, 2}
+    assert seen == set(range(8)) and u.time > 50.0
+
+
 # ------------------------------------------------------------------ what may run
 
 def test_buffer_size_defaults_to_one_for_fedasync_and_ten_or_the_concurrency_for_fedbuff():

@@ -184,6 +184,17 @@ def test_the_asynchronous_clock_on_a_shared_link_with_latency_by_hand(tmp_path):
                    (pytest.approx(5.5), [0])]
 
 
+def test_an_upload_start_before_another_ends_is_taken_first_whatever_the_later_events(tmp_path):
+    # ready at 1, 1.5 and 10 (speeds 1, 2/3, 0.1); 10 Mbit each over 10 Mbit/s.  0 alone until 1.5 (5 left), then
+    # 0 and 1 at 5 each: 0 ends at 2.5, 1 (5 left) alone ends at 3; 2 alone from 10 ends at 11 (one update, K = 3)
+    cfg = DevicesConfig(enabled=True, speed="trace", speed_trace=_speeds(tmp_path, [1, 2 / 3, 0.1]),
+                        network={"server_mbps": 10.0})
+    c = AsyncClock(3, 3, 3, 0, DeviceModel(cfg, 0, ["a"] * 3, model_bytes=1_250_000), lambda cl: 1)
+    u = c.next_update()
+    assert [t.client for t in u.arrivals] == [0, 1, 2]
+    assert [t.finish for t in u.arrivals] == pytest.approx([2.5, 3.0, 11.0])
+
+
 def test_an_update_that_wakes_idle_slots_keeps_the_trainings_waiting_to_upload(tmp_path):
     # FedBuff, K = 2 of 2 clients: 1 arrives at 2 and its slot finds nobody (0 trains, 1 waits in the buffer);
     # 0's upload ends at 2.5 (update 1); both start again, ready at 3.5 and 3: 1 alone until 3.5, both at 5 Mbit/s

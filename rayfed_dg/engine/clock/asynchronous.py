@@ -186,11 +186,11 @@ class AsyncClock:
             self.buffer, self.dropped, self.seen = [], [], []
             self._fill(t)  # the replacement downloads the new version
             # the clients seen since the last update may start again: idle slots try now, not at their retry time
-            idle = sorted((e for e in self.events if e[1] == 1), key=lambda e: e[2])
+            idle = sum(e[1] == 1 for e in self.events)
             if idle:
                 self.events = [e for e in self.events if e[1] != 1]
                 heapq.heapify(self.events)
-                for _ in idle:
+                for _ in range(idle):
                     self._fill(t)
             return out
 
