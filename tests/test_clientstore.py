@@ -216,13 +216,15 @@ def test_without_checkpoints_a_replaced_state_frees_its_spill_slot(tmp_path):
 
 
 def test_a_piece_without_a_whole_index_is_refused_in_one_line_and_one_without_records_reads(tmp_path):
-    """A file too short for the index's length, a length of 0, or one
-    longer than the file: ``OSError`` naming the file, never a struct or
-    seek error.  An index with no records before it is a whole piece."""
-    cases = {"short": b"abc", "zero": bytes(8), "long": b"x" * 20 + np.int64(24).tobytes()}  # 24 > 28 - 8
-    for name, data in cases.items():
+    """A file too short for the index's length, a length longer than the
+    file, or one that frames no record (0, 8): ``OSError`` naming the file,
+    never a struct, JSON or seek error.  An index with no records before it
+    is a whole piece."""
+    cases = {"short": (b"abc", "is missing"), "long": (b"x" * 20 + np.int64(24).tobytes(), "is missing"),  # 24 > 28 - 8
+             "zero": (bytes(8), "cannot be read"), "eight": (b"y" * 8 + np.int64(8).tobytes(), "cannot be read")}
+    for name, (data, why) in cases.items():
         (tmp_path / name).write_bytes(data)
-        with pytest.raises(OSError, match=f"{name}: its index is missing"):
+        with pytest.raises(OSError, match=f"{name}: its index {why}"):
             read_index(tmp_path / name)
     index = encode({"clients": np.zeros(0, np.int64), "length": np.zeros(0, np.int64)})
     (tmp_path / "empty").write_bytes(index + np.int64(len(index)).tobytes())
@@ -283,7 +285,7 @@ def test_a_checkpoint_into_another_folder_takes_every_state(tmp_path, first, sec
 
 
 def test_starting_over_empties_memory_and_the_spill_file_and_counts_from_zero(tmp_path):
-    """Budget 40: five states leave three in the spill file.  Starting over
+    """Budget 40: eight states leave six in the spill file.  Starting over
     from three states: 32 bytes in memory, one record spilled, and the file
     is that one record; a store that never spilled writes nothing."""
     store = filled(8, 40, tmp_path)
@@ -296,6 +298,16 @@ def test_starting_over_empties_memory_and_the_spill_file_and_counts_from_zero(tm
     quiet = ClientStore(INIT, 8, 1000, tmp_path / "never")
     quiet.load_states({0: state(0)})
     assert not (tmp_path / "never").exists()
+
+
+def test_the_spill_folder_is_chosen_before_the_first_spill_and_never_after(tmp_path):
+    store = ClientStore(INIT, 3, 16)
+    store.use_directory(tmp_path / "run")
+    store.put(0, state(0), {})
+    store.put(1, state(1), {})  # 0 spilled, into the folder chosen
+    assert (tmp_path / "run" / "spill.bin").stat().st_size == len(encode(state(0)))
+    with pytest.raises(RuntimeError, match="spills to .*run already"):
+        store.use_directory(tmp_path / "other")
 
 
 def test_locations_name_only_the_clients_a_checkpoint_holds(tmp_path):

@@ -103,7 +103,7 @@ def test_each_devices_bandwidths_and_delays_by_hand_from_their_seeded_draws():
         for c, d in ((0, 0), (2, 5)):
             j = numpy_rng(0, Stream.DEVICE_JITTER, c, d).exponential(jitter, 2)
             assert net.up_delay_s(c, d) == 0.1 + j[1] and net.down_s(c, d) == 0.1 + j[0] + 8e6 / net.down_bps[c]
-            assert net.up_s(c, d) == 8e6 / net.up_bps[c] + 0.1 + j[1]
+            assert net.up_s(c, d) == 8e6 / net.up_bps[c] + (0.1 + j[1])
 
 
 def test_each_profiles_devices_take_their_own_tiers_link():

@@ -126,10 +126,13 @@ def read_index(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         f.seek(max(end - _LEN.size, 0))
         tail = f.read(_LEN.size)
         n = _LEN.unpack(tail)[0] if len(tail) == _LEN.size else end
-        if not _LEN.size <= n <= end - _LEN.size:  # an index is at least its own length prefix
+        if n > end - _LEN.size:
             raise OSError(f"{path}: its index is missing (the file was cut short or written without one)")
         f.seek(end - _LEN.size - n)
-        index = decode(f.read(n))
+        try:
+            index = decode(f.read(n))
+        except (ValueError, struct.error) as e:  # a length that does not frame a record (JSON's errors are ValueErrors)
+            raise OSError(f"{path}: its index cannot be read ({e})") from None
     length = index["length"]
     return index["clients"], np.cumsum(length) - length, length
 
