@@ -194,3 +194,23 @@ def test_flash_refusals_keep_their_reason(tmp_path):
     # messages out of time order: FLASH's period would be negative
     backwards = _flash_lines((50, "screen_lock"), (60, "wifi"), (70, "battery_charged_on"), (80, "4G"), (10, "wifi"))
     assert flash_user(backwards) is None
+
+
+@pytest.mark.parametrize("rows, n, expect", [
+    ("0,1\n1.2,2\n", 2, "has a client that is not a whole number >= 0"),
+    ("0,1\n1.7,2\n", 2, "has a client that is not a whole number >= 0"),
+    ("0,1\n1,2\n-1,3\n", 2, "has a client that is not a whole number >= 0"),  # -1 would index the last client
+    ("1,1\n2,2\n", 3, r"covers 2 of the 3 clients \(client 0 has no row\)"),
+    ("2,1\n", 3, r"covers 1 of the 3 clients \(client 0 has no row\)"),  # the first missing one is named
+])
+def test_a_speed_trace_needs_a_whole_id_for_every_client(tmp_path, rows, n, expect):
+    path = tmp_path / "speeds.csv"
+    path.write_text("client,speed\n" + rows)
+    with pytest.raises(ConfigError, match=f"^devices.speed_trace: {path} {expect}"):
+        read_speeds(str(path), "csv", n)
+
+
+def test_a_speed_traces_rows_past_the_population_are_ignored(tmp_path):
+    path = tmp_path / "speeds.csv"
+    path.write_text("client,speed\n3,9\n1,2\n0,1\n2,7\n")  # 2 and 3 are past two clients
+    assert read_speeds(str(path), "csv", 2).tolist() == [1.0, 2.0]
