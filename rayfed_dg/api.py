@@ -30,13 +30,14 @@ from typing import Any
 
 __all__ = ["RunResult", "calibrate", "collect", "load", "run"]
 
-TABLES = ("metrics", "clients", "ledger", "privacy")
+TABLES = ("metrics", "clients", "ledger", "privacy", "rounds")
 
 
 @dataclass
 class RunResult:
-    """A finished run.  ``metrics``, ``clients``, ``ledger`` and ``privacy``
-    (epsilon per round and group; empty without a ``privacy:`` section) are the run
+    """A finished run.  ``metrics``, ``clients``, ``ledger``, ``privacy``
+    (epsilon per round and group; empty without a ``privacy:`` section) and
+    ``rounds`` (each round's wall seconds; empty for runs of releases before it) are the run
     directory's tables (pandas DataFrames, or pyarrow Tables without pandas)
     over every row (method) and seed, in the order they ran, with two
     leading columns ``label`` and ``seed``; past those, each sub-run's rows
@@ -49,6 +50,7 @@ class RunResult:
     clients: Any
     ledger: Any
     privacy: Any
+    rounds: Any
     summary: list[dict[str, str]]
     _markdown: str = field(default="", repr=False)
 

@@ -78,6 +78,11 @@ def test_the_readme_example_gives_the_numbers_of_rayfed_dg_run(ray_session, tmp_
         theirs = RunDir(tmp_path / "cli").read_table(name).to_pandas()
         assert mine.drop(columns=["seconds"], errors="ignore").equals(
             theirs.drop(columns=["seconds"], errors="ignore")), name
+    # rounds: one row a round, its wall seconds the driver measured, past its clients' phase
+    r = result.rounds
+    assert list(zip(r["target"], r["round"])) == [("colour", 1), ("colour", 2)]
+    assert r.drop(columns=["label", "seed"]).equals(RunDir(result.run_dir).read_table("rounds").to_pandas())
+    assert (r["seconds"] >= r["seconds_clients"]).all() and (r["seconds_clients"] > 0).all()
     # summary: report's table as rows; table(): report's Markdown
     assert [(r["method"], r["selection"], r["seeds"]) for r in result.summary] == [
         ("fedavg", "training-domain validation", "1"), ("fedavg", "last round", "1"),

@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import tiny_cfg
 
+from rayfed_dg.engine.running.run import ROWS
 from rayfed_dg.engine.store.checkpoint import CheckpointWarning, checkpoint_files, load_latest, save_checkpoint
 from rayfed_dg.engine.store.clientstore import ClientStore, decode, encode, piece_name, read_index
 from rayfed_dg.engine.store.formats import upgrade_checkpoint_state
@@ -463,14 +464,16 @@ def test_stopped_and_resumed_through_disk_equals_the_uninterrupted_run(ray_sessi
     clean, cut = tmp_path / "clean", tmp_path / "cut"
     whole = _fed(tiny_ds, host, clean, f"method.name={name}")
     disk = (f"method.name={name}", "engine.client_state_memory_mb=0")
-    assert _fed(tiny_ds, host, cut, *disk, stop_after=2).rounds_done == 2
+    first = _fed(tiny_ds, host, cut, *disk, stop_after=2)
+    assert first.rounds_done == 2
     ckpt = cut / "checkpoints" / "texture"
     saved = torch.load(ckpt / "round_00002.pt", weights_only=True)
     manifest = saved["server"]["client_pieces"]
-    # the metrics', clients' and ledger's rows stay in the tables: the checkpoint does not grow with the rounds
-    # and clients trained
-    assert saved["rows"] == "all tables"
+    # the metrics', clients', ledger's and rounds' rows stay in the tables: the checkpoint does not grow with the
+    # rounds and clients trained
+    assert saved["rows"] == ROWS
     assert saved["result"]["metrics"] == saved["result"]["clients"] == saved["result"]["ledger"] == []
+    assert saved["result"]["seconds_per_round"] == saved["result"]["seconds_clients_per_round"] == []
     trained = {r: sorted(row["client"] for row in _rows(cut, "clients") if row["round"] == r) for r in (1, 2)}
     rest = set(trained[1]) - set(trained[2])  # piece 1's clients not trained again: rewritten if under half
     moved = 2 * len(rest) < len(trained[1])
@@ -490,6 +493,10 @@ def test_stopped_and_resumed_through_disk_equals_the_uninterrupted_run(ray_sessi
     # what the resumed run returns holds the rounds before its checkpoint too, read back from the tables
     assert timeless(resumed.clients) == timeless(whole.clients) and resumed.ledger == whole.ledger
     assert resumed.metrics == whole.metrics and resumed.metrics
+    # and the seconds of the rounds before it, from the rounds table
+    assert len(resumed.seconds_per_round) == len(resumed.seconds_clients_per_round) == 4
+    assert resumed.seconds_per_round[:2] == first.seconds_per_round
+    assert resumed.seconds_clients_per_round[:2] == first.seconds_clients_per_round
     a, b = (torch.load(d / "final_texture.pt", weights_only=True) for d in (cut, clean))
     assert all(torch.equal(a[k], b[k]) for k in a)
 

@@ -179,6 +179,32 @@ def test_a_version_1_checkpoint_resumes_with_the_metrics_rows_it_carries(tmp_pat
     assert _resume(rd, "mono")[0].metrics == [metric(1, 0.25)]
 
 
+def test_a_version_2_checkpoint_moves_its_seconds_into_the_rounds_table(tmp_path):
+    """Version 2 carried each round's seconds in its result; version 3 keeps
+    them in the rounds table (``rows: "all tables and rounds"``), so that a
+    checkpoint does not grow with the rounds.  Resuming a version 2
+    checkpoint writes its seconds there; the next checkpoint carries none
+    and resumes with them."""
+    from rayfed_dg.engine.running.run import ROWS, TargetResult, _resume
+
+    rd = RunDir.create(tiny_cfg(), tmp_path / "run")
+    rd.write_record(RECORD)
+    server = {"round": 2, "global_state": {"w": np.ones(4, np.float32)}, "server_state": {}, "clock": 0.0}
+    result = asdict(TargetResult("mono", rounds_done=2, seconds_per_round=[1.5, 2.5],
+                                 seconds_clients_per_round=[1.0, 2.0]))
+    save_checkpoint(rd.checkpoints("mono"), 2, {"format": 2, "server": server, "result": result,
+                                                "rows": "all tables"})
+    res, state = _resume(rd, "mono")
+    assert state["format"] == formats.CHECKPOINT == 3 and state["rows"] == "all tables"
+    assert res.seconds_per_round == [1.5, 2.5] and res.seconds_clients_per_round == [1.0, 2.0]
+    assert [(r["target"], r["round"], r["seconds"], r["seconds_clients"]) for r in rd.read_rows("rounds")] == [
+        ("mono", 1, 1.5, 1.0), ("mono", 2, 2.5, 2.0)]
+    rd.save_checkpoint("mono", 2, {"server": server, "rows": ROWS, "result": dict(
+        result, seconds_per_round=[], seconds_clients_per_round=[])})
+    again = _resume(rd, "mono")[0]
+    assert again.seconds_per_round == [1.5, 2.5] and again.seconds_clients_per_round == [1.0, 2.0]
+
+
 def test_the_fixtures_run_json_is_read_through_the_migration(tmp_path):
     from test_rundir import OLD
 

@@ -31,7 +31,7 @@ from rayfed_dg.config import ConfigError, ExperimentConfig
 from rayfed_dg.data import FederatedSplit
 from rayfed_dg.engine.privacy.accountant import Accountant, releases
 from rayfed_dg.engine.store.formats import check_resumable
-from rayfed_dg.engine.store.records import RoundResult, Split, split_mean, stage_rows, table_rows
+from rayfed_dg.engine.store.records import RoundResult, Split, round_row, split_mean, stage_rows, table_rows
 from rayfed_dg.engine.store.rundir import RunDir
 from rayfed_dg.engine.store.selection import select_round
 from rayfed_dg.engine.workers.resources import ensure_workers
@@ -152,10 +152,11 @@ class RunDirWriter:
         if last:
             self.run_dir.save_weights("final", self.target, state["global_state"])
         if ckpt:
-            # the metrics', clients' and ledger's rows are in the run directory's tables already (written before
-            # the callbacks): a checkpoint that carried them too would grow with every round and client so far
-            result = asdict(replace(res, metrics=[], clients=[], ledger=[]))
-            self.run_dir.save_checkpoint(self.target, r, {"server": state, "result": result, "rows": "all tables"},
+            # the metrics', clients', ledger's and rounds' rows are in the run directory's tables already (written
+            # before the callbacks): a checkpoint that carried them too would grow with every round and client so far
+            result = asdict(replace(res, metrics=[], clients=[], ledger=[], seconds_per_round=[],
+                                    seconds_clients_per_round=[]))
+            self.run_dir.save_checkpoint(self.target, r, {"server": state, "result": result, "rows": ROWS},
                                          state["client_pieces"]["pieces"])
 
     def close(self):
@@ -177,8 +178,11 @@ class OnRound:
 
 # ------------------------------------------------------------------ federation
 
-# a checkpoint's ``rows``: which of its result's row lists are read back from the run directory's tables
-TABLED = {"result": (), "tables": ("clients", "ledger"), "all tables": ("metrics", "clients", "ledger")}
+# a checkpoint's ``rows``: which of its result's row lists are read back from the run directory's tables (the
+# rounds table: its seconds lists); today's checkpoints write ROWS
+TABLED = {"result": (), "tables": ("clients", "ledger"), "all tables": ("metrics", "clients", "ledger"),
+          "all tables and rounds": ("metrics", "clients", "ledger", "rounds")}
+ROWS = "all tables and rounds"
 
 
 def _resume(run_dir: RunDir | None, target: str) -> tuple[TargetResult, dict | None]:
@@ -187,7 +191,16 @@ def _resume(run_dir: RunDir | None, target: str) -> tuple[TargetResult, dict | N
         return TargetResult(target), None
     res = TargetResult(**state["result"])  # the checkpoint in today's shape (``formats.upgrade_checkpoint``)
     for table in TABLED[state["rows"]]:  # the rows of this checkpoint's rounds that are the tables'
-        setattr(res, table, run_dir.read_target_rows(table, target, res.rounds_done))
+        rows = run_dir.read_target_rows(table, target, res.rounds_done)
+        if table != "rounds":
+            setattr(res, table, rows)
+            continue
+        res.seconds_per_round = [row["seconds"] for row in rows]
+        res.seconds_clients_per_round = [row["seconds_clients"] for row in rows]
+    if "rounds" not in TABLED[state["rows"]]:
+        # an older checkpoint carried its rounds' seconds: into the table, where the next checkpoint leaves them
+        for r, (s, c) in enumerate(zip(res.seconds_per_round, res.seconds_clients_per_round), 1):
+            run_dir.write_rows("rounds", target, r, [round_row(target, r, s, c)])
     if "client_pieces" in state["server"]:  # where the server reads the states the manifest names
         state["server"]["client_pieces"]["directory"] = str(run_dir.checkpoints(target))
     return res, state

@@ -35,7 +35,7 @@ import numpy as np
 from rayfed_dg.errors import ConfigError
 
 RUN_DIR = 1
-CHECKPOINT = 2
+CHECKPOINT = 3
 PIECES = 1
 SWEEP = 1
 CURRENT = {"run directory": RUN_DIR, "checkpoint": CHECKPOINT, "client-state manifest": PIECES, "sweep folder": SWEEP}
@@ -127,7 +127,7 @@ def check_resumable(root: Path) -> None:
 def upgrade_digest(meta: dict, where: Any) -> dict:
     """A checkpoint's digest (``round_*.json``) in today's shape: before
     versions, one without ``pieces`` names none."""
-    return _upgrade("checkpoint", meta, where, {0: lambda m: {"pieces": {}, **m}, 1: lambda m: m})
+    return _upgrade("checkpoint", meta, where, {0: lambda m: {"pieces": {}, **m}, 1: lambda m: m, 2: lambda m: m})
 
 
 def upgrade_checkpoint_state(state: dict) -> dict:
@@ -152,10 +152,10 @@ def _checkpoint_0(ckpt: dict) -> dict:
 def upgrade_checkpoint(ckpt: dict, where: Any) -> dict:
     """A run's checkpoint (``{"server", "result", "rows"}``, as
     ``running/run.py`` writes it) in today's shape."""
-    # version 2 keeps the metrics' rows in the tables too (``rows: "all tables"``); a version 1 checkpoint says
-    # what it kept in ``rows`` itself, and code that reads only version 1 refuses version 2 instead of
-    # resuming without the metrics rows
-    return _upgrade("checkpoint", ckpt, where, {0: _checkpoint_0, 1: lambda c: c})
+    # version 2 keeps the metrics' rows in the tables too (``rows: "all tables"``), version 3 each round's seconds
+    # (the rounds table, ``rows: "all tables and rounds"``); a checkpoint says what it kept in ``rows`` itself,
+    # and code that reads only an older version refuses a newer one instead of resuming without those rows
+    return _upgrade("checkpoint", ckpt, where, {0: _checkpoint_0, 1: lambda c: c, 2: lambda c: c})
 
 
 # ------------------------------------------------------------------ client-state pieces

@@ -215,6 +215,9 @@ TABLES: dict[str, list[tuple[str, str]]] = {
                 ("bytes_up", "int64"), ("bytes_down", "int64"), ("retried", "int64"), ("dropped", "bool"),
                 ("drop_reason", "string"), ("sim_start", "float64"), ("sim_finish", "float64"),
                 ("deadline_met", "bool"), ("staleness", "int64")],
+    # each round's wall seconds and its clients' phase (first dispatch to last update in): timing, which differs
+    # between two runs of one config, kept here so that a checkpoint does not grow with the rounds
+    "rounds": [("target", "string"), ("round", "int64"), ("seconds", "float64"), ("seconds_clients", "float64")],
     # only with privacy: (accountant.py): epsilon per group and in total after each round
     "privacy": [("target", "string"), ("round", "int64"), ("group", "string"), ("releases", "int64"),
                 ("noise_multiplier", "float64"), ("clip", "float64"), ("epsilon", "float64"), ("delta", "float64")],
@@ -267,7 +270,13 @@ def table_rows(target: str, out: RoundResult) -> dict[str, list[dict]]:
     drops)."""
     drops = [LedgerRow(d.round, d.client, "up", "dropped", 0, 0) for d in out.dropped]
     return {"metrics": _table(target, out.metrics, clients_dropped=len(out.dropped), sim_time=out.sim_time),
-            "ledger": _table(target, out.ledger + drops), "clients": _table(target, out.clients)}
+            "ledger": _table(target, out.ledger + drops), "clients": _table(target, out.clients),
+            "rounds": [round_row(target, out.round, out.seconds_total, out.seconds_clients)]}
+
+
+def round_row(target: str, round: int, seconds: float, seconds_clients: float) -> dict:
+    """A row of the rounds table."""
+    return {"target": target, "round": round, "seconds": seconds, "seconds_clients": seconds_clients}
 
 
 def stage_rows(target: str, ledger: list[LedgerRow]) -> dict[str, list[dict]]:
