@@ -37,7 +37,8 @@ TABLES = ("metrics", "clients", "ledger", "privacy", "rounds")
 class RunResult:
     """A finished run.  ``metrics``, ``clients``, ``ledger``, ``privacy``
     (epsilon per round and group; empty without a ``privacy:`` section) and
-    ``rounds`` (each round's wall seconds; empty for runs of releases before it) are the run
+    ``rounds`` (each round's wall seconds; empty for a run of an earlier
+    release until a resume writes them) are the run
     directory's tables (pandas DataFrames, or pyarrow Tables without pandas)
     over every row (method) and seed, in the order they ran, with two
     leading columns ``label`` and ``seed``; past those, each sub-run's rows

@@ -10,7 +10,7 @@ import pytest
 from conftest import REPO, ctrl_c_when, held_cli
 
 from rayfed_dg.config import ConfigError, load_config
-from rayfed_dg.engine.store.records import TABLES
+from rayfed_dg.engine.store.records import TABLES, TIMING
 from rayfed_dg.engine.store.rundir import RunDir
 
 QUICK = ["data.resolution=16", "model.width=8", "training.local_epochs=null", "training.local_steps=2"]
@@ -29,8 +29,8 @@ def run_inproc(run_dir, *sets, resume=False):
                                   overrides=["training.rounds=2", *QUICK, *sets]))
 
 
-def tables(run_dir, skip=("seconds",)):
-    """Every row's tables but the columns ``skip`` (seconds are wall time) and each target's selected round and
+def tables(run_dir, skip=TIMING):
+    """Every row's tables but the columns ``skip`` (``TIMING``: wall time) and each target's selected round and
     accuracies."""
     out = {}
     for label in ROWS:
@@ -74,7 +74,7 @@ def test_side_by_side_gives_the_numbers_of_one_after_another(ray_session, tmp_pa
     run_inproc(faulty, "engine.num_workers=1", "engine.fault_probability=0.35", "engine.fault_mode=kill",
                "engine.max_task_retries=8", "engine.max_restarts=20")
     # the clients' charged retries differ (they are the faults); nothing else does
-    assert tables(faulty, ("seconds", "retried")) == tables(one, ("seconds", "retried"))
+    assert tables(faulty, (*TIMING, "retried")) == tables(one, (*TIMING, "retried"))
     assert sum(r["retried"] for label in ROWS for r in RunDir(faulty / label).read_rows("clients")) >= 1
     # where each ran: one node (the session's), its workers, its span; side by side, two spans overlap
     node = ray_session.get_runtime_context().get_node_id()

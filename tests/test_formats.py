@@ -139,7 +139,7 @@ def test_a_checkpoint_written_before_versions_is_read_in_todays_shape(tmp_path):
     from rayfed_dg.engine.running.run import TargetResult
 
     result = asdict(TargetResult("mono", rounds_done=2, seconds_per_round=[1.0, 2.0]))
-    del result["seconds_clients_per_round"]
+    del result["seconds_clients_per_round"]  # before rounds recorded their clients' phase
     rd = RunDir(tmp_path)
     save_checkpoint(rd.checkpoints("mono"), 2, {"server": {"round": 2, "global_state": {}, "server_state": {}},
                                                 "result": result})
@@ -175,6 +175,7 @@ def test_a_version_1_checkpoint_resumes_with_the_metrics_rows_it_carries(tmp_pat
     save_checkpoint(rd.checkpoints("mono"), 1, {"format": 1, "server": server, "result": result, "rows": "tables"})
     res, state = _resume(rd, "mono")
     assert state["format"] == formats.CHECKPOINT and res.metrics == carried
+    assert [(r["round"], r["seconds"]) for r in rd.read_rows("rounds")] == [(1, 1.0)]  # its seconds: the table's
     rd.save_checkpoint("mono", 1, {"server": server, "result": dict(result, metrics=[]), "rows": "all tables"})
     assert _resume(rd, "mono")[0].metrics == [metric(1, 0.25)]
 
@@ -195,7 +196,7 @@ def test_a_version_2_checkpoint_moves_its_seconds_into_the_rounds_table(tmp_path
     save_checkpoint(rd.checkpoints("mono"), 2, {"format": 2, "server": server, "result": result,
                                                 "rows": "all tables"})
     res, state = _resume(rd, "mono")
-    assert state["format"] == formats.CHECKPOINT == 3 and state["rows"] == "all tables"
+    assert state["format"] == formats.CHECKPOINT and state["rows"] == "all tables"
     assert res.seconds_per_round == [1.5, 2.5] and res.seconds_clients_per_round == [1.0, 2.0]
     assert [(r["target"], r["round"], r["seconds"], r["seconds_clients"]) for r in rd.read_rows("rounds")] == [
         ("mono", 1, 1.5, 1.0), ("mono", 2, 2.5, 2.0)]
@@ -203,6 +204,53 @@ def test_a_version_2_checkpoint_moves_its_seconds_into_the_rounds_table(tmp_path
         result, seconds_per_round=[], seconds_clients_per_round=[])})
     again = _resume(rd, "mono")[0]
     assert again.seconds_per_round == [1.5, 2.5] and again.seconds_clients_per_round == [1.0, 2.0]
+
+
+def test_an_older_checkpoints_seconds_are_its_last_rounds(tmp_path):
+    """A run resumed across the release that began to record the clients'
+    phase carried it for its last rounds only, and a checkpoint's lists may
+    be shorter than its rounds: each second goes to its own round, counted
+    back from the checkpoint's, the unknown phase (NaN) to the first."""
+    from rayfed_dg.engine.running.run import TargetResult, _resume
+
+    rd = RunDir.create(tiny_cfg(), tmp_path / "run")
+    rd.write_record(RECORD)
+    result = asdict(TargetResult("mono", rounds_done=5, seconds_per_round=[2.0, 3.0, 4.0, 5.0]))
+    result["seconds_clients_per_round"] = [0.4, 0.5]
+    server = {"round": 5, "global_state": {"w": np.ones(4, np.float32)}, "server_state": {}}
+    save_checkpoint(rd.checkpoints("mono"), 5, {"format": 0, "server": server, "result": result})
+    res = _resume(rd, "mono")[0]
+    assert res.seconds_per_round == [2.0, 3.0, 4.0, 5.0] and res.seconds_clients_per_round[2:] == [0.4, 0.5]
+    rows = [(r["round"], r["seconds"], r["seconds_clients"]) for r in rd.read_rows("rounds")]
+    assert [r[:2] for r in rows] == [(2, 2.0), (3, 3.0), (4, 4.0), (5, 5.0)]
+    assert np.isnan([r[2] for r in rows[:2]]).all() and [r[2] for r in rows[2:]] == [0.4, 0.5]
+
+
+def test_todays_checkpoint_reads_its_failed_clients_from_the_tables(tmp_path):
+    """A client whose training failed for good is a ledger row of group
+    ``dropped`` and a clients row with its reason; today's checkpoint keeps
+    none of them (they would grow with the failures), and resuming reads
+    them back: round, client and reason, of this target and its rounds up to
+    the checkpoint's."""
+    from rayfed_dg.engine.running.run import ROWS, TargetResult, _resume
+
+    rd = RunDir.create(tiny_cfg(), tmp_path / "run")
+    rd.write_record(RECORD)
+
+    def client(t, r, c, reason):
+        return {"target": t, "round": r, "client": c, "dropped": reason is not None, "drop_reason": reason}
+
+    def drop(t, r, c, group="dropped"):
+        return {"target": t, "round": r, "client": c, "direction": "up", "group": group, "tensors": 0, "bytes": 0}
+
+    for t, r in (("mono", 1), ("mono", 2), ("mono", 3), ("other", 1)):
+        rd.write_round(t, r, {"ledger": [drop(t, r, 0, "updates"), drop(t, r, 0, "model"), drop(t, r, r)],
+                              "clients": [client(t, r, 0, None), client(t, r, 4, "deadline"),
+                                          client(t, r, r, f"failed {t} {r}")]})
+    server = {"round": 2, "global_state": {"w": np.ones(4, np.float32)}, "server_state": {}, "clock": 0.0}
+    rd.save_checkpoint("mono", 2, {"server": server, "rows": ROWS, "result": asdict(TargetResult("mono", rounds_done=2))})
+    assert _resume(rd, "mono")[0].dropped == [{"round": 1, "client": 1, "reason": "failed mono 1", "target": "mono"},
+                                              {"round": 2, "client": 2, "reason": "failed mono 2", "target": "mono"}]
 
 
 def test_the_fixtures_run_json_is_read_through_the_migration(tmp_path):

@@ -6,11 +6,12 @@ import math
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+import torch
 from conftest import tiny_cfg, tiny_federation
 
 from rayfed_dg.data import leave_one_domain_out
 from rayfed_dg.engine import ClientRunner
-from rayfed_dg.engine.store.records import TABLES, table_rows
+from rayfed_dg.engine.store.records import TABLES, TIMING, table_rows
 from rayfed_dg.engine.store.rundir import RunDir
 from rayfed_dg.engine.store.tblog import read_scalars
 
@@ -45,7 +46,7 @@ def rounds_of(run_dir, name):
 
 
 def without_seconds(rows):
-    return [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,8 @@ def killed_and_clean(ray_session, tiny_ds, engine_host, tmp_path_factory):
     """FedBN (so personal rows too), checkpoints every 2 rounds, killed after
     round 3 (a copy of the run directory as the kill left it), then resumed
     (from round 2: round 3 is repeated) on actors of its own, as in a new
-    process; and the same run uninterrupted."""
+    process; and the same run uninterrupted.  Returns the three folders, then
+    the resumed and the uninterrupted runs' results."""
     import shutil
 
     base = tmp_path_factory.mktemp("records")
@@ -63,14 +65,14 @@ def killed_and_clean(ray_session, tiny_ds, engine_host, tmp_path_factory):
     with pytest.raises(Killed):
         federation(ray_session, tiny_ds, killed, *sets, on_round=kill_after(3), host=host)
     shutil.copytree(killed, at_kill)
-    federation(ray_session, tiny_ds, killed, *sets)  # resume
-    federation(ray_session, tiny_ds, clean, *sets, host=host)
-    return at_kill, killed, clean
+    resumed = federation(ray_session, tiny_ds, killed, *sets)
+    whole = federation(ray_session, tiny_ds, clean, *sets, host=host)
+    return at_kill, killed, clean, resumed, whole
 
 
 @pytest.mark.slow
 def test_killed_run_keeps_every_finished_round(killed_and_clean):
-    at_kill, _, _ = killed_and_clean
+    at_kill, *_ = killed_and_clean
     for name in EVERY_RUN:
         assert rounds_of(at_kill, name) == [1, 2, 3], name
         parts = sorted((at_kill / f"{name}.parquet").iterdir())
@@ -86,11 +88,36 @@ def test_killed_run_keeps_every_finished_round(killed_and_clean):
 
 @pytest.mark.slow
 def test_resume_adds_no_duplicate_rows(killed_and_clean):
-    _, killed, clean = killed_and_clean
+    at_kill, killed, clean, resumed, whole = killed_and_clean
     for name in EVERY_RUN:
         a, b = read_rows(killed, name), read_rows(clean, name)
         assert rounds_of(killed, name) == [1, 2, 3, 4]
         assert without_seconds(a) == without_seconds(b), name  # same rows, none twice
+    # what the resumed run returns: the seconds of the rounds before its checkpoint, which the checkpoint left to
+    # the rounds table
+    at_two = torch.load(at_kill / "checkpoints" / TARGET / "round_00002.pt", weights_only=True)["result"]
+    assert at_two["seconds_per_round"] == at_two["seconds_clients_per_round"] == []
+    assert resumed.seconds_per_round == [r["seconds"] for r in read_rows(killed, "rounds")] and \
+        len(resumed.seconds_per_round) == 4
+
+
+@pytest.mark.slow
+def test_a_resumed_run_reads_its_failed_clients_back_from_the_tables(ray_session, tiny_ds, engine_host, tmp_path):
+    """Client 1's every training fails: the checkpoint keeps no failed
+    client (they would grow with the failures), and the run resumed from it
+    returns the failed clients of the uninterrupted run, those before the
+    checkpoint included."""
+    sets = ("output.checkpoint_every=1", "engine.fault_clients=[1]", "engine.max_task_retries=0")
+    host = engine_host(tiny_ds, 2)
+    with pytest.raises(Killed):
+        federation(ray_session, tiny_ds, tmp_path / "cut", *sets, on_round=kill_after(2), host=host)
+    at_two = torch.load(tmp_path / "cut" / "checkpoints" / TARGET / "round_00002.pt", weights_only=True)["result"]
+    resumed = federation(ray_session, tiny_ds, tmp_path / "cut", *sets, host=host)
+    whole = federation(ray_session, tiny_ds, tmp_path / "whole", *sets, host=host)
+    assert at_two["dropped"] == [] and at_two["rounds_done"] == 2
+    assert resumed.dropped == whole.dropped and {d["round"] for d in whole.dropped} & {1, 2}
+    assert all(d["client"] == 1 and "injected" in d["reason"].lower() for d in whole.dropped)
+    assert resumed.summary()["clients_dropped"] == whole.summary()["clients_dropped"]
 
 
 @pytest.mark.slow
@@ -164,7 +191,7 @@ def test_personalized_evaluation_is_each_clients_own_model(ray_session, tiny_ds,
 
 @pytest.mark.slow
 def test_tensorboard_scalars_equal_the_metrics_table(killed_and_clean):
-    _, _, clean = killed_and_clean
+    _, _, clean, *_ = killed_and_clean
     logdir = clean / "tensorboard" / TARGET
     assert len(list(logdir.glob("events.out.tfevents.*"))) == 1
     sc = {tag: dict(points) for tag, points in read_scalars(logdir).items()}
@@ -187,7 +214,7 @@ def test_tensorboard_scalars_equal_the_metrics_table(killed_and_clean):
 
 @pytest.mark.slow
 def test_tensorboard_after_resume_shows_each_round_once(killed_and_clean):
-    _, killed, clean = killed_and_clean
+    _, killed, clean, *_ = killed_and_clean
     a, b = (read_scalars(d / "tensorboard" / TARGET) for d in (killed, clean))
     assert len(list((killed / "tensorboard" / TARGET).glob("events.*"))) == 2
     for tag in ("accuracy/source_val", "accuracy/target", "accuracy/personal_val", "loss/train", "comm/bytes_up"):

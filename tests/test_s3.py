@@ -247,7 +247,7 @@ def test_a_run_copied_to_s3_resumes_from_there_on_a_new_head_bit_for_bit(s3, ray
     cache downloads it and finishes, and the copy on S3 then holds the tables of a run never interrupted
     (``rayfed_dg.run`` here).  The runs join the session's Ray, as drivers join a cluster's."""
     import rayfed_dg
-    from rayfed_dg.engine.store.records import TABLES
+    from rayfed_dg.engine.store.records import TABLES, TIMING
     from rayfed_dg.engine.store.remote import download
     from rayfed_dg.engine.store.rundir import RUN_RECORD, RunDir
 
@@ -289,7 +289,7 @@ def test_a_run_copied_to_s3_resumes_from_there_on_a_new_head_bit_for_bit(s3, ray
     final = RunDir(download(f"{uri}/exp", tmp_path / "final", RUN_RECORD))  # what S3 holds now
     assert {"summary.json", "final_negative.pt", "best_negative.pt"} <= set(_keys(s3.client, f"{prefix}/exp/"))
     clean = RunDir(tmp_path / "clean")
-    no_time = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} for r in rows]  # noqa: E731
+    no_time = lambda rows: [{k: v for k, v in r.items() if k not in TIMING} for r in rows]  # noqa: E731
     for name in TABLES:
         assert no_time(final.read_rows(name)) == no_time(clean.read_rows(name)), name
     assert len(final.read_rows("metrics")) == 4 * 4

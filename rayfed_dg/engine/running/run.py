@@ -31,7 +31,15 @@ from rayfed_dg.config import ConfigError, ExperimentConfig
 from rayfed_dg.data import FederatedSplit
 from rayfed_dg.engine.privacy.accountant import Accountant, releases
 from rayfed_dg.engine.store.formats import check_resumable
-from rayfed_dg.engine.store.records import RoundResult, Split, round_row, split_mean, stage_rows, table_rows
+from rayfed_dg.engine.store.records import (
+    RoundResult,
+    Split,
+    dropped_rows,
+    round_row,
+    split_mean,
+    stage_rows,
+    table_rows,
+)
 from rayfed_dg.engine.store.rundir import RunDir
 from rayfed_dg.engine.store.selection import select_round
 from rayfed_dg.engine.workers.resources import ensure_workers
@@ -153,8 +161,9 @@ class RunDirWriter:
             self.run_dir.save_weights("final", self.target, state["global_state"])
         if ckpt:
             # the metrics', clients', ledger's and rounds' rows are in the run directory's tables already (written
-            # before the callbacks): a checkpoint that carried them too would grow with every round and client so far
-            result = asdict(replace(res, metrics=[], clients=[], ledger=[], seconds_per_round=[],
+            # before the callbacks), the failed clients too: a checkpoint that carried them would grow with every
+            # round and client so far
+            result = asdict(replace(res, metrics=[], clients=[], ledger=[], dropped=[], seconds_per_round=[],
                                     seconds_clients_per_round=[]))
             self.run_dir.save_checkpoint(self.target, r, {"server": state, "result": result, "rows": ROWS},
                                          state["client_pieces"]["pieces"])
@@ -179,7 +188,8 @@ class OnRound:
 # ------------------------------------------------------------------ federation
 
 # a checkpoint's ``rows``: which of its result's row lists are read back from the run directory's tables (the
-# rounds table: its seconds lists); today's checkpoints write ROWS
+# rounds table: its seconds lists; with it, the failed clients from the ledger and clients tables); today's
+# checkpoints write ROWS
 TABLED = {"result": (), "tables": ("clients", "ledger"), "all tables": ("metrics", "clients", "ledger"),
           "all tables and rounds": ("metrics", "clients", "ledger", "rounds")}
 ROWS = "all tables and rounds"
@@ -197,9 +207,11 @@ def _resume(run_dir: RunDir | None, target: str) -> tuple[TargetResult, dict | N
             continue
         res.seconds_per_round = [row["seconds"] for row in rows]
         res.seconds_clients_per_round = [row["seconds_clients"] for row in rows]
-    if "rounds" not in TABLED[state["rows"]]:
-        # an older checkpoint carried its rounds' seconds: into the table, where the next checkpoint leaves them
-        for r, (s, c) in enumerate(zip(res.seconds_per_round, res.seconds_clients_per_round), 1):
+    if "rounds" in TABLED[state["rows"]]:
+        res.dropped = dropped_rows(target, res.ledger, res.clients)
+    else:  # an older checkpoint carried its last rounds' seconds: into the table, where the next one leaves them
+        first = res.rounds_done - len(res.seconds_per_round) + 1
+        for r, s, c in zip(range(first, res.rounds_done + 1), res.seconds_per_round, res.seconds_clients_per_round):
             run_dir.write_rows("rounds", target, r, [round_row(target, r, s, c)])
     if "client_pieces" in state["server"]:  # where the server reads the states the manifest names
         state["server"]["client_pieces"]["directory"] = str(run_dir.checkpoints(target))

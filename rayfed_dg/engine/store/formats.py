@@ -141,10 +141,11 @@ def upgrade_checkpoint_state(state: dict) -> dict:
 
 def _checkpoint_0(ckpt: dict) -> dict:
     result = dict(ckpt["result"])
-    # before rounds recorded their clients' phase: unknown, one entry per round all the same
+    # before rounds recorded their clients' phase: unknown (NaN) for the first rounds, those before the run was
+    # resumed by the release that began to record it
     clients_s = list(result.get("seconds_clients_per_round", []))
-    result["seconds_clients_per_round"] = clients_s + [float("nan")] * (len(result["seconds_per_round"]) -
-                                                                        len(clients_s))
+    result["seconds_clients_per_round"] = [float("nan")] * (len(result["seconds_per_round"]) - len(clients_s)) + \
+        clients_s
     # before the tables held them, the clients' and ledger's rows were the result's own
     return dict(ckpt, server=upgrade_checkpoint_state(ckpt["server"]), result=result, rows=ckpt.get("rows", "result"))
 

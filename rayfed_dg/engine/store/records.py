@@ -224,6 +224,10 @@ TABLES: dict[str, list[tuple[str, str]]] = {
 }
 
 
+# the tables' columns that are wall time: two runs of one config differ in them and nowhere else in the tables
+TIMING = ("seconds", "seconds_clients")
+
+
 def table_schema(name: str):
     import pyarrow as pa
 
@@ -277,6 +281,15 @@ def table_rows(target: str, out: RoundResult) -> dict[str, list[dict]]:
 def round_row(target: str, round: int, seconds: float, seconds_clients: float) -> dict:
     """A row of the rounds table."""
     return {"target": target, "round": round, "seconds": seconds, "seconds_clients": seconds_clients}
+
+
+def dropped_rows(target: str, ledger: Iterable[Mapping[str, Any]], clients: Iterable[Mapping[str, Any]]) -> list[dict]:
+    """The clients whose training failed for good (``DropRow``s as plain rows),
+    read back from one target's ledger rows (group ``dropped``) and clients
+    rows (their ``drop_reason``)."""
+    reasons = {(c["round"], c["client"]): c["drop_reason"] for c in clients if c["dropped"]}
+    return [{"round": r["round"], "client": r["client"], "reason": reasons.get((r["round"], r["client"])),
+             "target": target} for r in ledger if r["group"] == "dropped"]
 
 
 def stage_rows(target: str, ledger: list[LedgerRow]) -> dict[str, list[dict]]:

@@ -14,7 +14,8 @@ it ran with; a row (one method, one seed) holds its run:
 ``summary.json``       per target the selected round and its accuracies,
                        plus ``average_target_acc``, ``method``, ``label``,
                        ``seed``, ``stages`` (``run.TargetResult.summary``)
-``metrics.parquet/``, ``ledger.parquet/``, ``clients.parquet/``  the tables
+``metrics.parquet/``, ``ledger.parquet/``, ``clients.parquet/``,
+``rounds.parquet/``, ``privacy.parquet/`` (with privacy)  the tables
                        (``records.TABLES``), one Parquet part file per
                        (target, round), each written atomically
 ``best_<target>.pt``, ``final_<target>.pt``  global weights
