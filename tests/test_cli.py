@@ -51,12 +51,19 @@ def test_two_round_run_writes_the_run_directory(tmp_path):
     assert "method:\n  name: fedbn" in (run_dir / "config.yaml").read_text()
 
 
+@pytest.fixture(scope="module")
+def seed1_run(tmp_path_factory):
+    """One CLI run of seed 1, read by two tests: what it prints, and its numbers against a two-seed run's."""
+    run_dir = tmp_path_factory.mktemp("seed1") / "run"
+    return run_dir, quick_run(run_dir, "training.seed=1", "engine.max_restarts=3")
+
+
 @pytest.mark.slow
-def test_a_normal_run_prints_nothing_that_looks_like_an_error(tmp_path):
+def test_a_normal_run_prints_nothing_that_looks_like_an_error(seed1_run):
     """Ray's per-worker core_worker line (ObjectRefs in a restartable actor's
     constructor) and its token-authentication WARNING must not appear; the
     only stderr lines are the engine's own progress lines."""
-    proc = quick_run(tmp_path / "run", "engine.max_restarts=3")
+    proc = seed1_run[1]
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert lines and all(ln.startswith("== ") for ln in lines), lines
@@ -178,7 +185,7 @@ def test_result_table_aligns_every_variant():
 
 
 @pytest.mark.slow
-def test_seeds_give_the_numbers_of_separate_runs(tmp_path):
+def test_seeds_give_the_numbers_of_separate_runs(tmp_path, seed1_run):
     from rayfed_dg.engine.store.rundir import RunDir
 
     read_rows = lambda d, name: RunDir(d).read_rows(name)  # noqa: E731
@@ -189,8 +196,7 @@ def test_seeds_give_the_numbers_of_separate_runs(tmp_path):
     # summary.json has one shape, a row's: each seed's folder holds its own, the root none
     assert sorted(p.name for p in multi.iterdir()) == ["run.json", "seed0", "seed1"]
     # the second seed against a run of its own (state carried over from the first seed would show here)
-    one = tmp_path / "one1"
-    r = quick_run(one, "training.seed=1")
+    one, r = seed1_run
     assert r.returncode == 0, r.stderr[-2000:]
     assert read_rows(multi / "seed1", "metrics") == read_rows(one, "metrics")
     a, b = (json.loads((d / "summary.json").read_text())["targets"]["colour"] for d in (multi / "seed1", one))

@@ -71,11 +71,13 @@ def test_side_by_side_gives_the_numbers_of_one_after_another(ray_session, tmp_pa
     assert "== 4 federations, at most 2 at once" in capsys.readouterr().err
     assert tables(auto) == base
     faulty = tmp_path / "faulty"
-    run_inproc(faulty, "engine.num_workers=1", "engine.fault_probability=0.35", "engine.fault_mode=kill",
+    # p = 0.2: seeded, the same draws in every federation (they name no target or method), round 1 kills
+    # client 1's first attempt and nothing else dies: one worker process lost per federation, each restart costly
+    run_inproc(faulty, "engine.num_workers=1", "engine.fault_probability=0.2", "engine.fault_mode=kill",
                "engine.max_task_retries=8", "engine.max_restarts=20")
     # the clients' charged retries differ (they are the faults); nothing else does
     assert tables(faulty, (*TIMING, "retried")) == tables(one, (*TIMING, "retried"))
-    assert sum(r["retried"] for label in ROWS for r in RunDir(faulty / label).read_rows("clients")) >= 1
+    assert sum(r["retried"] for label in ROWS for r in RunDir(faulty / label).read_rows("clients")) == 4
     # where each ran: one node (the session's), its workers, its span; side by side, two spans overlap
     node = ray_session.get_runtime_context().get_node_id()
     for run, widths in ((one, {2}), (auto, {1, 2}), (faulty, {1})):

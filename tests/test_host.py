@@ -54,7 +54,7 @@ def test_workers_killed_in_one_federation_are_replaced_before_the_next_with_the_
     whole engine.max_restarts budget), not on the spent ones."""
     ray = ray_session
     base = ["training.rounds=2", "method.name=fedavg", "training.local_steps=2"]
-    faults = ["engine.fault_probability=0.35", "engine.fault_mode=kill", "engine.max_task_retries=8",
+    faults = ["engine.fault_probability=0.2", "engine.fault_mode=kill", "engine.max_task_retries=8",
               "engine.max_restarts=20"]
     splits = [leave_one_domain_out(tiny_ds, t, 0.2, 0) for t in ("colour", "negative")]
     refs = [ray.put(tiny_ds.images), ray.put(tiny_ds.labels)]
@@ -71,7 +71,7 @@ def test_workers_killed_in_one_federation_are_replaced_before_the_next_with_the_
         host.close()
     for a, b in zip(clean, faulty):
         assert a.metrics == b.metrics and b.dropped == []
-    assert faulty[0].tasks_retried >= 1  # seeded: round 1 kills client 0's and client 1's first attempts
+    assert faulty[0].tasks_retried == 1  # seeded: round 1 kills client 1's first attempt, nothing else dies
     # the second federation's open replaced every worker whose process the first one killed, and ended it
     assert any(replaced_after_first)
     for old, was_replaced in zip(handles[0], replaced_after_first):

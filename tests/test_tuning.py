@@ -161,17 +161,27 @@ def test_cluster_yaml_validates_against_rays_schema():
     assert any("pip install" in c for c in cfg["setup_commands"])
 
 
-@pytest.mark.slow
-def test_two_trial_sweep_writes_table_and_resumes_without_rerunning(ray_session, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def two_trials(ray_session, tmp_path_factory):
+    """One two-trial sweep (seed 3, 2 rounds), read by two tests: (its result, its storage, its spaces' folder)."""
     from rayfed_dg.tuning import run_sweep
 
-    space_dir = tmp_path / "spaces"
-    space_dir.mkdir()
-    monkeypatch.chdir(REPO)  # relative config path, as `python tune.py` users give it
+    space_dir = tmp_path_factory.mktemp("spaces")
+    store = tmp_path_factory.mktemp("sweep") / "store"
     tiny_space(space_dir / "tiny.yaml", "training.rounds=2")
-    store = tmp_path / "store"
-    out = run_sweep("tiny", None, "colour", 1, "fifo", False, [], str(store), space_dir=space_dir, verbose=0,
-                    seeds=[3])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(REPO)  # relative config path, as `python tune.py` users give it
+        out = run_sweep("tiny", None, "colour", 1, "fifo", False, [], str(store), space_dir=space_dir, verbose=0,
+                        seeds=[3])
+    return out, store, space_dir
+
+
+@pytest.mark.slow
+def test_two_trial_sweep_writes_table_and_resumes_without_rerunning(two_trials, monkeypatch):
+    from rayfed_dg.tuning import run_sweep
+
+    out, store, space_dir = two_trials
+    monkeypatch.chdir(REPO)
     assert len(out["records"]) == 2 and {r["method.lam"] for r in out["records"]} == {0.0, 1.0}
     assert {r["seed"] for r in out["records"]} == {3}
     sel = store / "tiny"
@@ -356,18 +366,17 @@ def test_a_sweep_uploads_its_dataset_once_unless_a_data_key_is_searched(ray_sess
 
 
 @pytest.mark.slow
-def test_trials_share_one_upload_and_give_the_numbers_of_per_trial_loading(ray_session, tmp_path, monkeypatch):
+def test_trials_share_one_upload_and_give_the_numbers_of_per_trial_loading(two_trials, tmp_path, monkeypatch):
     from rayfed_dg.tuning import run_sweep
 
     monkeypatch.chdir(REPO)
-    space = tiny_space(tmp_path / "tiny.yaml", "training.rounds=2")
-    _space_searching_data(tmp_path / "own.yaml", space)
-    shared = run_sweep("tiny", None, "colour", 1, "fifo", False, [], str(tmp_path / "a"), space_dir=tmp_path,
-                       verbose=0)
-    own = run_sweep("own", None, "colour", 1, "fifo", False, [], str(tmp_path / "b"), space_dir=tmp_path, verbose=0)
+    shared, store, space_dir = two_trials  # the sweep whose trials share the driver's upload
+    _space_searching_data(tmp_path / "own.yaml", space_dir / "tiny.yaml")
+    own = run_sweep("own", None, "colour", 1, "fifo", False, [], str(tmp_path / "b"), space_dir=tmp_path, verbose=0,
+                    seeds=[3])
     reported = lambda d: [[json.loads(line) for line in p.read_text().splitlines()]  # noqa: E731
                           for p in sorted(d.glob("*/result.json"))]
-    uploads = {r.get("data_upload") for rs in reported(tmp_path / "a" / "tiny") for r in rs}
+    uploads = {r.get("data_upload") for rs in reported(store / "tiny") for r in rs}
     assert len(uploads) == 1 and None not in uploads  # both trials, every round: the one object the driver put
     assert all("data_upload" not in r for rs in reported(tmp_path / "b" / "own") for r in rs)
     cols = ["method.lam", "target", "selected_round", "selected_src_val", "selected_target_acc", "rounds_run"]
