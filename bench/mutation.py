@@ -95,7 +95,8 @@ MODULES: dict[str, list[str]] = {
                                 "tests/test_concurrent.py", "tests/test_pool.py", "-m", "not slow"],
     # one round on the pool: its cohort, phases, the workers' exact partial sums merged, its rows
     "engine/rounds/round.py": ["tests/test_engine.py", "tests/test_aggregate.py", "tests/test_async.py",
-                               "tests/test_devices.py", "tests/test_feddg_ga.py", "-m", "not slow"],
+                               "tests/test_devices.py", "tests/test_feddg_ga.py", "tests/test_client_batching.py",
+                               "-m", "not slow"],
     "engine/store/clientstore.py": ["tests/test_clientstore.py", "-m", "not slow"],
     # the concurrent federations' schedule on one machine
     "engine/running/schedule.py": ["tests/test_schedule.py", "tests/test_concurrent.py", "-m", "not slow"],

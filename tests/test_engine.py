@@ -90,6 +90,44 @@ def test_partial_participation_and_ledger(ray_session, tiny_ds, engine_host):
     assert set(ups) == {full}
 
 
+def test_evaluated_rounds_are_every_kth_and_the_last(ray_session, tiny_ds, engine_host):
+    cfg = tiny_cfg("training.rounds=5", "evaluation.every=2")
+    split = leave_one_domain_out(tiny_ds, "colour", cfg.data.val_fraction, cfg.data.split_seed)
+    res = run_federation(cfg, split, None, None, 10, progress=False, host=engine_host(tiny_ds, 1))
+    assert sorted({row["round"] for row in res.metrics}) == [2, 4, 5]
+
+
+def test_a_round_whose_every_client_fails_stops_with_a_failures_reason(ray_session, tiny_ds, engine_host):
+    from rayfed_dg.errors import EngineError
+
+    cfg = tiny_cfg("engine.fault_clients=[0, 1, 2]", "engine.fault_mode=exception", "engine.max_task_retries=0")
+    split = leave_one_domain_out(tiny_ds, "colour", cfg.data.val_fraction, cfg.data.split_seed)
+    # the round, and a failed client's reason (the first in the pool's order; the error crossed Ray: its
+    # text holds the server's traceback too)
+    with pytest.raises(EngineError, match=r"round 1: every sampled client failed \(InjectedFault\('injected fault "
+                       r"in client [012] round 1 attempt 0'\)\)"):
+        run_federation(cfg, split, None, None, 10, progress=False, host=engine_host(tiny_ds, 1))
+
+
+def test_a_rounds_seconds_lie_within_the_wall_time_of_its_call(ray_session, tiny_ds, engine_host):
+    """The seconds the server times a round by (the rounds table's ``seconds``) are a part of the round's call
+    as the driver sees it, and the clients' phase a part of them: rounds of a tenth of a second or so here.
+    Its loss is the trained clients' mean."""
+    import time
+
+    cfg = tiny_cfg("training.rounds=4")
+    split = leave_one_domain_out(tiny_ds, "colour", cfg.data.val_fraction, cfg.data.split_seed)
+    server = engine_host(tiny_ds, 1).open(cfg, split, tiny_ds.num_classes)
+    for _ in range(4):
+        t0 = time.perf_counter()
+        out = ray_session.get(server.run_round.remote())
+        wall = time.perf_counter() - t0
+        assert 0 < out.seconds_clients <= out.seconds_total <= wall, (out.seconds_clients, out.seconds_total, wall)
+        # its training loss: the mean of the trained clients' own (the clients table's)
+        losses = [row.train_loss for row in out.clients if row.train_loss is not None]
+        assert len(losses) == 3 and out.train_loss == pytest.approx(np.mean(losses), rel=1e-12)
+
+
 @pytest.mark.slow
 def test_fedbn_ledger_sends_less_down_same_up(ray_session, tiny_ds, engine_host):
     totals = {}

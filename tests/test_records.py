@@ -231,7 +231,7 @@ def test_progress_bar_and_tensorboard_show_percent():
         ("source_val", "a", 0.5), ("source_val", "b", 0.25), ("target_test", "t", 0.125), ("heldout_val", "h", 0.75),
         ("source_test", "a", 0.5), ("source_test", "b", 0.0))]
     out = RoundResult(round=1, sampled=[0], dropped=[], metrics=m, ledger=[], clients=[], train_loss=1.5,
-                      tasks_retried=0, seconds_train=1.0, seconds_total=2.0)
+                      tasks_retried=0, seconds_total=2.0)
     res = TargetResult("t")
     bar = ProgressBar(tiny_cfg(), res)
     assert res.add_round(out, table_rows("t", out))  # the one evaluated round is the selected one

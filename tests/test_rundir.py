@@ -151,8 +151,7 @@ def _round() -> RoundResult:
                ClientRow(4, 1, "b", 30, 0, None, None, 0, 0, 2, True, "worker died")]
     ledger = [LedgerRow(4, 0, "up", "model", 3, 100), LedgerRow(4, 0, "down", "model", 3, 200)]
     return RoundResult(round=4, sampled=[0, 1], dropped=[DropRow(4, 1, "worker died")], metrics=metrics,
-                       ledger=ledger, clients=clients, train_loss=0.9, tasks_retried=2, seconds_train=1.0,
-                       seconds_total=2.0)
+                       ledger=ledger, clients=clients, train_loss=0.9, tasks_retried=2, seconds_total=2.0)
 
 
 def test_a_rounds_typed_rows_become_table_rows_with_their_target():

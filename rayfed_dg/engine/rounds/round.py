@@ -96,14 +96,13 @@ def run_round(fed: Federation, pool: WorkerPool, pub: Published) -> RoundResult:
         run_phases(Slot.AFTER_AGGREGATION, work)
     fed.end_round(c, work.results)
     pub.track(fed)
-    seconds_train = time.perf_counter() - t0
     metrics = evaluate(fed, pool, pub, work) if evaluates(fed, r) else []
     rows = cohort_rows(c, fed.split, done.updates, dict(done.failed), done.retries, ledger, fed.sizes, bcast)
     return RoundResult(
         round=r, sampled=c.listed, dropped=[DropRow(r, k, why) for k, why in done.failed], metrics=metrics,
         ledger=ledger.sorted_rows(), clients=rows,
         train_loss=float(np.mean([u.train_loss for u in work.results])) if work.results else float("nan"),
-        tasks_retried=pool.retried, tasks_rerun=pool.reruns, seconds_train=seconds_train,
+        tasks_retried=pool.retried, tasks_rerun=pool.reruns,
         seconds_total=time.perf_counter() - t0, seconds_clients=done.seconds, sim_time=c.sim_time,
         dp_clip=fed.pipeline.estimator.record().get("dp_clip"))
 

@@ -154,7 +154,6 @@ class RoundResult:
     clients: list[ClientRow]  # one per sampled client
     train_loss: float
     tasks_retried: int  # over the run so far: failures the tasks caused themselves (seeded, so reproducible)
-    seconds_train: float
     seconds_total: float
     tasks_rerun: int = 0  # over the run so far: re-runs after a shared worker died (scheduling, like seconds)
     seconds_clients: float = 0.0  # the clients' phase: first dispatch to last update in (its makespan)
