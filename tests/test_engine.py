@@ -1,4 +1,6 @@
 """End-to-end engine behaviour on real local Ray (no mocks)."""
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -6,6 +8,7 @@ from conftest import server_rounds, tiny_cfg
 
 from rayfed_dg.data import leave_one_domain_out
 from rayfed_dg.engine import ClientRunner, run_federation
+from rayfed_dg.errors import EngineError
 from rayfed_dg.methods import build_method
 from rayfed_dg.models import BN_TYPES, state_keys_of
 
@@ -98,8 +101,6 @@ def test_evaluated_rounds_are_every_kth_and_the_last(ray_session, tiny_ds, engin
 
 
 def test_a_round_whose_every_client_fails_stops_with_a_failures_reason(ray_session, tiny_ds, engine_host):
-    from rayfed_dg.errors import EngineError
-
     cfg = tiny_cfg("engine.fault_clients=[0, 1, 2]", "engine.fault_mode=exception", "engine.max_task_retries=0")
     split = leave_one_domain_out(tiny_ds, "colour", cfg.data.val_fraction, cfg.data.split_seed)
     # the round, and a failed client's reason (the first in the pool's order; the error crossed Ray: its
@@ -113,8 +114,6 @@ def test_a_rounds_seconds_lie_within_the_wall_time_of_its_call(ray_session, tiny
     """The seconds the server times a round by (the rounds table's ``seconds``) are a part of the round's call
     as the driver sees it, and the clients' phase a part of them: rounds of a tenth of a second or so here.
     Its loss is the trained clients' mean."""
-    import time
-
     cfg = tiny_cfg("training.rounds=4")
     split = leave_one_domain_out(tiny_ds, "colour", cfg.data.val_fraction, cfg.data.split_seed)
     server = engine_host(tiny_ds, 1).open(cfg, split, tiny_ds.num_classes)
@@ -176,8 +175,6 @@ def test_a_worker_given_gpus_never_trains_on_the_cpu_in_silence(monkeypatch):
     """num_gpus_per_worker > 0 and no usable CUDA: one line naming what was
     given and what torch sees, unless the GPUs are declared only."""
     from rayfed_dg.engine.workers.worker import resolve_device
-    from rayfed_dg.errors import EngineError
-
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(EngineError) as e:
         resolve_device("auto", 0.25)
