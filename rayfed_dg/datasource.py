@@ -15,6 +15,9 @@ class DataSource:
     opens and dropped when it ends."""
 
     def __init__(self, refs: list):
+        from rayfed_dg.utils import exit_quietly_on_sigterm
+
+        exit_quietly_on_sigterm()  # a traceback at the end of a run, else
         self._refs = list(refs)
         self._federations: dict[int, tuple] = {}
 

@@ -59,7 +59,7 @@ from rayfed_dg.config import ConfigError, ExperimentConfig, load_config
 from rayfed_dg.data import DomainDataset
 from rayfed_dg.engine.store.records import Split
 from rayfed_dg.errors import EngineError
-from rayfed_dg.utils import did_you_mean, env_set, render_table
+from rayfed_dg.utils import did_you_mean, env_set, exit_quietly_on_sigterm, render_table
 
 if TYPE_CHECKING:
     from rayfed_dg.engine.store.sweepdir import SweepDir
@@ -128,6 +128,7 @@ def trainable(trial_config: dict, *, config_path: str, fixed: list[str], data: d
     """One Tune trial: a complete federation for ``trial_config['target']``
     (``engine.running.experiment.run_trial``, on actors in the trial's placement group).
     ``data``: the sweep's ``upload`` (None: the trial loads its own)."""
+    exit_quietly_on_sigterm()  # Tune's SIGTERM inside a finaliser: a traceback under the finished sweep, else
     import logging
 
     import ray

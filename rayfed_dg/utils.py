@@ -146,6 +146,32 @@ def render_table(header: Sequence[str], rows: Sequence[Sequence[Any]], style: st
     return "\n".join([line(cells[0]), "-+-".join("-" * w for w in widths)] + [line(r) for r in cells[1:]])
 
 
+# ----------------------------------------------------------------- Ray workers
+
+def exit_quietly_on_sigterm() -> None:
+    """For a Ray actor's process: Ray ends a worker with SIGTERM, whose
+    handler raises SystemExit wherever the process is.  Inside a finaliser or
+    a weakref callback Python can only print that ("Exception ignored in",
+    a traceback a user reads at the end of a run) and go on running until
+    Ray kills it; exit there instead, quietly, with the exception's code, as
+    the SystemExit would have ended the process anywhere else."""
+    if getattr(sys.unraisablehook, "exits_on_sigterm", False):
+        return
+    default = sys.unraisablehook
+
+    def hook(args: Any) -> None:
+        if args.exc_type is not None and issubclass(args.exc_type, SystemExit):
+            code = getattr(args.exc_value, "code", 1)
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os._exit(code if isinstance(code, int) else 1)
+        default(args)
+
+    hook.exits_on_sigterm = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+
+
 # ----------------------------------------------------------------------- CLI
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None):

@@ -78,3 +78,63 @@ def test_workers_killed_in_one_federation_are_replaced_before_the_next_with_the_
         if was_replaced:
             with pytest.raises(ray.exceptions.RayActorError):
                 ray.get(old.ping.remote(), timeout=60)
+
+
+def _churning(ray, base):
+    """``base``, with a method that spends its time in finalisers: where a
+    SIGTERM's SystemExit lands, as it can at the end of a run."""
+    import os
+    import time
+
+    class Slow:
+        def __del__(self):
+            t = time.monotonic()
+            while time.monotonic() - t < 0.2:
+                pass
+
+    class Churning(base):
+        def pid(self):
+            return os.getpid()
+
+        def churn(self):
+            while True:
+                Slow()
+
+    return ray.remote(num_cpus=0)(Churning)
+
+
+@pytest.mark.parametrize("kind", ["data source", "server", "worker"])
+def test_an_actor_told_to_end_inside_a_finaliser_ends(ray_session, kind):
+    """Ray ends an actor's process with SIGTERM; its SystemExit raised inside
+    a finaliser is one Python cannot raise (it prints a traceback, "Exception
+    ignored", and runs on): each of the engine's actors exits there all the
+    same (``utils.exit_quietly_on_sigterm``)."""
+    import os
+    import signal
+    import time
+
+    from rayfed_dg.datasource import DataSource
+    from rayfed_dg.engine.rounds.server import Server
+    from rayfed_dg.engine.workers.worker import Worker
+
+    ray = ray_session
+    refs = [ray.put(np.zeros(2, np.uint8)), ray.put(np.zeros(2, np.int64))]
+    name = f"exit-test-source-{kind}"
+    source = ray.remote(num_cpus=0)(DataSource).options(name=name).remote(refs)
+    base, args = {"data source": (DataSource, (refs,)), "server": (Server, ([], source)),
+                  "worker": (Worker, (name,))}[kind]
+    actor = _churning(ray, base).remote(*args)
+    pid = ray.get(actor.pid.remote())
+    actor.churn.remote()
+    time.sleep(1.0)
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 30  # without: it runs on until Ray kills it at the session's end
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the {kind} actor (pid {pid}) still runs 30 s after SIGTERM")
+    ray.kill(source)

@@ -58,3 +58,31 @@ def test_render_table_styles():
     tab = render_table(["method", "photo", "avg"], [["fedavg", "-", "51.51 ± 3.60"], ["copa", "40.00", "-"]], "latex")
     assert tab.splitlines()[0] == r"\begin{tabular}{lrr}"
     assert render_table(["a", "b"], [["x,y", 1]], "csv") == 'a,b\n"x,y",1'
+
+
+def _run_python(code: str):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_a_systemexit_a_finaliser_cannot_raise_ends_the_process_quietly_with_its_code():
+    """What Ray's SIGTERM handler raises inside a ``__del__``: Python would
+    print "Exception ignored" and run on; with the hook the process ends
+    there, with the exception's code, and prints nothing."""
+    code = ("from rayfed_dg.utils import exit_quietly_on_sigterm\n"
+            "class Ends:\n    def __del__(self): raise SystemExit(3)\n"
+            "{hook}Ends()\nprint('ran on')\n")
+    hooked = _run_python(code.format(hook="exit_quietly_on_sigterm(); exit_quietly_on_sigterm()\n"))
+    assert (hooked.returncode, hooked.stdout, hooked.stderr) == (3, "", "")
+    plain = _run_python(code.format(hook=""))
+    assert plain.returncode == 0 and plain.stdout == "ran on\n" and "Exception ignored" in plain.stderr
+
+
+def test_any_other_exception_a_finaliser_raises_is_still_reported():
+    out = _run_python("from rayfed_dg.utils import exit_quietly_on_sigterm\nexit_quietly_on_sigterm()\n"
+                      "class Fails:\n    def __del__(self): raise ValueError('kept')\n"
+                      "Fails()\nprint('ran on')\n")
+    assert out.returncode == 0 and out.stdout == "ran on\n"
+    assert "Exception ignored" in out.stderr and "ValueError: kept" in out.stderr

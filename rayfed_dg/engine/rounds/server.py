@@ -20,6 +20,7 @@ from rayfed_dg.data.protocol import FederatedSplit
 from rayfed_dg.engine.store.records import RoundResult
 from rayfed_dg.engine.workers.pool import Launching, WorkerPool
 from rayfed_dg.engine.workers.resources import autoscaler_launching
+from rayfed_dg.utils import exit_quietly_on_sigterm
 
 from .federation import Federation
 from .round import Published, run_round
@@ -41,6 +42,7 @@ class Server:
 
     def __init__(self, workers: list, data_source: Any):
         # started by EngineHost, with the workers and data source it is handed
+        exit_quietly_on_sigterm()  # Ray's SIGTERM inside a finaliser: a traceback at the end of a run, else
         self.data_source = data_source
         self.pool = WorkerPool(workers, 0)  # waits until every worker is up
 

@@ -41,6 +41,7 @@ from rayfed_dg.engine.store.records import ClientTask, Fold
 from rayfed_dg.methods import ClientContext, ClientUpdate, LocalResult, Method, Precision, build_method
 from rayfed_dg.seeding import Stream, numpy_rng, seed_int, seed_torch, torch_generator
 from rayfed_dg.stages import StageClient, build_stages
+from rayfed_dg.utils import exit_quietly_on_sigterm
 
 from .compiled import compile_steps
 from .faults import OWN_FAULTS, DivergedError, InjectedFault, JobFailed
@@ -511,6 +512,7 @@ class Worker(ClientRunner):
     def __init__(self, data_source: str):
         import ray
 
+        exit_quietly_on_sigterm()  # Ray's SIGTERM inside a finaliser: a traceback at the end of a run, else
         # the dataset's references come from the named data source actor, not from the constructor's
         # arguments: a restarted worker re-runs this and asks again, and Ray need not keep references or
         # handles passed to a constructor alive for restarts (it warns about them)
