@@ -321,6 +321,36 @@ def test_a_faulty_client_drops_its_whole_group(ray_session, engine_host):
     assert res.tasks_retried >= 1 and len(res.clients) == 10
 
 
+@pytest.mark.slow
+def test_a_batched_worker_killed_after_folding_trains_each_lost_client_again_in_its_group(ray_session):
+    """Groups of 4 on one worker (8, 13, 17, 20), (26, 27, 30, 34), (35, 37),
+    killed at a fault probability of 0.08: the seeded draws (attempt 0) kill
+    the process at client 30 (0.070) and no other (client 20's 0.083 is the
+    lowest of the first group), after the first group folded.  Each of its
+    four clients is trained again in its whole group with only itself folding
+    (uncharged); the round equals the fault-free one but for the second
+    group's charged retry."""
+    from rayfed_dg.data.protocol import FederatedSplit
+    from rayfed_dg.engine import run_federation
+
+    images, labels = random_images(40, 50)
+    ds = _CROSS_DEVICE.setdefault("ds", SimpleNamespace(images=images, labels=labels))
+    split = FederatedSplit(target="t", clients=[np.arange(i * 50, (i + 1) * 50) for i in range(40)],
+                           client_domains=["d"] * 40, val={"d": np.arange(2000, 2032)},
+                           test={"t": np.arange(2032, 2064)})
+    base = [*CROSS_DEVICE, "training.rounds=1", "engine.num_workers=1", "engine.client_batching=true",
+            "engine.client_group_size=4"]
+    refs = (ray_session.put(ds.images), ray_session.put(ds.labels))
+    clean = run_federation(load_config(None, base), split, *refs, 10, progress=False)
+    faulty = run_federation(load_config(None, [*base, "engine.fault_probability=0.08", "engine.fault_mode=kill",
+                                               "engine.max_restarts=10"]), split, *refs, 10, progress=False)
+    assert faulty.metrics == clean.metrics and faulty.ledger == clean.ledger and clean.tasks_rerun == 0
+    assert {r["client"]: r["retried"] for r in faulty.clients if r["retried"]} == {26: 1, 27: 1, 30: 1, 34: 1}
+    assert faulty.tasks_retried == 1
+    # uncharged: the first group's four lost folds, each its own re-run, and the tasks queued behind the death
+    assert faulty.tasks_rerun >= 4, faulty.tasks_rerun
+
+
 @pytest.mark.parametrize("shape", [(4,), (3, 4), (2, 3, 4)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_batched_linear_is_f_linear_under_vmap(shape, bias):

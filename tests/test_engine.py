@@ -127,6 +127,54 @@ def test_a_rounds_seconds_lie_within_the_wall_time_of_its_call(ray_session, tiny
         assert len(losses) == 3 and out.train_loss == pytest.approx(np.mean(losses), rel=1e-12)
 
 
+def test_partial_sums_lost_at_every_gather_end_the_round_after_max_task_retries_plus_two(ray_session):
+    """The gather of a round's partial sums (``round.gather``, on a real
+    pool): a worker that loses its partial every time is asked
+    ``max_task_retries + 2`` times, each lost client is trained again before
+    each later ask (epochs 1, 2, ...: uncharged, counted as re-runs), and the
+    round then stops with the count in its message."""
+    import os
+    from types import SimpleNamespace
+
+    from rayfed_dg.engine.aggregation.exact import Reducer
+    from rayfed_dg.engine.rounds.round import gather
+    from rayfed_dg.engine.workers.pool import WorkerPool
+
+    ray = ray_session
+
+    @ray.remote(num_cpus=0)
+    class LosesItsPartial:
+        def __init__(self):
+            self.asked, self.trained = [], []
+
+        def ping(self):
+            return os.getpid()
+
+        def train(self, cid, attempt, epoch):
+            self.trained.append((cid, attempt, epoch))
+            return "trained again"
+
+        def take_partial(self, federation, r, epoch):
+            self.asked.append((federation, r, epoch))
+            return None  # its process died after folding, as far as the server can tell
+
+        def log(self):
+            return self.asked, self.trained
+
+    worker = LosesItsPartial.remote()
+    pool = WorkerPool([worker], 3)
+    fed = SimpleNamespace(id=7, round=4, cfg=tiny_cfg("engine.max_task_retries=3"))
+    with pytest.raises(EngineError) as err:
+        gather(fed, pool, Reducer([0, 2], {0: 1.0, 2: 3.0}),
+               lambda w, cid, attempt, epoch: w.train.remote(cid, attempt, epoch))
+    assert str(err.value) == ("round 5: the partial sums of clients [0, 2] were lost 5 times (workers dying); "
+                              "see the workers' logs")
+    asked, trained = ray.get(worker.log.remote())
+    assert asked == [(7, 5, e) for e in range(5)]
+    assert sorted(trained) == [(c, 0, e) for c in (0, 2) for e in (1, 2, 3, 4)] and pool.reruns == 8
+    ray.kill(worker)
+
+
 @pytest.mark.slow
 def test_fedbn_ledger_sends_less_down_same_up(ray_session, tiny_ds, engine_host):
     totals = {}
