@@ -302,6 +302,25 @@ def test_a_slow_domain_is_slower_on_the_servers_clock(ray_session, tiny_ds, engi
         assert r["sim_finish"] - r["sim_start"] == pytest.approx(slow * planned_work(training, r["samples"])), r
 
 
+def test_a_round_whose_every_device_drops_out_trains_nobody_and_times_no_clients(ray_session, tiny_ds, engine_host):
+    """Through the server: at a dropout of 0.99 the seeded draws drop every
+    device round 1 selects, so it trains no client: its clients' phase is
+    0 s (the rounds table's ``seconds_clients``), its loss NaN, the global
+    model unchanged."""
+    from rayfed_dg.data import leave_one_domain_out
+
+    cfg = tiny_cfg(*DEVICES, "devices.speed=constant", "devices.availability=always", "devices.dropout=0.99",
+                   "devices.deadline_s=null", "devices.domain_offline=[]")
+    split = leave_one_domain_out(tiny_ds, "texture", 0.2, 0, "single_domain", 12)
+    server = engine_host(tiny_ds, 1).open(cfg, split, tiny_ds.num_classes)
+    before = ray_session.get(server.get_state.remote())["global_state"]
+    idle = ray_session.get(server.run_round.remote())
+    after = ray_session.get(server.get_state.remote())["global_state"]
+    assert idle.round == 1 and idle.clients and all(r.drop_reason == "dropout" for r in idle.clients)
+    assert idle.seconds_clients == 0.0 and math.isnan(idle.train_loss)
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+
+
 # ------------------------------------------------------------------ report and plot on simulated time
 
 def _clock_record(path, label, seed, times, accs, clients):
