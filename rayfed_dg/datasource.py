@@ -17,7 +17,7 @@ class DataSource:
     def __init__(self, refs: list):
         from rayfed_dg.utils import exit_quietly_on_sigterm
 
-        exit_quietly_on_sigterm()  # a traceback at the end of a run, else
+        exit_quietly_on_sigterm()  # Ray's SIGTERM inside a finaliser: a traceback at the end of a run, else
         self._refs = list(refs)
         self._federations: dict[int, tuple] = {}
 

@@ -124,17 +124,20 @@ def test_an_actor_told_to_end_inside_a_finaliser_ends(ray_session, kind):
     base, args = {"data source": (DataSource, (refs,)), "server": (Server, ([], source)),
                   "worker": (Worker, (name,))}[kind]
     actor = _churning(ray, base).remote(*args)
-    pid = ray.get(actor.pid.remote())
-    actor.churn.remote()
-    time.sleep(1.0)
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 30  # without: it runs on until Ray kills it at the session's end
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.1)
-    else:
-        pytest.fail(f"the {kind} actor (pid {pid}) still runs 30 s after SIGTERM")
-    ray.kill(source)
+    try:
+        pid = ray.get(actor.pid.remote())
+        actor.churn.remote()
+        time.sleep(1.0)
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 30  # without: it runs on until Ray kills it at the session's end
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail(f"the {kind} actor (pid {pid}) still runs 30 s after SIGTERM")
+    finally:
+        ray.kill(actor)
+        ray.kill(source)
