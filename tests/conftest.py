@@ -142,6 +142,17 @@ def server_rounds(ray, cfg, ds, target="texture", workers=1, rounds=1, host=None
     return split, states, bcast
 
 
+# What Ray's SIGTERM handler raises when it lands in a finaliser, then a line: run after ``before`` by ``in_python``
+FINALISER_EXIT = "class Ends:\n    def __del__(self): raise SystemExit(3)\nEnds()\nprint('ran on')\n"
+
+
+def in_python(code: str, *args: str):
+    """``python -c code args``, its output captured."""
+    import subprocess
+
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300)
+
+
 def tiny_space(path, *sets):
     """gPerXAN's lambda over {0, 1} on the quickstart at 16 px, width 8 (``sets``: the
     space's extra ``set`` overrides, e.g. ``training.rounds=4``), written to ``path``."""

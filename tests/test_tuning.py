@@ -151,15 +151,11 @@ def test_a_trial_process_told_to_end_inside_a_finaliser_ends_quietly(tmp_path):
     """A trial's process (Tune's actor) ends with Ray's SIGTERM, whose
     SystemExit can land in a finaliser: the trainable makes that an exit
     with its code, not a traceback under the finished sweep."""
-    import subprocess
+    from conftest import FINALISER_EXIT, in_python
 
-    code = ("import sys\nfrom rayfed_dg.tuning import trainable\n"
-            "try:\n    trainable({'target': 'colour'}, config_path=sys.argv[1], fixed=[])\n"
-            "except Exception:\n    pass\n"
-            "class Ends:\n    def __del__(self): raise SystemExit(3)\n"
-            "Ends()\nprint('ran on')\n")
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "missing.yaml")], capture_output=True,
-                         text=True, timeout=300)
+    out = in_python("import sys\nfrom rayfed_dg.tuning import trainable\n"
+                    "try:\n    trainable({'target': 'colour'}, config_path=sys.argv[1], fixed=[])\n"
+                    "except Exception:\n    pass\n" + FINALISER_EXIT, str(tmp_path / "missing.yaml"))
     assert (out.returncode, out.stdout, out.stderr) == (3, "", ""), out.stderr[-2000:]
 
 

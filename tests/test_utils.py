@@ -1,5 +1,6 @@
 """Shared utilities: registries, atomic files, tables, the seeding table."""
 import pytest
+from conftest import FINALISER_EXIT, in_python
 
 from rayfed_dg.seeding import Stream, numpy_rng
 from rayfed_dg.utils import Registry, atomic_write, atomic_write_with, render_table
@@ -60,28 +61,19 @@ def test_render_table_styles():
     assert render_table(["a", "b"], [["x,y", 1]], "csv") == 'a,b\n"x,y",1'
 
 
-def _run_python(code: str):
-    import subprocess
-    import sys
-
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-
-
 def test_a_systemexit_a_finaliser_cannot_raise_ends_the_process_quietly_with_its_code():
     """What Ray's SIGTERM handler raises inside a ``__del__``: Python would
     print "Exception ignored" and run on; with the hook the process ends
     there, with the exception's code, and prints nothing."""
-    code = ("from rayfed_dg.utils import exit_quietly_on_sigterm\n"
-            "class Ends:\n    def __del__(self): raise SystemExit(3)\n"
-            "{hook}Ends()\nprint('ran on')\n")
-    hooked = _run_python(code.format(hook="exit_quietly_on_sigterm(); exit_quietly_on_sigterm()\n"))
+    hook = "from rayfed_dg.utils import exit_quietly_on_sigterm\nexit_quietly_on_sigterm(); exit_quietly_on_sigterm()\n"
+    hooked = in_python(hook + FINALISER_EXIT)
     assert (hooked.returncode, hooked.stdout, hooked.stderr) == (3, "", "")
-    plain = _run_python(code.format(hook=""))
+    plain = in_python(FINALISER_EXIT)
     assert plain.returncode == 0 and plain.stdout == "ran on\n" and "Exception ignored" in plain.stderr
 
 
 def test_any_other_exception_a_finaliser_raises_is_still_reported():
-    out = _run_python("from rayfed_dg.utils import exit_quietly_on_sigterm\nexit_quietly_on_sigterm()\n"
+    out = in_python("from rayfed_dg.utils import exit_quietly_on_sigterm\nexit_quietly_on_sigterm()\n"
                       "class Fails:\n    def __del__(self): raise ValueError('kept')\n"
                       "Fails()\nprint('ran on')\n")
     assert out.returncode == 0 and out.stdout == "ran on\n"
