@@ -55,6 +55,9 @@ def test_diurnal_availability_at_chosen_times():
     for t in (0.0, 17.0, 250.0):
         assert list(dev.online(t)) == [dev.available(c, t) for c in range(50)]
     assert 0.2 < dev.online(40.0).mean() < 0.4  # about online_fraction of the population
+    # the window is half open: offline from its 30th second on (p + 30 - p is exactly 30 for client 7)
+    assert (p + 30.0 - p) % 100.0 == 30.0
+    assert dev.available(7, p + 30.0) is False and not dev.online(p + 30.0)[7]
 
 
 def test_markov_chain_has_the_hand_computed_rates_and_any_order_gives_the_same_states():
@@ -77,7 +80,8 @@ def test_markov_chain_has_the_hand_computed_rates_and_any_order_gives_the_same_s
 
 def test_markov_states_are_the_chain_stepped_from_its_stationary_start_whatever_the_query_order():
     """Against the chain written out step by step: step 0 draws the stationary start, step j moves each device with
-    step j's uniforms.  Queried out of order, across the 256-step snapshots and back."""
+    step j's uniforms.  Queried out of order, across the 256-step snapshots and back; the first question is past
+    step 0, as a resumed run's is."""
     from rayfed_dg.seeding import Stream, numpy_rng
 
     chain = MarkovChain(3, 50, 30.0, 90.0, 10.0)
@@ -85,8 +89,10 @@ def test_markov_states_are_the_chain_stepped_from_its_stationary_start_whatever_
     for j in range(1, 600):
         u = numpy_rng(3, Stream.DEVICE_MARKOV, j).random(50)
         want.append(np.where(want[-1], u < chain.p_stay_on, u < chain.p_come_on))
-    for k in (0, 1, 2, 255, 256, 257, 599, 300, 511, 512, 3, 256, 0, 598):
+    for k in (2, 0, 1, 255, 256, 257, 599, 300, 511, 512, 3, 256, 0, 598):
         assert np.array_equal(chain.state(10.0 * k + 5.0), want[k]), k
+    # memory: the states of every 256th step, not of every step (10^5 clients over a long run are gigabytes)
+    assert sorted(chain.snapshots) == [0, 256, 512]
 
 
 def _trace(tmp_path, rows, header="client,start_s,end_s"):
@@ -121,6 +127,9 @@ def test_a_domain_window_takes_its_domains_clients_offline():
     assert list(dev.online(15.0)) == [True, False, False, True]
     assert [dev.available(c, 15.0) for c in range(4)] == [True, False, False, True]
     assert dev.online(9.9).all() and dev.online(20.0).all() and dev.available(1, 20.0)
+    # the window is [start_s, end_s): offline from its first second, online again from its end, in both lookups
+    for t, b_on in ((10.0, False), (19.9, False), (20.0, True), (25.0, True)):
+        assert list(dev.online(t)) == [True, b_on, b_on, True] == [dev.available(c, t) for c in range(4)], t
 
 
 def test_a_slow_domains_clients_take_its_factor_longer():
@@ -169,12 +178,20 @@ def test_round_closes_at_the_kth_upload_and_aggregates_the_first_k():
     # k = 1: the first upload closes the round, the other finisher is late
     p = _plan(HandDevices([5.0, 3.0, 4.0]), 1, over_selection=3.0, deadline_s=10.0)
     assert (p.aggregated, p.close, p.reasons) == ([1], 103.0, {0: "late", 2: "late"})
+    # 2 x 2 = 4 to select, only 3 online: all 3
+    p = _plan(dev, 2, over_selection=2.0, deadline_s=10.0)
+    assert (p.selected, p.aggregated) == ([0, 1, 2], [0, 2])
 
 
 def test_round_closes_at_the_deadline_when_fewer_than_k_make_it():
     dev = HandDevices([5.0, 3.0, 4.0, 1.0], offline=[3], drop=[1])
     p = _plan(dev, 2, over_selection=1.5, deadline_s=4.5)
     assert (p.aggregated, p.close, p.reasons) == ([2], 104.5, {0: "deadline", 1: "dropout"})
+    # an upload at the deadline itself is in time: aggregated, or late (not past the deadline) once k are in
+    p = _plan(dev, 2, over_selection=1.5, deadline_s=5.0)
+    assert (p.aggregated, p.close, p.reasons) == ([0, 2], 105.0, {1: "dropout"})
+    p = _plan(dev, 1, over_selection=3.0, deadline_s=5.0)
+    assert (p.aggregated, p.close, p.reasons) == ([2], 104.0, {0: "late", 1: "dropout"})
     # no deadline: it waits for the last selected client, a dropout noticed when its training would have ended
     p = _plan(HandDevices([5.0, 9.0, 4.0], drop=[1]), 3)
     assert (p.aggregated, p.close, p.reasons) == ([0, 2], 109.0, {1: "dropout"})
@@ -219,6 +236,9 @@ def test_bad_device_input_is_one_line_exit_2_and_writes_nothing(ray_session, tmp
         # every device at speed 1: the smallest client (88 samples, batch 32) takes 3 steps of 32, 32 and 24 samples,
         # 88 / 32 full batches' worth of 1 s
         (["devices.deadline_s=2.5"], "devices.deadline_s: 2.5 s is shorter than the fastest client's training (2.75 s"),
+        # the floor, whatever the jitter a training may draw on top (mean 100 s here)
+        (["devices.deadline_s=2.5", "devices.network.jitter_s=100"],
+         "devices.deadline_s: 2.5 s is shorter than the fastest client's training (2.75 s simulated, without jitter)"),
         (["devices.over_selection=0.8"], "devices.over_selection: Value error, must be at least 1"),
         (["devices.domain_offline=[{domain: textures, start_s: 0, end_s: 10}]"],
          "devices.domain_offline.0.domain: unknown domain 'textures'; use one of"),
@@ -243,6 +263,22 @@ DEVICES = ["partition.strategy=single_domain", "partition.num_clients=12", "trai
            "devices.over_selection=1.7", "devices.domain_offline=[{domain: colour, start_s: 2, end_s: 6}]"]
 
 
+def test_a_deadline_above_the_trainings_floor_is_accepted_however_large_the_jitter(tiny_ds):
+    """Two local steps of a full batch at speed 1, no transfer time: every training takes 2 s plus its jitter
+    (exponential, mean 100 s).  Some draws meet a deadline of 2.01 s, and one of 2 s (an upload at the deadline
+    is in time: ``plan_round``); none meets 1.99 s."""
+    from rayfed_dg.data import leave_one_domain_out
+    from rayfed_dg.engine.clock.devices import check_devices
+
+    split = leave_one_domain_out(tiny_ds, "texture", 0.2, 0, "single_domain", 12)
+    base = ["partition.strategy=single_domain", "partition.num_clients=12", "training.clients_per_round=3",
+            "training.local_steps=2", "devices.enabled=true", "devices.network.jitter_s=100"]
+    check_devices(tiny_cfg(*base, "devices.deadline_s=2.01"), split, 1000)
+    check_devices(tiny_cfg(*base, "devices.deadline_s=2"), split, 1000)
+    with pytest.raises(ConfigError, match=r"training \(2 s simulated, without jitter\); raise it above 2 "):
+        check_devices(tiny_cfg(*base, "devices.deadline_s=1.99"), split, 1000)
+
+
 def _clock_run(ds, *sets, host=None, **kw):
     import ray
 
@@ -264,13 +300,17 @@ def _tables(res):
 @pytest.mark.slow
 def test_device_model_run_is_the_same_on_one_and_two_workers_and_after_a_resume(ray_session, tiny_ds, engine_host,
                                                                                tmp_path):
-    one = _clock_run(tiny_ds, "engine.num_workers=1", host=engine_host(tiny_ds, 1), run_dir=tmp_path / "one")
-    two = _clock_run(tiny_ds, "engine.num_workers=2", host=engine_host(tiny_ds, 2))
+    """Availability from the Markov chain, the one with state: the resumed run's chain first asks at round 2's
+    start, a few steps past 0, and must find the states the uninterrupted run stepped through."""
+    markov = ("devices.availability=markov", "devices.mean_online_s=6", "devices.mean_offline_s=4",
+              "devices.markov_step_s=1")
+    one = _clock_run(tiny_ds, *markov, "engine.num_workers=1", host=engine_host(tiny_ds, 1), run_dir=tmp_path / "one")
+    two = _clock_run(tiny_ds, *markov, "engine.num_workers=2", host=engine_host(tiny_ds, 2))
     assert _tables(one) == _tables(two)
-    cut = _clock_run(tiny_ds, "engine.num_workers=2", host=engine_host(tiny_ds, 2), run_dir=tmp_path / "cut",
+    cut = _clock_run(tiny_ds, *markov, "engine.num_workers=2", host=engine_host(tiny_ds, 2), run_dir=tmp_path / "cut",
                      stop_after=1)
     assert cut.rounds_done == 1
-    resumed = _clock_run(tiny_ds, "engine.num_workers=1", run_dir=tmp_path / "cut")  # actors of its own
+    resumed = _clock_run(tiny_ds, *markov, "engine.num_workers=1", run_dir=tmp_path / "cut")  # actors of its own
     assert _tables(resumed) == _tables(one)
     rows = one.clients
     # the clock ran: every row has its simulated start and finish, the rounds start where the previous closed

@@ -210,12 +210,15 @@ def check_devices(cfg: ExperimentConfig, split: FederatedSplit, nbytes: int) -> 
             raise ConfigError(f"devices.{key}: unknown domain {domain!r}; use one of {', '.join(domains)}")
     dev = DeviceModel(d, cfg.training.seed, split.client_domains, nbytes)
     if d.deadline_s is not None:
+        # the floor of every training: the network's jitter (exponential) only adds to it, so a deadline above the
+        # floor is met by some draws, one below it by none
+        dev.network.jitter_s = 0.0
         sizes = split.client_sizes()
         fastest = min(dev.duration(c, planned_work(cfg.training, int(n)), 0) for c, n in enumerate(sizes))
         if fastest > d.deadline_s:
             raise ConfigError(f"devices.deadline_s: {d.deadline_s:g} s is shorter than the fastest client's "
-                              f"training ({fastest:g} s simulated); raise it above {fastest:g} or lower "
-                              "devices.step_seconds (or raise the network's bandwidths)")
+                              f"training ({fastest:g} s simulated, without jitter); raise it above {fastest:g} or "
+                              "lower devices.step_seconds (or raise the network's bandwidths)")
 
 
 @dataclass
