@@ -217,8 +217,8 @@ def check_devices(cfg: ExperimentConfig, split: FederatedSplit, nbytes: int) -> 
         fastest = min(dev.duration(c, planned_work(cfg.training, int(n)), 0) for c, n in enumerate(sizes))
         if fastest > d.deadline_s:
             raise ConfigError(f"devices.deadline_s: {d.deadline_s:g} s is shorter than the fastest client's "
-                              f"training ({fastest:g} s simulated, without jitter); raise it above {fastest:g} or "
-                              "lower devices.step_seconds (or raise the network's bandwidths)")
+                              f"training ({fastest:g} s simulated, without jitter); raise it to {fastest:g} or more, "
+                              "or lower devices.step_seconds (or raise the network's bandwidths)")
 
 
 @dataclass
