@@ -94,6 +94,29 @@ def test_flash_windows_follow_its_rule_locked_on_wifi_and_charging():
         flash_user(_flash_lines((0, "dancing")))
 
 
+def test_flash_joins_windows_that_touch_and_rejects_a_battery_level_that_is_not_a_number():
+    # unlocked and locked again within one second (60): the windows [50, 60) and [60, 70) are one
+    touching = _flash_lines((0, "wifi"), (5, "battery_charged_on"), (10, "screen_lock"), (20, "screen_unlock"),
+                            (30, "screen_lock"), (40, "screen_unlock"), (50, "screen_lock"), (60, "screen_unlock"),
+                            (60, "screen_lock"), (70, "screen_unlock"), (80, "screen_on"))
+    assert flash_user(touching) == ([(10.0, 20.0), (30.0, 40.0), (50.0, 70.0)], 0.0, 80.0)
+    first_two = _flash_lines((0, "wifi"), (5, "battery_charged_on"), (10, "screen_lock"), (20, "screen_unlock"),
+                             (20, "screen_lock"), (30, "screen_unlock"), (40, "screen_on"))
+    assert flash_user(first_two) == ([(10.0, 30.0)], 0.0, 40.0)
+    # a user FLASH accepts but for one battery level: "85x%" is not a number, "85%" is
+    assert flash_user(USER_2.replace("85%", "85x%")) is None
+    assert flash_user(USER_2.replace("85%", "5.5%")) == flash_user(USER_2) is not None
+    # a blank line is skipped, not the end; FLASH orders nothing but its period (the last message after the first)
+    assert flash_user(USER_2.replace("\n", "\n\n", 2)) == flash_user(USER_2)
+    shuffled = _flash_lines((0, "wifi"), (10, "screen_lock"), (5, "battery_charged_on"), (8, "screen_unlock"))
+    assert flash_user(shuffled) == ([(5.0, 8.0)], 0.0, 8.0)
+    instant = _flash_lines((0, "wifi"), (0, "battery_charged_on"), (0, "screen_lock"), (0, "screen_unlock"))
+    assert flash_user(instant) is None  # one instant: FLASH's period would be 0
+    # every condition starts off: a user never on wifi, or never locked, is never online
+    assert flash_user(_flash_lines((0, "screen_lock"), (5, "battery_charged_on"), (9, "battery_charged_off"))) is None
+    assert flash_user(_flash_lines((0, "wifi"), (5, "battery_charged_on"), (9, "battery_charged_off"))) is None
+
+
 def _flash_timer(windows, first, last, t):
     """FLASH's Timer.ready (models/timer.py), in floats and half-open as the engine's traces."""
     now = (t - first) % (last - first) + first
@@ -129,6 +152,36 @@ def test_csv_availability_with_a_period_per_client(tmp_path):
         path.write_text(f"client,start_s,end_s,period_s\n{rows}\n")
         with pytest.raises(ConfigError, match="has a period_s <= 0 or an interval ending after its period_s; give"):
             read_availability(str(path), "csv", 1)
+
+
+def test_csv_availability_bounds_each_refused_alone_and_a_short_period_read(tmp_path):
+    path = tmp_path / "a.csv"
+    # a start below 0 with an end after it, and an end before a start of at least 0: each alone is refused
+    for text in ("client,start_s,end_s,period_s\n0,-1,5,10\n", "client,start_s,end_s,period_s\n0,5,4,10\n",
+                 "client,start_s,end_s\n0,-1,5\n"):
+        path.write_text(text)
+        with pytest.raises(ConfigError, match="has an interval with start_s < 0 or end_s < start_s$"):
+            read_availability(str(path), "csv", 1)
+    # a period below one second is a period: online for the first quarter of every half second
+    path.write_text("client,start_s,end_s,period_s\n0,0,0.125,0.5\n")
+    tr = read_availability(str(path), "csv", 1)
+    assert [tr.available(0, t) for t in (0.0, 0.1, 0.2, 0.5, 0.6, 0.7)] == [True, True, False, True, True, False]
+    # one client's two periods are refused in either order (the larger first, then the smaller)
+    path.write_text("client,start_s,end_s,period_s\n0,0,10,30\n0,12,14,20\n")
+    with pytest.raises(ConfigError, match="gives one client two period_s values; give one per client$"):
+        read_availability(str(path), "csv", 1)
+    # rows past the population are ignored, their own periods too
+    path.write_text("client,start_s,end_s,period_s\n0,0,10,20\n1,0,3,7\n3,0,1,4\n")
+    tr = read_availability(str(path), "csv", 1)
+    assert tr.period.tolist() == [20.0] and [tr.available(0, t) for t in (5, 15, 25)] == [True, False, True]
+    assert [tr.online(t).tolist() for t in (5, 15)] == [[True], [False]]
+    # without period_s the period is the file's largest end, however short; none at all is refused
+    path.write_text("client,start_s,end_s\n0,0,0.25\n1,0.5,0.75\n")
+    tr = read_availability(str(path), "csv", 2)
+    assert tr.period.tolist() == [0.75, 0.75] and [tr.available(1, t) for t in (0.6, 0.8, 1.3)] == [True, False, True]
+    path.write_text("client,start_s,end_s\n0,0,0\n1,0,0\n")
+    with pytest.raises(ConfigError, match=r"no client is ever online \(every end_s is 0\)$"):
+        read_availability(str(path), "csv", 2)
 
 
 def test_converted_csv_reads_as_the_original(capacity, tmp_path):
@@ -214,3 +267,87 @@ def test_a_speed_traces_rows_past_the_population_are_ignored(tmp_path):
     path = tmp_path / "speeds.csv"
     path.write_text("client,speed\n3,9\n1,2\n0,1\n2,7\n")  # 2 and 3 are past two clients
     assert read_speeds(str(path), "csv", 2).tolist() == [1.0, 2.0]
+
+
+def test_a_fedscale_file_refused_names_the_file_its_trace_needs(tmp_path):
+    missing = str(tmp_path / "missing")
+    with pytest.raises(ConfigError, match=r"^devices.availability_trace: cannot read .*; give FedScale's "
+                                          r"client_behave_trace$"):
+        read_availability(missing, "fedscale", 1)
+    for read, key in ((read_speeds, "speed_trace"), (read_bandwidths, "network.trace")):
+        with pytest.raises(ConfigError, match=rf"^devices.{key}: cannot read .*; give FedScale's "
+                                              r"client_device_capacity$"):
+            read(missing, "fedscale", 1)
+    # a pickle of plain data that is not a dict of clients, or an empty one
+    for obj in ([{"computation": 1.0, "communication": 1.0}], {}):
+        with pytest.raises(ConfigError, match=r"is not a FedScale dict of clients; give FedScale's "
+                                              r"client_device_capacity$"):
+            read_speeds(_pickle(tmp_path / "other", obj), "fedscale", 1)
+
+
+@pytest.mark.parametrize("ms, kbps", [(0.0, 1.0), (-0.5, 1.0), (float("inf"), 1.0), (float("nan"), 1.0),
+                                      (1.0, 0.0), (1.0, -0.5), (1.0, float("inf")), (1.0, float("nan"))])
+def test_a_fedscale_capacity_needs_each_value_positive_and_finite_alone(tmp_path, ms, kbps):
+    # client 0 reads key 1: the one bad value is its
+    path = _pickle(tmp_path / "cap", {0: {"computation": 2.0, "communication": 2.0},
+                                      1: {"computation": ms, "communication": kbps}})
+    with pytest.raises(ConfigError, match=r"has a computation or communication <= 0 or not finite; every device "
+                                          r"needs a positive, finite ms per sample and kbit/s$"):
+        read_bandwidths(path, "fedscale", 1)
+
+
+def test_a_fedscale_capacity_below_one_is_a_speed_and_a_bandwidth(tmp_path):
+    path = _pickle(tmp_path / "cap", {0: {"computation": 0.25, "communication": 0.5},
+                                      1: {"computation": 0.5, "communication": 0.25}})
+    # median 0.375 ms per sample: client 0 (key 1) 0.75, client 1 (key 0) 1.5; 0.25 and 0.5 kbit/s of 1024 bits
+    assert read_speeds(path, "fedscale", 2).tolist() == [0.75, 1.5]
+    assert read_bandwidths(path, "fedscale", 2)[1].tolist() == pytest.approx([0.256e-3, 0.512e-3], rel=1e-12)
+
+
+@pytest.mark.parametrize("record", [
+    {"active": [0, 20], "inactive": [10], "finish_time": 50},  # an unpaired start
+    {"active": [0], "inactive": [10, 30], "finish_time": 50},  # an unpaired end
+    {"active": [0], "inactive": [10], "finish_time": 0},
+    {"active": [0], "inactive": [10], "finish_time": -5},
+    {"active": [-1], "inactive": [10], "finish_time": 50},
+    {"active": [20], "inactive": [10], "finish_time": 50},
+])
+def test_a_fedscale_behaviour_record_is_refused_on_each_fault_alone(tmp_path, record):
+    path = _pickle(tmp_path / "behave", {0: {"active": [0], "inactive": [5], "finish_time": 10}, 1: record})
+    with pytest.raises(ConfigError, match=r"a record's 'active' and 'inactive' are not paired intervals "
+                                          r"0 <= active <= inactive, or its finish_time is <= 0; fix that record$"):
+        read_availability(path, "fedscale", 1)
+
+
+def test_a_fedscale_behaviour_record_of_an_instant_or_under_a_second_is_read(tmp_path):
+    # an empty interval [3, 3) beside [5, 6), and a finish_time of half a second
+    path = _pickle(tmp_path / "behave", {0: {"active": [0], "inactive": [0.25], "finish_time": 0.5},
+                                         1: {"active": [3, 5], "inactive": [3, 6], "finish_time": 10}})
+    tr = read_availability(path, "fedscale", 2)  # client 0 reads record 1, client 1 record 0
+    assert [tr.available(0, t) for t in (3.0, 5.0, 5.5, 6.0, 15.5)] == [False, True, True, False, True]
+    assert [tr.available(1, t) for t in (0.0, 0.2, 0.3, 0.6, 0.8)] == [True, True, False, True, False]
+
+
+def test_a_bandwidth_trace_refuses_a_flash_file_and_a_negative_bandwidth(tmp_path):
+    path = tmp_path / "bw.csv"
+    path.write_text("client,down_mbps,up_mbps\n0,1,1\n")
+    with pytest.raises(ConfigError, match="^devices.trace_format: flash has no bandwidth trace; use trace_format csv"):
+        read_bandwidths(str(path), "flash", 1)
+    for row in ("0,-1,1", "0,1,-0.5"):
+        path.write_text(f"client,down_mbps,up_mbps\n{row}\n")
+        with pytest.raises(ConfigError, match=r"has a bandwidth <= 0 or not finite; give Mbit/s > 0$"):
+            read_bandwidths(str(path), "csv", 1)
+
+
+def test_a_client_never_online_converts_to_a_csv_that_reads_as_never_online(tmp_path):
+    # record 1 has no interval (client 0), record 0 one (client 1); its CSV row is a placeholder [0, 0)
+    behave = _pickle(tmp_path / "behave", {0: {"active": [2], "inactive": [4], "finish_time": 8},
+                                           1: {"active": [], "inactive": [], "finish_time": 5}})
+    out = tmp_path / "new" / "csv"  # made with its parents, and written again over the first files
+    convert("fedscale", 2, out, availability=behave)
+    convert("fedscale", 2, out, availability=behave)
+    mine = read_availability(str(out / "availability.csv"), "csv", 2)
+    theirs = read_availability(behave, "fedscale", 2)
+    for t in np.arange(0.0, 20.0, 0.25):
+        assert np.array_equal(mine.online(t), theirs.online(t)), t
+    assert not any(mine.available(0, t) for t in np.arange(0.0, 20.0, 0.25))
