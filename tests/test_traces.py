@@ -95,7 +95,7 @@ def test_flash_windows_follow_its_rule_locked_on_wifi_and_charging():
 
 
 def test_flash_joins_windows_that_touch_and_rejects_a_battery_level_that_is_not_a_number():
-    # unlocked and locked again within one second (60): the windows [50, 60) and [60, 70) are one
+    # unlocked and locked again at the same second (60): the windows [50, 60) and [60, 70) are one
     touching = _flash_lines((0, "wifi"), (5, "battery_charged_on"), (10, "screen_lock"), (20, "screen_unlock"),
                             (30, "screen_lock"), (40, "screen_unlock"), (50, "screen_lock"), (60, "screen_unlock"),
                             (60, "screen_lock"), (70, "screen_unlock"), (80, "screen_on"))
@@ -106,7 +106,8 @@ def test_flash_joins_windows_that_touch_and_rejects_a_battery_level_that_is_not_
     # a user FLASH accepts but for one battery level: "85x%" is not a number, "85%" is
     assert flash_user(USER_2.replace("85%", "85x%")) is None
     assert flash_user(USER_2.replace("85%", "5.5%")) == flash_user(USER_2) is not None
-    # a blank line is skipped, not the end; FLASH orders nothing but its period (the last message after the first)
+    # a blank line is skipped, not the end; messages need not be in time order, only the last must come after
+    # the first (else FLASH's period is <= 0)
     assert flash_user(USER_2.replace("\n", "\n\n", 2)) == flash_user(USER_2)
     shuffled = _flash_lines((0, "wifi"), (10, "screen_lock"), (5, "battery_charged_on"), (8, "screen_unlock"))
     assert flash_user(shuffled) == ([(5.0, 8.0)], 0.0, 8.0)
@@ -288,7 +289,7 @@ def test_a_fedscale_file_refused_names_the_file_its_trace_needs(tmp_path):
 @pytest.mark.parametrize("ms, kbps", [(0.0, 1.0), (-0.5, 1.0), (float("inf"), 1.0), (float("nan"), 1.0),
                                       (1.0, 0.0), (1.0, -0.5), (1.0, float("inf")), (1.0, float("nan"))])
 def test_a_fedscale_capacity_needs_each_value_positive_and_finite_alone(tmp_path, ms, kbps):
-    # client 0 reads key 1: the one bad value is its
+    # client 0 reads key 1, which holds the one bad value (computation is checked in every record)
     path = _pickle(tmp_path / "cap", {0: {"computation": 2.0, "communication": 2.0},
                                       1: {"computation": ms, "communication": kbps}})
     with pytest.raises(ConfigError, match=r"has a computation or communication <= 0 or not finite; every device "
@@ -351,3 +352,22 @@ def test_a_client_never_online_converts_to_a_csv_that_reads_as_never_online(tmp_
     for t in np.arange(0.0, 20.0, 0.25):
         assert np.array_equal(mine.online(t), theirs.online(t)), t
     assert not any(mine.available(0, t) for t in np.arange(0.0, 20.0, 0.25))
+
+
+def test_overlapping_and_empty_intervals_are_read_as_their_union(tmp_path):
+    # [0, 10) holds [2, 3); [20, 20) is empty beside [20, 30); [40, 45) touches [45, 50)
+    path = tmp_path / "a.csv"
+    path.write_text("client,start_s,end_s,period_s\n0,0,10,60\n0,2,3,60\n0,20,30,60\n0,20,20,60\n0,45,50,60\n"
+                    "0,40,45,60\n")
+    tr = read_availability(str(path), "csv", 1)
+    for t in np.arange(0.0, 120.0, 0.5):
+        want = bool(t % 60 < 10 or 20 <= t % 60 < 30 or 40 <= t % 60 < 50)
+        assert tr.available(0, t) is want and tr.online(t)[0] == want, t
+    assert list(zip(tr.starts.tolist(), tr.ends.tolist())) == [(0.0, 10.0), (20.0, 30.0), (40.0, 50.0)]
+    # FedScale's records likewise; FLASH's windows out of time order joined: [6, 100) holds [10, 20)
+    behave = _pickle(tmp_path / "behave", {0: {"active": [0, 2], "inactive": [10, 3], "finish_time": 20}})
+    assert [read_availability(behave, "fedscale", 1).available(0, t) for t in (1, 5, 12)] == [True, True, False]
+    shuffled = _flash_lines((0, "wifi"), (1, "battery_charged_on"), (2, "screen_lock"), (5, "screen_unlock"),
+                            (6, "screen_lock"), (100, "screen_unlock"), (10, "screen_lock"), (20, "screen_unlock"),
+                            (200, "screen_on"))
+    assert flash_user(shuffled) == ([(2.0, 5.0), (6.0, 100.0)], 0.0, 200.0)

@@ -90,7 +90,7 @@ def _per_client(ids: np.ndarray, values: np.ndarray, num_clients: int) -> np.nda
 
 @dataclass(frozen=True)
 class AvailabilityTrace:
-    """Online intervals [start, end) of every client, sorted, in CSR form
+    """Online intervals [start, end) of every client, sorted and disjoint, in CSR form
     (client c's are ``starts[offsets[c]:offsets[c + 1]]``, ``owner`` the
     client of each); client c's repeat after ``period[c]``."""
     offsets: np.ndarray
@@ -101,10 +101,20 @@ class AvailabilityTrace:
 
     @staticmethod
     def build(ids: np.ndarray, starts: np.ndarray, ends: np.ndarray, period: np.ndarray) -> AvailabilityTrace:
-        """From intervals of clients 0 .. len(period) - 1 (in any order)."""
+        """From intervals of clients 0 .. len(period) - 1 (in any order, overlapping or empty)."""
         order = np.lexsort((starts, ids))
-        offsets = np.searchsorted(ids[order], np.arange(len(period) + 1))
-        return AvailabilityTrace(offsets, starts[order], ends[order], ids[order], period)
+        # a client's overlapping or touching intervals joined (an empty one too): ``available`` reads the last
+        # interval starting at or before t, which must then be the one that holds t, as ``online`` finds
+        joined: list[tuple[int, float, float]] = []
+        for c, a, b in zip(ids[order].tolist(), starts[order].tolist(), ends[order].tolist()):
+            if joined and joined[-1][0] == c and a <= joined[-1][2]:
+                joined[-1] = (c, joined[-1][1], max(joined[-1][2], b))
+            else:
+                joined.append((c, a, b))
+        owner = np.array([c for c, _, _ in joined], np.int64)
+        offsets = np.searchsorted(owner, np.arange(len(period) + 1))
+        return AvailabilityTrace(offsets, np.array([a for _, a, _ in joined], float),
+                                 np.array([b for _, _, b in joined], float), owner, period)
 
     def online(self, t: float) -> np.ndarray:
         local = (t % self.period)[self.owner]
