@@ -39,6 +39,7 @@ import csv
 import io
 import json
 import pickle
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -88,6 +89,17 @@ def _per_client(ids: np.ndarray, values: np.ndarray, num_clients: int) -> np.nda
     return out
 
 
+def _merge(windows: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Windows [a, b) in time order, overlapping or touching ones joined."""
+    merged: list[tuple[float, float]] = []
+    for a, b in sorted(windows):
+        if merged and merged[-1][1] >= a:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
 @dataclass(frozen=True)
 class AvailabilityTrace:
     """Online intervals [start, end) of every client, sorted and disjoint, in CSR form
@@ -103,18 +115,16 @@ class AvailabilityTrace:
     def build(ids: np.ndarray, starts: np.ndarray, ends: np.ndarray, period: np.ndarray) -> AvailabilityTrace:
         """From intervals of clients 0 .. len(period) - 1 (in any order, overlapping or empty)."""
         order = np.lexsort((starts, ids))
+        ids, starts, ends = ids[order], starts[order], ends[order]
+        cut = np.searchsorted(ids, np.arange(len(period) + 1))
         # a client's overlapping or touching intervals joined (an empty one too): ``available`` reads the last
         # interval starting at or before t, which must then be the one that holds t, as ``online`` finds
-        joined: list[tuple[int, float, float]] = []
-        for c, a, b in zip(ids[order].tolist(), starts[order].tolist(), ends[order].tolist()):
-            if joined and joined[-1][0] == c and a <= joined[-1][2]:
-                joined[-1] = (c, joined[-1][1], max(joined[-1][2], b))
-            else:
-                joined.append((c, a, b))
-        owner = np.array([c for c, _, _ in joined], np.int64)
-        offsets = np.searchsorted(owner, np.arange(len(period) + 1))
-        return AvailabilityTrace(offsets, np.array([a for _, a, _ in joined], float),
-                                 np.array([b for _, _, b in joined], float), owner, period)
+        per = [_merge(zip(starts[lo:hi].tolist(), ends[lo:hi].tolist())) for lo, hi in zip(cut[:-1], cut[1:])]
+        owner = np.repeat(np.arange(len(period), dtype=np.int64), [len(w) for w in per])
+        flat = [w for ws in per for w in ws]
+        return AvailabilityTrace(np.searchsorted(owner, np.arange(len(period) + 1)),
+                                 np.array([a for a, _ in flat], float), np.array([b for _, b in flat], float), owner,
+                                 period)
 
     def online(self, t: float) -> np.ndarray:
         local = (t % self.period)[self.owner]
@@ -253,16 +263,6 @@ def _flash_state(state: str, flags: dict[str, bool]) -> bool:
         raise ConfigError(f"devices.availability_trace: unknown FLASH state {state!r} (FLASH stops on it); remove "
                           "that message or map it to one FLASH knows")
     return True
-
-
-def _merge(windows: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged = [sorted(windows)[0]]
-    for a, b in sorted(windows)[1:]:
-        if merged[-1][1] >= a:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
-        else:
-            merged.append((a, b))
-    return merged
 
 
 def flash_user(messages: str) -> tuple[list[tuple[float, float]], float, float] | None:
