@@ -13,9 +13,10 @@ arithmetic or comparison operator swapped, a number changed, a condition negated
 times, break/continue swapped) in a copy of the working tree (the checkout itself is never touched), and the tests
 that guard it (``MODULES``: fast, hand-computed tests, no end-to-end run) are run against each mutant. A mutant the
 tests fail on is killed; one they pass is a survivor. The score per module is killed / (killed + survived); timeouts
-count as killed (cosmic-ray's rule), mutants that do not even import ("incompetent") as neither. Survivors are
-written to ``OUT/<module>.md`` with their diffs: each needs a test, or a written reason why the change is not a bug
-a user would see (an equivalent mutant: ``x * 1.0`` for ``x``, a bound that cannot be reached, ...).
+count as killed (cosmic-ray's rule), and so do mutants whose tests hold more than ``--max-memory-gb`` of private
+memory; mutants that do not even import ("incompetent") as neither. Survivors are written to ``OUT/<module>.md``
+with their diffs: each needs a test, or a written reason why the change is not a bug a user would see (an equivalent
+mutant: ``x * 1.0`` for ``x``, a bound that cannot be reached, ...).
 
 cosmic-ray enumerates the mutants and keeps their results; they are run here, ``--jobs`` at a time (each job a fork
 server with its own copy of the tree, ``bench/mutation_server.py``: torch and Ray are imported once, the project
@@ -261,11 +262,13 @@ def _outcome(item, server: subprocess.Popen, original: str, request: dict):
                       test_outcome=TestOutcome.SURVIVED if reply["rc"] == 0 else TestOutcome.KILLED)
 
 
-def _baseline(servers: list[subprocess.Popen], module: str, record: Path, timeout: float) -> dict:
+def _baseline(servers: list[subprocess.Popen], module: str, record: Path, timeout: float,
+              max_memory: int | None = None) -> dict:
     """The mutants' request, its tests' order from an unmutated run's durations; then the unmutated tree in that
     order on every job: a mutant "killed" by tests that fail anyway (an order they depend on, a tree left
     mutated) would inflate the score."""
-    request = {"module": f"rayfed_dg/{module}", "args": _pytest_args(module), "timeout": timeout}
+    request = {"module": f"rayfed_dg/{module}", "args": _pytest_args(module), "timeout": timeout,
+               "max_memory": max_memory}
     base = _ask(servers[0], {**request, "source": None, "record": str(record)})
     request["order"] = json.loads(record.read_text()) if record.exists() else {}
     for server in servers:
@@ -276,7 +279,7 @@ def _baseline(servers: list[subprocess.Popen], module: str, record: Path, timeou
     return request
 
 
-def _execute(session: Path, module: str, work: Path, jobs: int, timeout: float) -> None:
+def _execute(session: Path, module: str, work: Path, jobs: int, timeout: float, max_memory: int | None = None) -> None:
     """Every pending mutant of ``session``, on ``jobs`` fork servers, each with its own copy of the tree; the
     tests in the order of their unmutated durations, fastest first in each file."""
     import queue
@@ -291,7 +294,7 @@ def _execute(session: Path, module: str, work: Path, jobs: int, timeout: float) 
     servers = [_serve(tree) for tree in trees]
     original = (work / "rayfed_dg" / module).read_text()
     try:
-        request = _baseline(servers, module, work / ".durations.json", timeout)
+        request = _baseline(servers, module, work / ".durations.json", timeout, max_memory)
         free: queue.Queue = queue.Queue()
         for server in servers:
             free.put(server)
@@ -336,7 +339,7 @@ def _digest(module: str, work: Path, sample: int | None, seed: int) -> str:
 
 
 def mutate(module: str, work: Path, timeout: float, sample: int | None = None, seed: int = 0,
-           jobs: int = 2, keep: Path | None = None) -> dict:
+           jobs: int = 2, keep: Path | None = None, max_memory: int | None = None) -> dict:
     """Score ``module``.  With ``keep`` (a folder) its session database is kept there, and a later call with the
     module and its tests unchanged goes on with the mutants not yet run instead of starting afresh."""
     name = module.replace("/", "_").removesuffix(".py")
@@ -360,7 +363,7 @@ def mutate(module: str, work: Path, timeout: float, sample: int | None = None, s
         if keep is not None:
             stamp.with_suffix(".tmp").write_text(json.dumps({"digest": digest, "population": population}))
             stamp.with_suffix(".tmp").replace(stamp)
-    _execute(session, module, work, jobs, timeout)
+    _execute(session, module, work, jobs, timeout, max_memory)
     dump = _run(["cosmic-ray", "dump", str(session)], work).stdout.splitlines()
     rows = [json.loads(line) for line in dump if line.strip()]
     killed, survived, incompetent, skipped, survivors = 0, 0, 0, 0, []
@@ -441,10 +444,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sample", type=int, metavar="N", help="score N mutants drawn at random from each module")
     ap.add_argument("--seed", type=int, default=0, help="the draw of --sample")
     ap.add_argument("--jobs", type=int, default=2, help="mutants tested at once, each in its own copy of the tree")
+    ap.add_argument("--max-memory-gb", type=float, default=6.0,
+                    help="private memory a mutant's tests may hold (GiB); past it the mutant is killed, as on timeout")
     ap.add_argument("--resume", action="store_true", help="keep results in --out; go on from the mutants not yet run")
     a = ap.parse_args(argv)
     if a.jobs < 1:
         print(f"mutation: --jobs {a.jobs}: give at least 1", file=sys.stderr)
+        return 2
+    if a.max_memory_gb <= 0:
+        print(f"mutation: --max-memory-gb {a.max_memory_gb}: give a positive number of GiB", file=sys.stderr)
         return 2
     if a.sample is not None and a.sample < 1:
         print(f"mutation: --sample {a.sample}: give a number of mutants, at least 1", file=sys.stderr)
@@ -469,7 +477,8 @@ def main(argv: list[str] | None = None) -> int:
         failed = 0
         for module in a.modules:
             try:
-                res = mutate(module, work, a.timeout, a.sample, a.seed, a.jobs, out.resolve() if a.resume else None)
+                res = mutate(module, work, a.timeout, a.sample, a.seed, a.jobs, out.resolve() if a.resume else None,
+                             int(a.max_memory_gb * 2**30))
             except SystemExit as err:  # one module's failure (its tests fail unmutated, ...) does not end the run
                 print(f"| {module} | - | - | - | - | not scored: {str(err).splitlines()[0][:150]} | - |", flush=True)
                 failed += 1

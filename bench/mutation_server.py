@@ -8,9 +8,11 @@ afresh from ``TREE`` (mutated); the original source is put back before the reply
 its tests, not an interpreter's start-up and torch's import each time.
 
 Requests: ``{"module": path under TREE, "source": text or null for the unmutated tree, "args": pytest arguments,
-"timeout": seconds, "order": {test id: seconds} or null, "record": a path for the tests' durations or null}``;
-replies: ``{"rc": exit status, 124 on timeout, "output": its tail}``.  The child leads its own process group (the
-processes Ray's tests start included), which a timeout kills whole.
+"timeout": seconds, "max_memory": bytes or null, "order": {test id: seconds} or null, "record": a path for the tests'
+durations or null}``; replies: ``{"rc": exit status, 124 on timeout, 137 past max_memory, "output": its tail}``.  The
+child leads its own process group (the processes Ray's tests start included), which a timeout kills whole, and so
+does a mutant whose group holds more than ``max_memory`` of private resident memory (a mutated chunk size can ask
+for tens of GiB; the machine's other work, a training run's Ray workers, would be the ones its OOM killer ends).
 """
 from __future__ import annotations
 
@@ -67,19 +69,42 @@ def _child(tree: str, req: dict, log: str) -> None:
         os._exit(rc)
 
 
-def _wait(pid: int, timeout: float) -> int:
-    deadline = time.monotonic() + timeout
+def _private_bytes(group: int) -> int:
+    """The resident anonymous memory of a process group's processes (``RssAnon``: the object store's shared pages,
+    mapped by every Ray process, are not counted again for each)."""
+    total = 0
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[2]) != group:
+                    continue
+            with open(f"/proc/{name}/status") as f:
+                total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+        except (OSError, ValueError, IndexError, StopIteration):  # a process that ended meanwhile, a kernel thread
+            continue
+    return total
+
+
+def _wait(pid: int, timeout: float, max_memory: int | None = None) -> int:
+    deadline, polls = time.monotonic() + timeout, 0
+    rc = 124
     while time.monotonic() < deadline:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             return os.waitstatus_to_exitcode(status)
+        polls += 1
+        if max_memory and polls % 25 == 0 and os.path.isdir("/proc") and _private_bytes(pid) > max_memory:
+            rc = 137
+            break
         time.sleep(0.02)
     try:
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
     os.waitpid(pid, 0)
-    return 124
+    return rc
 
 
 def serve(tree: str) -> None:
@@ -102,7 +127,7 @@ def serve(tree: str) -> None:
             if pid == 0:
                 _child(tree, req, log)
             try:
-                rc = _wait(pid, req["timeout"])
+                rc = _wait(pid, req["timeout"], req.get("max_memory"))
             except BaseException:  # Ctrl-C: the child's group (its Ray processes too) ends with the server
                 os.killpg(pid, signal.SIGKILL)
                 raise
@@ -111,6 +136,8 @@ def serve(tree: str) -> None:
                 f.write(original)
         with open(log) as f:
             tail = f.read()[-4000:]
+        if rc == 137:
+            tail += f"\nkilled: its private memory passed {req['max_memory'] / 2**30:.1f} GiB\n"
         print(json.dumps({"rc": rc, "output": tail}), flush=True)
 
 

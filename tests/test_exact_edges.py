@@ -98,6 +98,17 @@ def test_terms_far_below_one_are_scaled_in_two_steps_exactly():
     assert red.result({"t": v})["t"].tolist() == [0.75 * 2.0 ** -970, -2.25 * 2.0 ** -975]  # (2 v + v) / 4, exact
 
 
+def test_terms_of_two_to_the_minus_1000_without_a_window_take_the_two_step_path():
+    """Without a window a term takes its own exponent on the grid from 0: 2^-1000 and 1.5 x 2^-1000 take e = -1040,
+    where w 2^-e = 2^1040 is not a float64 (``math.ldexp`` raises): the one-multiply path is taken only for
+    -1000 < e < 1000, and the term is w v scaled by 2^1040 in two steps, exactly."""
+    assert exact.term_exponent(2.0 ** -1000, None) == -1040 == exact.term_exponent(1.5 * 2.0 ** -1000, None)
+    red = Reducer([0, 1], {0: 1.0, 1: 3.0})  # no reference: no window
+    red.add(0, {"t": np.array([2.0 ** -1000], np.float64)})
+    red.add(1, {"t": np.array([-0.5 * 2.0 ** -1000], np.float64)})
+    assert red.result({"t": np.zeros(1)})["t"].tolist() == [-2.0 ** -1003]  # (1 - 1.5) 2^-1000 / 4, exact
+
+
 def test_a_tensor_longer_than_a_chunk_sums_exactly_to_its_last_element():
     """CPU deposits run chunk by chunk (``exact.CHUNK`` elements): a tensor of one chunk and a short one, three
     weighted terms (the first written, the others added through the scratch buffer), is each term rounded to the
@@ -127,3 +138,29 @@ def test_a_partial_past_two_to_the_53_merges_exactly():
         out.merge(source)
         out.add(1.0, {"x": torch.tensor([-BIG], dtype=torch.float64)})  # back below 2^53: any rounding shows
         assert int(out.total("x").item()) == want - (2 ** 44 - 1)
+
+
+def test_a_dropped_client_and_one_not_sampled_are_refused_in_add_and_in_a_partial():
+    """A client reported dropped is not waited for any more: an upload of it arriving later (a retried task) is
+    refused, not folded beside its drop; a client outside the round's sample is refused by name, not a KeyError."""
+    red = Reducer([0, 1], {0: 1.0, 1: 3.0})
+    red.add(1, None)
+    for late in (lambda: red.add(1, {"t": np.ones(1)}),
+                 lambda: red.add_partial(exact.Partial([1], FixedSum({}).pack())),
+                 lambda: red.add(7, {"t": np.ones(1)}),
+                 lambda: red.add_partial(exact.Partial([7], FixedSum({}).pack()))):
+        with pytest.raises(ValueError, match=r"client (1|7) is not one this reduce still waits for"):
+            late()
+    assert red.dropped == [1] and red.missing == [0] and not red.folded
+
+
+def test_the_weighted_sums_are_not_divided_and_wait_for_every_client():
+    """``Reducer.sums`` (what DP-FedAvg noises): sum_i w_i v_i, not divided by the weights' sum, only once every
+    sampled client is folded or dropped."""
+    red = Reducer([0, 1, 2], {0: 1.0, 1: 3.0, 2: 5.0})
+    red.add(0, {"t": np.array([0.5, -2.0])})
+    with pytest.raises(AssertionError, match="not every client has been folded in"):
+        red.sums(["t"])
+    red.add(2, None)
+    red.add(1, {"t": np.array([0.25, 1.0])})
+    assert red.sums(["t"])["t"].tolist() == [0.5 + 3 * 0.25, -2.0 + 3 * 1.0]
