@@ -434,6 +434,22 @@ def recheck(report: Path, timeout: float) -> int:
     return 0
 
 
+def _refusal(a: argparse.Namespace) -> str | None:
+    """What is wrong with the arguments, in one line (None: nothing)."""
+    if a.jobs < 1:
+        return f"--jobs {a.jobs}: give at least 1"
+    if a.max_memory_gb <= 0:
+        return f"--max-memory-gb {a.max_memory_gb}: give a positive number of GiB"
+    if a.sample is not None and a.sample < 1:
+        return f"--sample {a.sample}: give a number of mutants, at least 1"
+    unknown = [m for m in a.modules if m not in MODULES]
+    if unknown and not a.recheck:
+        return f"no tests are mapped for {', '.join(unknown)}; choose from: {', '.join(MODULES)}"
+    if not a.recheck and shutil.which("cosmic-ray") is None:
+        return "cosmic-ray is not installed (pip install cosmic-ray==8.7.0)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--modules", nargs="+", default=list(MODULES), help="paths under rayfed_dg/ (default: all)")
@@ -445,28 +461,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="the draw of --sample")
     ap.add_argument("--jobs", type=int, default=2, help="mutants tested at once, each in its own copy of the tree")
     ap.add_argument("--max-memory-gb", type=float, default=6.0,
-                    help="private memory a mutant's tests may hold (GiB); past it the mutant is killed, as on timeout")
+                    help="memory a mutant's tests may hold (GiB, anonymous resident); past it the mutant is killed, "
+                         "as on timeout (not in --recheck)")
     ap.add_argument("--resume", action="store_true", help="keep results in --out; go on from the mutants not yet run")
     a = ap.parse_args(argv)
-    if a.jobs < 1:
-        print(f"mutation: --jobs {a.jobs}: give at least 1", file=sys.stderr)
-        return 2
-    if a.max_memory_gb <= 0:
-        print(f"mutation: --max-memory-gb {a.max_memory_gb}: give a positive number of GiB", file=sys.stderr)
-        return 2
-    if a.sample is not None and a.sample < 1:
-        print(f"mutation: --sample {a.sample}: give a number of mutants, at least 1", file=sys.stderr)
+    wrong = _refusal(a)
+    if wrong:
+        print(f"mutation: {wrong}", file=sys.stderr)
         return 2
     if a.recheck:
         return recheck(a.recheck, a.timeout)
-    unknown = [m for m in a.modules if m not in MODULES]
-    if unknown:
-        print(f"mutation: no tests are mapped for {', '.join(unknown)}; choose from: {', '.join(MODULES)}",
-              file=sys.stderr)
-        return 2
-    if shutil.which("cosmic-ray") is None:
-        print("mutation: cosmic-ray is not installed (pip install cosmic-ray==8.7.0)", file=sys.stderr)
-        return 2
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     print("| module | mutants | killed | survived | incompetent | score | seconds |")

@@ -10,9 +10,10 @@ its tests, not an interpreter's start-up and torch's import each time.
 Requests: ``{"module": path under TREE, "source": text or null for the unmutated tree, "args": pytest arguments,
 "timeout": seconds, "max_memory": bytes or null, "order": {test id: seconds} or null, "record": a path for the tests'
 durations or null}``; replies: ``{"rc": exit status, 124 on timeout, 137 past max_memory, "output": its tail}``.  The
-child leads its own process group (the processes Ray's tests start included), which a timeout kills whole, and so
-does a mutant whose group holds more than ``max_memory`` of private resident memory (a mutated chunk size can ask
-for tens of GiB; the machine's other work, a training run's Ray workers, would be the ones its OOM killer ends).
+child leads its own session (the processes Ray's tests start included), which a timeout kills whole, and so does a
+mutant whose session holds more than ``max_memory`` of anonymous resident memory (a mutated flush bound of the exact
+sum grew past 13 GiB; left alone, the machine's other work, a training run's Ray workers, is what an out-of-memory
+killer ends).
 """
 from __future__ import annotations
 
@@ -69,42 +70,51 @@ def _child(tree: str, req: dict, log: str) -> None:
         os._exit(rc)
 
 
-def _private_bytes(group: int) -> int:
-    """The resident anonymous memory of a process group's processes (``RssAnon``: the object store's shared pages,
-    mapped by every Ray process, are not counted again for each)."""
-    total = 0
-    for name in os.listdir("/proc"):
+def _session(sid: int) -> dict[int, int]:
+    """The processes of session ``sid`` (the child's: it called ``setsid``), each with its anonymous resident memory
+    (``RssAnon``: the object store's shared pages, mapped by every Ray process, are not counted again for each).
+    Ray's workers each lead a process group of their own, but stay in the session."""
+    out = {}
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else ():
         if not name.isdigit():
             continue
         try:
             with open(f"/proc/{name}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[2]) != group:
+                if int(f.read().rsplit(")", 1)[1].split()[3]) != sid:
                     continue
             with open(f"/proc/{name}/status") as f:
-                total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
-        except (OSError, ValueError, IndexError, StopIteration):  # a process that ended meanwhile, a kernel thread
+                out[int(name)] = next((int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:")), 0)
+        except (OSError, ValueError, IndexError):  # a process that ended meanwhile
             continue
-    return total
+    return out
+
+
+def _end(pid: int) -> None:
+    """Kill the child's session: its group, and the groups Ray's workers lead in it."""
+    for p in [pid, *_session(pid)]:
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(p, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    os.waitpid(pid, 0)
 
 
 def _wait(pid: int, timeout: float, max_memory: int | None = None) -> int:
+    """The child's exit status; 124 past ``timeout``, 137 once its session holds more than ``max_memory`` bytes
+    (checked every half second), its whole session killed."""
     deadline, polls = time.monotonic() + timeout, 0
-    rc = 124
     while time.monotonic() < deadline:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             return os.waitstatus_to_exitcode(status)
         polls += 1
-        if max_memory and polls % 25 == 0 and os.path.isdir("/proc") and _private_bytes(pid) > max_memory:
-            rc = 137
-            break
+        if max_memory and polls % 25 == 0 and sum(_session(pid).values()) > max_memory:
+            _end(pid)
+            return 137
         time.sleep(0.02)
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    os.waitpid(pid, 0)
-    return rc
+    _end(pid)
+    return 124
 
 
 def serve(tree: str) -> None:
@@ -129,7 +139,7 @@ def serve(tree: str) -> None:
             try:
                 rc = _wait(pid, req["timeout"], req.get("max_memory"))
             except BaseException:  # Ctrl-C: the child's group (its Ray processes too) ends with the server
-                os.killpg(pid, signal.SIGKILL)
+                _end(pid)
                 raise
         finally:
             with open(path, "w") as f:
