@@ -44,6 +44,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -311,19 +312,21 @@ def _execute(session: Path, module: str, work: Path, jobs: int, timeout: float, 
             t0, done, killed = time.monotonic(), 0, 0
             with ThreadPoolExecutor(jobs) as pool:
                 futures = [pool.submit(one, item) for item in items]
-                for fut in as_completed(futures):
-                    try:
+                try:
+                    for fut in as_completed(futures):
                         item, result = fut.result()
-                    except BaseException:  # a server that ended, Ctrl-C: the queued mutants are not run for nothing
-                        pool.shutdown(wait=False, cancel_futures=True)
-                        raise
-                    db.set_result(item.job_id, result)
-                    done += 1
-                    killed += result.test_outcome is not None and result.test_outcome.value == "killed"
-                    if done % 10 == 0 or done == len(items):
-                        eta = (time.monotonic() - t0) / done * (len(items) - done)
-                        print(f"  {module}: {done}/{len(items)} mutants, {killed} killed, about {eta:.0f} s left",
-                              file=sys.stderr, flush=True)
+                        db.set_result(item.job_id, result)
+                        done += 1
+                        killed += result.test_outcome is not None and result.test_outcome.value == "killed"
+                        if done % 10 == 0 or done == len(items):
+                            eta = (time.monotonic() - t0) / done * (len(items) - done)
+                            print(f"  {module}: {done}/{len(items)} mutants, {killed} killed, about {eta:.0f} s "
+                                  "left", file=sys.stderr, flush=True)
+                except BaseException:  # a server that ended, Ctrl-C, SIGTERM: nothing more is run or recorded
+                    pool.shutdown(wait=False, cancel_futures=True)
+                    for server in servers:  # each kills its running mutant's tests (a SIGTERM reached only us)
+                        server.send_signal(signal.SIGINT)
+                    raise
     finally:
         for server in servers:
             server.stdin.close()
@@ -465,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
                          "as on timeout (not in --recheck)")
     ap.add_argument("--resume", action="store_true", help="keep results in --out; go on from the mutants not yet run")
     a = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stopped as by Ctrl-C: results so far kept
     wrong = _refusal(a)
     if wrong:
         print(f"mutation: {wrong}", file=sys.stderr)
