@@ -138,7 +138,7 @@ def serve(tree: str) -> None:
                 _child(tree, req, log)
             try:
                 rc = _wait(pid, req["timeout"], req.get("max_memory"))
-            except BaseException:  # Ctrl-C: the child's group (its Ray processes too) ends with the server
+            except BaseException:  # Ctrl-C, SIGINT: the child's session (its Ray processes too) ends with the server
                 _end(pid)
                 raise
         finally:
@@ -147,7 +147,7 @@ def serve(tree: str) -> None:
         with open(log) as f:
             tail = f.read()[-4000:]
         if rc == 137:
-            tail += f"\nkilled: its private memory passed {req['max_memory'] / 2**30:.1f} GiB\n"
+            tail += f"\nkilled: its tests' anonymous resident memory passed {req['max_memory'] / 2**30:.1f} GiB\n"
         print(json.dumps({"rc": rc, "output": tail}), flush=True)
 
 
