@@ -71,20 +71,19 @@ def _child(tree: str, req: dict, log: str) -> None:
 
 
 def _session(sid: int) -> dict[int, int]:
-    """The processes of session ``sid`` (the child's: it called ``setsid``), each with its anonymous resident memory
-    (``RssAnon``: the object store's shared pages, mapped by every Ray process, are not counted again for each).
-    Ray's workers each lead a process group of their own, but stay in the session."""
+    """The processes of session ``sid`` (the child's: it called ``setsid``; Ray's workers lead process groups of their
+    own but stay in it), each with its anonymous resident memory: rss less the pages it shares (the object store's,
+    mapped by every Ray process, are not counted again for each).  As ``rayfed_dg/cluster.py`` finds a session's
+    processes; not imported from there, since the server imports nothing of the project (each child does, mutated)."""
+    import psutil
+
     out = {}
-    for name in os.listdir("/proc") if os.path.isdir("/proc") else ():
-        if not name.isdigit():
-            continue
+    for p in psutil.process_iter():
         try:
-            with open(f"/proc/{name}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[3]) != sid:
-                    continue
-            with open(f"/proc/{name}/status") as f:
-                out[int(name)] = next((int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:")), 0)
-        except (OSError, ValueError, IndexError):  # a process that ended meanwhile
+            if os.getsid(p.pid) == sid:
+                m = p.memory_info()
+                out[p.pid] = m.rss - getattr(m, "shared", 0)
+        except (psutil.Error, ProcessLookupError, PermissionError):  # a process that ended meanwhile
             continue
     return out
 
