@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from rayfed_dg.errors import ConfigError
-    from rayfed_dg.tuning import KEEP_CHECKPOINTS, run_sweep
+    from rayfed_dg.tuning import KEEP_CHECKPOINTS, SweepInterrupted, run_sweep
     from rayfed_dg.utils import run_cli
 
     def sweep() -> int:
@@ -53,10 +53,17 @@ def main(argv: list[str] | None = None) -> int:
             seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None
         except ValueError:
             raise ConfigError(f"--seeds {args.seeds}: expected integers separated by commas, e.g. 0,1,2") from None
-        out = run_sweep(args.space, args.config, args.target, args.samples, args.scheduler, args.resume,
-                        args.overrides, args.storage, wandb_project=args.wandb, mlflow_uri=args.mlflow,
-                        verbose=2 if args.tune_tables else 1, seeds=seeds,
-                        keep=KEEP_CHECKPOINTS if args.keep_checkpoints is None else args.keep_checkpoints)
+        given = list(argv if argv is not None else sys.argv[1:])
+        again = shlex.join(["python", "tune.py", *given] + ([] if args.resume else ["--resume"]))
+        try:
+            out = run_sweep(args.space, args.config, args.target, args.samples, args.scheduler, args.resume,
+                            args.overrides, args.storage, wandb_project=args.wandb, mlflow_uri=args.mlflow,
+                            verbose=2 if args.tune_tables else 1, seeds=seeds,
+                            keep=KEEP_CHECKPOINTS if args.keep_checkpoints is None else args.keep_checkpoints)
+        except SweepInterrupted:
+            print(f"tune.py: interrupted before any trial reported a round; nothing chosen; continue with: {again}",
+                  file=sys.stderr)
+            return 130
         print(f"\nTarget accuracy at each target's round selected by source validation; sweep {out['path']}")
         print(out["table"])
         if out["complete"]:
@@ -64,8 +71,6 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         left = [r for r in out["records"] if not r["finished"]]
         failed = [r for r in left if r["status"] == "ERROR"]
-        given = list(argv if argv is not None else sys.argv[1:])
-        again = shlex.join(["python", "tune.py", *given] + ([] if args.resume else ["--resume"]))
         print(f"tune.py: {len(left)} of {len(out['records'])} trials unfinished"
               f"{f' ({len(failed)} failed)' if failed else ''}; nothing chosen; continue with: {again}",
               file=sys.stderr)

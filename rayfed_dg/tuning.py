@@ -329,6 +329,11 @@ def markdown_table(rows: list[dict], targets: list[str], params: list[str]) -> s
     return render_table(head, body, "md")
 
 
+class SweepInterrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM before any trial reported a round: no table to
+    print, only the sweep (``--resume``) to continue."""
+
+
 @dataclass
 class Sweep:
     """A sweep, resolved and checked before any trial starts."""
@@ -426,7 +431,7 @@ def _tuner(sw: Sweep, resume: bool, verbose: int, callbacks: list):
 
 
 def _interrupt_watch():
-    """A Tune callback that notes each trial's status when Ctrl-C arrives.
+    """A Tune callback that notes each trial's status when Ctrl-C (or SIGTERM) arrives.
     Tune's own SIGINT handler (installed before callbacks are set up) stops
     the sweep gracefully, and then marks every trial it stopped TERMINATED,
     as if it had finished: the statuses of that moment are the truth."""
@@ -449,6 +454,9 @@ def _interrupt_watch():
                     raise KeyboardInterrupt
 
             signal.signal(signal.SIGINT, on_sigint)
+            # SIGTERM to the driver alone (kill PID, timeout) stops the sweep as Ctrl-C does; Ray's own handler
+            # would abort it with a stack dump, before the table of what was left and the resume command
+            signal.signal(signal.SIGTERM, on_sigint)
 
         def on_step_begin(self, iteration, trials, **info):
             self.trials = trials
@@ -602,6 +610,8 @@ def run_sweep(space_name: str, config: str | None, target: str, samples: int, sc
     params = list(sw.space["params"])
     records = _records(results, params, watch.at_interrupt if watch is not None else None)
     if not any(r["selected_round"] is not None for r in records):
+        if watch is not None and watch.at_interrupt is not None:
+            raise SweepInterrupted(sw.where)
         raise EngineError("no trial reported a selected round" + (
             "" if all(r["finished"] for r in records) else f"; continue the sweep with --resume ({sw.where})"))
     chosen, rows = select_value(records, params)  # with seeds: the best mean over every seed and target

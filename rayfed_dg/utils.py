@@ -172,6 +172,30 @@ def exit_quietly_on_sigterm() -> None:
     sys.unraisablehook = hook
 
 
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM (``kill PID``, ``timeout``, ``docker stop``) stops the block as
+    Ctrl-C does, with a KeyboardInterrupt.  A Ray driver would otherwise take
+    it in Ray's C++ failure-signal handler: a stack dump and an abort (exit
+    134) before the run could say how to resume.  Python delivers signals to
+    the main thread only; elsewhere the block runs as it is."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 # ----------------------------------------------------------------------- CLI
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None):

@@ -204,10 +204,12 @@ def sigint_as_in_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def ctrl_c_when(cmd: list[str], ready, what: str, timeout: float = 600) -> tuple[int, str, str]:
+def ctrl_c_when(cmd: list[str], ready, what: str, timeout: float = 600, sigterm: bool = False) -> tuple[int, str, str]:
     """Run the CLI ``cmd`` in its own process group and, once ``ready()``
     holds, send it SIGINT as Ctrl-C in a terminal does (to the whole group);
-    (exit code, stdout, stderr).  ``what``: the state ``ready`` waits for."""
+    (exit code, stdout, stderr).  ``what``: the state ``ready`` waits for.
+    ``sigterm``: SIGTERM to the command's process alone instead, as ``kill
+    PID``, ``timeout`` or ``docker stop`` send it."""
     import os
     import signal
     import subprocess
@@ -220,7 +222,10 @@ def ctrl_c_when(cmd: list[str], ready, what: str, timeout: float = 600) -> tuple
         while not ready():
             assert proc.poll() is None and time.time() < deadline, f"the run ended or stalled before {what}"
             time.sleep(0.05)
-        os.killpg(proc.pid, signal.SIGINT)
+        if sigterm:
+            os.kill(proc.pid, signal.SIGTERM)
+        else:
+            os.killpg(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=120)
     finally:
         try:

@@ -426,6 +426,22 @@ def test_ctrl_c_prints_the_resume_command_and_resume_needs_only_the_run_director
 
 
 @pytest.mark.slow
+def test_sigterm_to_the_driver_stops_the_run_as_ctrl_c_does(tmp_path):
+    """``kill PID`` (``timeout``, ``docker stop``) reaches the driver alone; Ray's failure-signal handler would
+    abort it (exit 134, a stack dump, no resume line)."""
+    run, marker = tmp_path / "run", tmp_path / "saved"
+    args = ["run", str(REPO / "configs" / "quickstart.yaml"), "--target", "colour", "--run-dir", str(run),
+            "--no-progress"]
+    for kv in ("training.rounds=3", "data.resolution=16", "model.width=8", "compare=null", "output.checkpoint_every=1"):
+        args += ["--set", kv]
+    code, out, err = ctrl_c_when(held_cli(args, marker), marker.exists, "round 1 was saved", sigterm=True)
+    assert code == 130, err[-2000:]
+    assert err.strip().splitlines()[-1] == f"rayfed-dg: interrupted; resume with: rayfed-dg run --resume {run}"
+    assert "SIGTERM received" not in err and not (run / "summary.json").exists()
+    assert sorted(p.name for p in (run / "checkpoints" / "colour").glob("round_*.json")) == ["round_00001.json"]
+
+
+@pytest.mark.slow
 def test_a_dry_run_names_no_directory_it_deleted(tmp_path, capsys):
     from rayfed_dg.cli import main
 

@@ -1,6 +1,7 @@
 """Ray Tune sweeps of whole federations, selection by source validation, cluster.yaml."""
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -293,6 +294,32 @@ def test_sweep_interrupted_mid_trial_exits_130_chooses_nothing_and_resumes_to_an
     # the trial that had saved rounds went on from its last checkpoint, not from round 1
     resumed = lambda p: [r["resumed_from_round"] for r in pq.read_table(p / "tiny" / "trials.parquet").to_pylist()]  # noqa
     assert max(resumed(tmp_path / "killed")) >= 2 and set(resumed(tmp_path / "clean")) == {0}
+
+
+@pytest.mark.slow
+def test_sigterm_to_tune_py_alone_stops_the_sweep_as_ctrl_c_does(tmp_path):
+    """``kill PID`` or ``timeout`` reaches the sweep's driver alone; Ray's failure-signal handler would abort it
+    (exit 134, a stack dump) before it could name the resume command.  The signal lands inside each trial's
+    first round (200 local epochs: minutes, however fast the machine), after the trials started, so after the
+    sweep's handlers were set: no trial has reported, and there is no table to print."""
+    import signal
+    import time
+
+    space = tiny_space(tmp_path / "tiny.yaml", "training.rounds=2", "training.local_epochs=200")
+    cmd = [sys.executable, "tune.py", "--space", str(space), "--target", "colour", "--storage", str(tmp_path / "sw")]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 400
+    while len(list((tmp_path / "sw" / "tiny").glob("trainable_*"))) < 2:  # both trials started
+        assert proc.poll() is None and time.monotonic() < deadline, "the trials never started"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130 and "SIGTERM received" not in err, err[-3000:]
+    said = [line for line in err.splitlines() if line.startswith("tune.py: ")]
+    again = shlex.join(["python", "tune.py", *cmd[2:], "--resume"])
+    assert said == [f"tune.py: interrupted before any trial reported a round; nothing chosen; continue with: {again}"], \
+        err[-2000:]
+    assert not (tmp_path / "sw" / "tiny" / "chosen_config.yaml").exists()
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ from rayfed_dg._version import __version__
 from rayfed_dg.config import ConfigError, ExperimentConfig, load_config
 from rayfed_dg.engine.store.formats import resume_without_record
 from rayfed_dg.engine.store.rundir import RunDir
-from rayfed_dg.utils import environment, environment_changes
+from rayfed_dg.utils import environment, environment_changes, sigterm_as_interrupt
 
 Configs = list[tuple[int | None, ExperimentConfig]]  # one config per seed (None: a run without --seeds)
 
@@ -239,7 +239,7 @@ def _open_run_dir(req: RunRequest, cfgs: Configs, resumed: RunDir | None) -> tup
 
 def execute_run(req: RunRequest) -> RunOutcome:
     """Everything ``rayfed-dg run`` does but print its closing table.
-    Ctrl-C raises ``RunInterrupted``."""
+    Ctrl-C, or SIGTERM in the main thread, raises ``RunInterrupted``."""
     from rayfed_dg.engine.store.trackers import require_trackers
 
     from .experiment import plan_experiment, run_planned
@@ -272,7 +272,8 @@ def execute_run(req: RunRequest) -> RunOutcome:
     if ds.meta.get("skipped_files"):  # data.on_corrupt: skip
         run_dir.write_skipped(ds.meta["skipped_files"])
     try:
-        by_seed = run_planned(exp, run_dir, progress=not req.no_progress)
+        with sigterm_as_interrupt():
+            by_seed = run_planned(exp, run_dir, progress=not req.no_progress)
     except KeyboardInterrupt:
         raise RunInterrupted(run_dir.path, tmp is None) from None
     return RunOutcome(run_dir, exp, seeds, by_seed, tmp)
