@@ -134,8 +134,9 @@ def run(config: str | Path | None = None, overrides: Mapping[str, Any] | None = 
     temporary directory unless ``run_dir`` is given (the tables are read
     before it goes).  ``--wandb`` / ``--mlflow`` are ``overrides``
     (``{"output.wandb.project": ...}``, ``{"output.mlflow.tracking_uri": ...}``).  Bad input raises ``ConfigError`` (or
-    ``DataError``) with the CLI's one-line message; Ctrl-C raises
-    ``engine.running.service.RunInterrupted`` (a ``KeyboardInterrupt``) naming the resume."""
+    ``DataError``) with the CLI's one-line message; Ctrl-C, or SIGTERM when called from the
+    main thread, raises ``engine.running.service.RunInterrupted`` (a
+    ``KeyboardInterrupt``) naming the resume."""
     from rayfed_dg.engine.running.service import RunRequest, execute_run
 
     if target is not None and not isinstance(target, str):

@@ -59,7 +59,7 @@ from rayfed_dg.config import ConfigError, ExperimentConfig, load_config
 from rayfed_dg.data import DomainDataset
 from rayfed_dg.engine.store.records import Split
 from rayfed_dg.errors import EngineError
-from rayfed_dg.utils import did_you_mean, env_set, exit_quietly_on_sigterm, render_table
+from rayfed_dg.utils import did_you_mean, env_set, exit_quietly_on_sigterm, render_table, sigterm_as_interrupt
 
 if TYPE_CHECKING:
     from rayfed_dg.engine.store.sweepdir import SweepDir
@@ -333,6 +333,10 @@ class SweepInterrupted(KeyboardInterrupt):
     """Ctrl-C or SIGTERM before any trial reported a round: no table to
     print, only the sweep (``--resume``) to continue."""
 
+    def __init__(self, where: str):
+        self.where = where
+        super().__init__(f"interrupted before any trial reported a round; continue the sweep in {where} with --resume")
+
 
 @dataclass
 class Sweep:
@@ -590,7 +594,9 @@ def run_sweep(space_name: str, config: str | None, target: str, samples: int, sc
     table, records, complete}; ``chosen`` is None and no
     ``chosen_config.yaml`` is written while any trial is unfinished.
     ``verbose``: 0 prints nothing, 1 a progress bar and a line per finished
-    trial, 2 Ray Tune's own status tables instead."""
+    trial, 2 Ray Tune's own status tables instead.  Ctrl-C or SIGTERM (from
+    the main thread) stops it gracefully; before any trial reported a round,
+    it raises ``SweepInterrupted``."""
     from rayfed_dg.engine import init_ray
     from rayfed_dg.engine.store.sweepdir import SweepDir
 
@@ -601,12 +607,15 @@ def run_sweep(space_name: str, config: str | None, target: str, samples: int, sc
     # killed in between would restart trials from scratch: save it every second (it is a few kB here)
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "1")
     progress = [_sweep_progress(sw.where, sw.cfg.training.rounds, list(sw.space["params"]))] if verbose == 1 else []
-    tuner = _tuner(sw, resume, 1 if verbose == 2 else 0, [*callbacks, *progress, _interrupt_watch()])
-    watch = _saved_watch(tuner, verbose)
-    # Tune's newer console output prints its experiment box and a TensorBoard hint into Ray's session folder
-    # whatever the verbosity; its legacy output at verbosity 0 prints nothing
-    with env_set("RAY_AIR_NEW_OUTPUT", "1" if verbose == 2 else "0"):
-        results = tuner.fit()
+    # SIGTERM: a KeyboardInterrupt while the dataset is uploaded, a graceful stop once Tune runs (_interrupt_watch),
+    # and the handler from before when the sweep ends
+    with sigterm_as_interrupt():
+        tuner = _tuner(sw, resume, 1 if verbose == 2 else 0, [*callbacks, *progress, _interrupt_watch()])
+        watch = _saved_watch(tuner, verbose)
+        # Tune's newer console output prints its experiment box and a TensorBoard hint into Ray's session folder
+        # whatever the verbosity; its legacy output at verbosity 0 prints nothing
+        with env_set("RAY_AIR_NEW_OUTPUT", "1" if verbose == 2 else "0"):
+            results = tuner.fit()
     params = list(sw.space["params"])
     records = _records(results, params, watch.at_interrupt if watch is not None else None)
     if not any(r["selected_round"] is not None for r in records):

@@ -177,12 +177,15 @@ def sigterm_as_interrupt() -> Iterator[None]:
     """SIGTERM (``kill PID``, ``timeout``, ``docker stop``) stops the block as
     Ctrl-C does, with a KeyboardInterrupt.  A Ray driver would otherwise take
     it in Ray's C++ failure-signal handler: a stack dump and an abort (exit
-    134) before the run could say how to resume.  Python delivers signals to
-    the main thread only; elsewhere the block runs as it is."""
+    134) before the run could say how to resume.  The handler from before
+    is put back after the block.  Python delivers signals to the main thread
+    only; elsewhere, or where SIGTERM is ignored (as a parent may have it
+    inherited), the block runs as it is."""
     import signal
     import threading
 
-    if threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
         yield
         return
 
@@ -193,7 +196,8 @@ def sigterm_as_interrupt() -> Iterator[None]:
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, before)
+        # None: a handler not set from Python (Ray's C++ one), which cannot be put back; the default ends the process
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if before is None else before)
 
 
 # ----------------------------------------------------------------------- CLI

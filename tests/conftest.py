@@ -204,19 +204,20 @@ def sigint_as_in_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def ctrl_c_when(cmd: list[str], ready, what: str, timeout: float = 600, sigterm: bool = False) -> tuple[int, str, str]:
+def ctrl_c_when(cmd: list[str], ready, what: str, timeout: float = 600, sigterm: bool = False,
+                cwd=None) -> tuple[int, str, str]:
     """Run the CLI ``cmd`` in its own process group and, once ``ready()``
     holds, send it SIGINT as Ctrl-C in a terminal does (to the whole group);
     (exit code, stdout, stderr).  ``what``: the state ``ready`` waits for.
     ``sigterm``: SIGTERM to the command's process alone instead, as ``kill
-    PID``, ``timeout`` or ``docker stop`` send it."""
+    PID``, ``timeout`` or ``docker stop`` send it.  ``cwd``: where it runs."""
     import os
     import signal
     import subprocess
     import time
 
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            preexec_fn=sigint_as_in_a_terminal)
+                            preexec_fn=sigint_as_in_a_terminal, cwd=cwd)
     try:
         deadline = time.time() + timeout
         while not ready():

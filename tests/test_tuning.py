@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import yaml
-from conftest import REPO, tiny_space
+from conftest import REPO, ctrl_c_when, tiny_space
 
 from rayfed_dg.tuning import select_value
 
@@ -299,22 +299,16 @@ def test_sweep_interrupted_mid_trial_exits_130_chooses_nothing_and_resumes_to_an
 @pytest.mark.slow
 def test_sigterm_to_tune_py_alone_stops_the_sweep_as_ctrl_c_does(tmp_path):
     """``kill PID`` or ``timeout`` reaches the sweep's driver alone; Ray's failure-signal handler would abort it
-    (exit 134, a stack dump) before it could name the resume command.  The signal lands inside each trial's
-    first round (200 local epochs: minutes, however fast the machine), after the trials started, so after the
-    sweep's handlers were set: no trial has reported, and there is no table to print."""
-    import signal
-    import time
+    (exit 134, a stack dump) before it could name the resume command.  The signal lands once Tune made a
+    trial's folder (after it set up the sweep's callbacks, the handlers among them) and inside that trial's
+    first round (1,000 local epochs, which no machine ends before the signal): no trial has reported, and
+    there is no table to print."""
 
-    space = tiny_space(tmp_path / "tiny.yaml", "training.rounds=2", "training.local_epochs=200")
+    space = tiny_space(tmp_path / "tiny.yaml", "training.rounds=2", "training.local_epochs=1000")
     cmd = [sys.executable, "tune.py", "--space", str(space), "--target", "colour", "--storage", str(tmp_path / "sw")]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 400
-    while len(list((tmp_path / "sw" / "tiny").glob("trainable_*"))) < 2:  # both trials started
-        assert proc.poll() is None and time.monotonic() < deadline, "the trials never started"
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 130 and "SIGTERM received" not in err, err[-3000:]
+    code, out, err = ctrl_c_when(cmd, lambda: any((tmp_path / "sw" / "tiny").glob("trainable_*")),
+                                 "a trial started", timeout=400, sigterm=True, cwd=REPO)
+    assert code == 130 and "SIGTERM received" not in err, err[-3000:]
     said = [line for line in err.splitlines() if line.startswith("tune.py: ")]
     again = shlex.join(["python", "tune.py", *cmd[2:], "--resume"])
     assert said == [f"tune.py: interrupted before any trial reported a round; nothing chosen; continue with: {again}"], \

@@ -78,3 +78,34 @@ def test_any_other_exception_a_finaliser_raises_is_still_reported():
                       "Fails()\nprint('ran on')\n")
     assert out.returncode == 0 and out.stdout == "ran on\n"
     assert "Exception ignored" in out.stderr and "ValueError: kept" in out.stderr
+
+
+SIGTERM_BLOCK = """
+import os, signal, sys, threading, time
+from rayfed_dg.utils import sigterm_as_interrupt
+def mine(signum, frame): print("mine")
+signal.signal(signal.SIGTERM, signal.SIG_IGN if sys.argv[1] == "ignored" else mine)
+before = signal.getsignal(signal.SIGTERM)
+try:
+    with sigterm_as_interrupt():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(2)
+    print("ran on")
+except KeyboardInterrupt:
+    print("interrupted")
+print("put back", signal.getsignal(signal.SIGTERM) is before)
+def elsewhere():
+    with sigterm_as_interrupt():
+        print("in a thread", signal.getsignal(signal.SIGTERM) is before)
+t = threading.Thread(target=elsewhere); t.start(); t.join()
+"""
+
+
+@pytest.mark.parametrize("parent", ["handled", "ignored"])
+def test_sigterm_in_the_block_interrupts_and_the_handler_before_is_put_back(parent):
+    """SIGTERM inside ``sigterm_as_interrupt`` raises KeyboardInterrupt (in a child Python: the signal is real);
+    the caller's handler is back after the block; a SIGTERM the parent ignores stays ignored; off the main
+    thread (where Python cannot set a handler) the block runs as it is."""
+    r = in_python(SIGTERM_BLOCK, parent)
+    first = "interrupted" if parent == "handled" else "ran on"
+    assert r.returncode == 0 and r.stdout.split("\n") == [first, "put back True", "in a thread True", ""], r

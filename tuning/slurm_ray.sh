@@ -104,9 +104,9 @@ run_driver() {
   (trap - INT; exec "$@") &
   driver=$!
   wait "${driver}" && rc=0 || rc=$?
-  # 130: stopped before the end (Slurm's time limit sends SIGTERM to every process of the job: the driver ends at
-  # once, its checkpoints are what a resume continues from); tune.py and rayfed-dg run exit 130 on Ctrl-C too,
-  # and 143 is a driver a SIGTERM ended by itself
+  # 130: stopped before the end (Slurm's time limit sends SIGTERM to every process of the job: the driver stops at
+  # once, its checkpoints are what a resume continues from); tune.py and rayfed-dg run exit 130 on Ctrl-C and
+  # SIGTERM too, and 143 is a driver a SIGTERM ended before it could handle one
   if [[ ${signalled} == 1 ]]; then
     # said first: SIGKILL follows a time limit's SIGTERM after KillWait
     say "stopped before the end by a signal (a time limit, scancel); continue with: ${resume}"

@@ -49,7 +49,7 @@ class RunOutcome:
 
 
 class RunInterrupted(KeyboardInterrupt):
-    """Ctrl-C during the federations; every finished round is on disk."""
+    """Ctrl-C (or SIGTERM) during the federations; every finished round is on disk."""
 
     def __init__(self, run_dir: Path, kept: bool):
         self.run_dir, self.kept = run_dir, kept
@@ -239,7 +239,8 @@ def _open_run_dir(req: RunRequest, cfgs: Configs, resumed: RunDir | None) -> tup
 
 def execute_run(req: RunRequest) -> RunOutcome:
     """Everything ``rayfed-dg run`` does but print its closing table.
-    Ctrl-C, or SIGTERM in the main thread, raises ``RunInterrupted``."""
+    Ctrl-C, or SIGTERM when called from the main thread, raises
+    ``RunInterrupted``; the caller's SIGTERM handler is put back after."""
     from rayfed_dg.engine.store.trackers import require_trackers
 
     from .experiment import plan_experiment, run_planned
