@@ -179,8 +179,8 @@ def sigterm_as_interrupt() -> Iterator[None]:
     it in Ray's C++ failure-signal handler: a stack dump and an abort (exit
     134) before the run could say how to resume.  The handler from before
     is put back after the block.  Python delivers signals to the main thread
-    only; elsewhere, or where SIGTERM is ignored (as a parent may have it
-    inherited), the block runs as it is."""
+    only; elsewhere, or where SIGTERM is ignored (an ignored signal is
+    inherited from the parent), the block runs as it is."""
     import signal
     import threading
 
