@@ -2,7 +2,8 @@
 
 ``python -m pytest -q -m "not slow"`` is the fast tier (every value test and
 the in-process engine tests on one shared local Ray), the README's test
-command; ``.ci/run`` runs it, then the slow tier (``-m slow``).  Markers: ``slow`` (CLI subprocesses with their
+command; ``.ci/run`` runs it, then the slow tier (``-m slow``: its ``cluster``
+half beside the rest).  Markers: ``slow`` (CLI subprocesses with their
 own Ray, sweeps, real-data decoding), ``ray`` (uses the session's local
 Ray), ``data`` (reads the real datasets under the data root; skipped when
 absent), ``cluster`` (multi-node Ray on this machine).

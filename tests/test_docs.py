@@ -129,5 +129,8 @@ def test_readme_is_small_and_its_links_exist():
     assert f"pip install -e '.[dev]' && rayfed-dg run configs/quickstart.yaml\n{fast}\n" in readme
     links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme)
     assert links and all((ROOT / link).is_file() for link in links), [l for l in links if not (ROOT / l).is_file()]
-    ci = (ROOT / ".ci" / "run").read_text()  # the README's command, then the slow tier after it
-    assert f"\n{fast}\n" in ci and ci.index(f"\n{fast}\n") < ci.index("\npython -m pytest -q -m slow\n")
+    ci = (ROOT / ".ci" / "run").read_text()  # the README's command, then the slow tier after it, in two halves
+    at = ci.index(f"\n{fast}\n")
+    halves = ['\npython -m pytest -q -m "slow and cluster" ', '\npython -m pytest -q -m "slow and not cluster" ']
+    assert all(at < ci.index(h) for h in halves)  # together exactly `-m slow`, each once
+    assert ci.count("\npython -m pytest") == 3 and "|| rest=$?" in ci and 'wait "$cluster_pid" || cluster=$?' in ci
