@@ -1,6 +1,7 @@
 """CCST (WACV 2023) as a data stage: styles, bank, K copies, no leakage, cache, errors."""
 import dataclasses
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -293,6 +294,59 @@ def test_single_style_bank_draws_among_each_clients_j_styles(tmp_path):
     out = augment_client(_TaggingBackend(), cfg, images, np.zeros(40, int), bank, owners, seed=0, client_id=0)
     assert np.array_equal(out["images"][:, 0, 0, 0], 10 * out["style_row"] + 5)
     assert set(out["style_row"].tolist()) == {3, 4, 5, 6, 7, 8}  # all six foreign styles used
+
+
+class _CountingBackend:
+    """A stand-in style transfer that shows both which image and which style
+    made a copy (image i, filled with i, restyled with a tag-t style, is
+    filled with i + t) and counts the images it restyles."""
+
+    def __init__(self):
+        self.restyled = 0
+
+    def fingerprint(self):
+        return "counting"
+
+    def stylize(self, images, style):
+        self.restyled += len(images)
+        return images + np.uint8(style[0])
+
+
+def test_many_clients_restyle_only_the_copies_they_need_and_reuse_them():
+    """With N clients and K versions per image, a cold cache restyles each of
+    the client's stylized copies once (about K per image), not its whole set
+    in every bank style the copies use (about N per image); another seed
+    restyles only the (image, style) pairs not made before; a cache file
+    written whole (without an index) is read, not made again."""
+    import tempfile
+
+    n, owners = 12, np.arange(10)  # 12 images on client 0, 10 clients with one overall style each
+    images = np.repeat(np.arange(n, dtype=np.uint8), 4 * 4 * 3).reshape(n, 4, 4, 3)
+    bank = np.repeat(np.arange(10, dtype=np.float32)[:, None] * 10 + 50, 4, axis=1)  # row r tagged 10 r + 50
+    with tempfile.TemporaryDirectory() as d:
+        cfg = CCSTParams(backend="adain", k=2, cache_dir=d)
+        be = _CountingBackend()
+        first = augment_client(be, cfg, images, np.zeros(n, int), bank, owners, seed=0, client_id=0)
+        assert np.array_equal(first["images"][:, 0, 0, 0], first["source"] + 10 * first["style_row"] + 50)
+        pairs = set(zip(first["source"].tolist(), first["style_row"].tolist()))
+        assert be.restyled == first["images_stylized"] == len(pairs) == len(first["source"])  # <= K = 2 per image
+        assert len(set(first["style_row"].tolist())) >= 8  # where the whole set in each style would be >= 96
+        be2 = _CountingBackend()
+        second = augment_client(be2, cfg, images, np.zeros(n, int), bank, owners, seed=1, client_id=0)
+        assert np.array_equal(second["images"][:, 0, 0, 0], second["source"] + 10 * second["style_row"] + 50)
+        new = set(zip(second["source"].tolist(), second["style_row"].tolist())) - pairs
+        assert 0 < be2.restyled == second["images_stylized"] == len(new) < len(second["source"])
+        # a file that holds the whole set (no index) answers every image from the file
+        files = sorted(Path(d).glob("*.npz"))
+        assert len(files) == 9  # every foreign style, none of client 0's own
+        for f in files:
+            with np.load(f) as z:
+                row = (int(z["images"][0, 0, 0, 0]) - int(z["index"][0]) - 50) // 10
+            np.savez(f, images=np.full_like(images, 200 + row))  # marked: not what stylize makes
+        be3 = _CountingBackend()
+        third = augment_client(be3, cfg, images, np.zeros(n, int), bank, owners, seed=2, client_id=0)
+        assert be3.restyled == 0 and third["cache"] == "hit"
+        assert np.array_equal(third["images"][:, 0, 0, 0], 200 + third["style_row"])
 
 
 def test_a_stage_maps_its_own_client_phases_only(tiny_ds):

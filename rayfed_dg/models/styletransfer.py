@@ -4,7 +4,11 @@
                                     the whole image set) or ``single`` (J
                                     styles of single random images), as an
                                     array (n_styles, D)
-``stylize(images, style)``          a batch restyled with one style vector
+``stylize(images, style)``          a batch restyled with one style vector,
+                                    each image on its own: its result depends
+                                    on the image and the style only, never on
+                                    the rest of the batch (CCST's cache fills
+                                    a set's copies a few at a time on that)
 
 ``adain``   (CCST's choice, Chen et al. WACV 2023 Eq. 1-5; Huang & Belongie
             2017): the normalised VGG-19 encoder up to relu4_1 and the AdaIN

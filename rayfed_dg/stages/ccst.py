@@ -20,12 +20,17 @@ training set.
    (the protocol splits each domain before partitioning), so no validation
    image or copy of one is ever trained on, unlike the reference code, which
    split after augmenting.
-4. Stylized images are cached on disk.  With ``overall`` a style is a
-   property of the client's image set (its style sample is seeded by the
-   images, not by the run seed), and the cache holds the whole set restyled
-   with one bank style, keyed by the backend, the style and the images: other
-   seeds, other K and other targets that share the domain reuse it.  With
-   ``single`` the cache is keyed by the run's choices.
+4. Stylized images are cached on disk, a file per client image set and bank
+   style (keyed by the backend, the style kind, the style vector and the
+   images), holding the set's images restyled in that style so far.  A run
+   stylizes only the copies it needs that are not there yet: K - 1 or K per
+   image, where restyling the whole set in every bank style it uses would
+   cost up to N / K times more (N clients).  An image is restyled on its
+   own (the backends' contract), so a copy is the same made alone or with
+   others, and other seeds, other K and other targets whose clients hold the
+   same images reuse it (with ``overall`` a style is a property of the
+   client's image set: its style sample is seeded by the images, not by the
+   run seed).
 
 Backends (``models/styletransfer.py``): ``adain`` (the paper's; VGG-19 and
 decoder weight files) and ``ghiasi`` (offline ONNX networks, no download).
@@ -103,14 +108,28 @@ def choose_styles(n_images: int, own: int, owners: np.ndarray, k: int, rng: np.r
     return out
 
 
-def _cached(path: Path, make):
+def _cached_subset(path: Path, need: np.ndarray, make) -> tuple[np.ndarray, int]:
+    """The images ``need`` (sorted indices into the client's set) in one
+    style: those the cache file holds read from it, the rest made now
+    (``make(indices)``) and added to it; (images in ``need``'s order, number
+    made)."""
+    index, images = np.empty(0, np.int64), None
     if path.is_file():
         with np.load(path) as z:
-            return z["images"], True
-    out = make()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_with(path, lambda buf: np.savez(buf, images=out))
-    return out, False
+            images = z["images"]
+            # a file without an index holds the whole set (as the cache wrote it before files were filled in part)
+            index = z["index"] if "index" in z.files else np.arange(len(images))
+    missing = np.setdiff1d(need, index)
+    if len(missing):
+        made = make(missing)
+        index = np.concatenate([index, missing])
+        images = made if images is None else np.concatenate([images, made])
+        order = np.argsort(index, kind="stable")
+        index, images = index[order], images[order]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_with(path, lambda buf: np.savez(buf, index=index, images=images))
+    assert images is not None
+    return images[np.searchsorted(index, need)], len(missing)
 
 
 def augment_client(backend, p: CCSTParams, images: np.ndarray, labels: np.ndarray, bank: np.ndarray,
@@ -135,17 +154,12 @@ def augment_client(backend, p: CCSTParams, images: np.ndarray, labels: np.ndarra
             h.update(part.encode() + b"|")
         h.update(np.ascontiguousarray(bank[r], np.float32).tobytes())
         h.update(img_digest)
-        if p.style == "overall":  # the whole set in this style, reusable by any run
-            subset = None
-        else:  # only the images this run sends to this style
-            subset = source[where]
-            h.update(np.ascontiguousarray(subset).tobytes())
-        path = _cache_path(p) / f"{h.hexdigest()[:32]}.npz"
-        todo = images if subset is None else images[subset]
-        styled, hit = _cached(path, lambda: backend.stylize(todo, bank[r]))
-        hits, misses = hits + hit, misses + (not hit)
-        stylized += 0 if hit else len(todo)
-        out[where] = styled[source[where]] if subset is None else styled
+        need = np.unique(source[where])
+        styled, made = _cached_subset(_cache_path(p) / f"{h.hexdigest()[:32]}.npz", need,
+                                      lambda idx: backend.stylize(images[idx], bank[r]))
+        hits, misses = hits + (made == 0), misses + (made > 0)
+        stylized += made
+        out[where] = styled[np.searchsorted(need, source[where])]
     return {"images": out, "labels": labels[source], "source": source, "style_row": style_row, "keep": keep,
             "cache": "hit" if misses == 0 else "miss", "cache_files": {"hits": hits, "misses": misses},
             "images_stylized": stylized, "seconds": time.perf_counter() - t0}
