@@ -32,7 +32,22 @@ def needs_data(folder: str):
                                      "`rayfed-dg data fetch`)")
 
 
+def _sigterm_once_as_ctrl_c(signum, frame):
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM (one to the group, one from .ci/run) waits too
+    raise KeyboardInterrupt
+
+
 def pytest_configure(config):
+    # SIGTERM (`kill`, a CI runner's cancel, .ci/run passing its own on) stops the session as Ctrl-C does: fixtures
+    # are torn down, so the Ray clusters, Slurm daemons and moto servers tests started are stopped, not left running
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _sigterm_once_as_ctrl_c)
     # one decode cache for the whole session (real datasets are decoded once, not per test);
     # tests of the cache itself point RAYFED_DG_CACHE at their own folder
     if "RAYFED_DG_CACHE" not in os.environ:

@@ -131,6 +131,7 @@ def test_readme_is_small_and_its_links_exist():
     assert links and all((ROOT / link).is_file() for link in links), [l for l in links if not (ROOT / l).is_file()]
     ci = (ROOT / ".ci" / "run").read_text()  # the README's command, then the slow tier after it, in two halves
     at = ci.index(f"\n{fast}\n")
-    halves = ['\npython -m pytest -q -m "slow and cluster" ', '\npython -m pytest -q -m "slow and not cluster" ']
-    assert all(at < ci.index(h) for h in halves)  # together exactly `-m slow`, each once
-    assert ci.count("\npython -m pytest") == 3 and "|| rest=$?" in ci and 'wait "$cluster_pid" || cluster=$?' in ci
+    halves = [f'\n( exec python -m pytest -q -m "slow and {m}cluster" ) ' for m in ("", "not ")]
+    assert all(at < ci.index(h) for h in halves)  # together exactly `-m slow`, each once (tests/test_ci.py: stopping)
+    assert ci.count("\npython -m pytest") == 1 and ci.count("exec python -m pytest") == 2
+    assert 'reap "$rest_pid" || rest=$?' in ci and 'reap "$cluster_pid" || cluster=$?' in ci
