@@ -27,12 +27,16 @@ def atomic_write_with(path: Path, write: Callable[[BinaryIO], Any], mode: int = 
     """Write ``path`` so that a reader sees the old file or the whole new one:
     ``write(f)`` fills a temporary file in the same folder (streamed, so a
     large array is never held twice in memory), which is synced to disk and
-    renamed over ``path``.  The temporary name is hidden (``.NAME.tmp``), so
-    readers that list a folder of part files never pick up a half-written one."""
+    renamed over ``path``.  The temporary name is hidden (``.NAME.XXXXXXXX.tmp``),
+    so readers that list a folder of part files never pick up a half-written
+    one, and unique, so two writers of one path never write into one file."""
+    import tempfile
+
     path = Path(path)
-    tmp = path.with_name("." + path.name + ".tmp")
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = Path(name)
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())

@@ -35,7 +35,9 @@ def needs_data(folder: str):
 def _sigterm_once_as_ctrl_c(signum, frame):
     import signal
 
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM (one to the group, one from .ci/run) waits too
+    # a second SIGTERM (one to the group, one from .ci/run) lets the teardown finish; a handler, not SIG_IGN,
+    # which the processes a teardown starts would inherit
+    signal.signal(signal.SIGTERM, lambda *_: None)
     raise KeyboardInterrupt
 
 

@@ -45,10 +45,10 @@ def test_overall_style_equals_direct_computation(adain_files):
     assert client_style(be, CCSTParams(backend="adain", style="single"), many, 0, 0).shape == (3, 1024)
 
 
-def test_k_versions_per_image_follow_algorithm_1(adain_files, tmp_path):
+def test_k_versions_per_image_follow_algorithm_1(tmp_path):
     from rayfed_dg.stages.ccst import OWN
 
-    be = AdaINBackend(*adain_files)
+    be = _CountingBackend()  # the table and the copies' bookkeeping, whatever the backend
     images = np.random.default_rng(0).integers(0, 256, (6, 16, 16, 3), dtype=np.uint8)
     labels = np.arange(6) % 3
     bank = np.random.default_rng(1).normal(1, 0.2, (4, 1024)).astype(np.float32)
@@ -336,8 +336,16 @@ def test_many_clients_restyle_only_the_copies_they_need_and_reuse_them():
         assert np.array_equal(second["images"][:, 0, 0, 0], second["source"] + 10 * second["style_row"] + 50)
         new = set(zip(second["source"].tolist(), second["style_row"].tolist())) - pairs
         assert 0 < be2.restyled == second["images_stylized"] == len(new) < len(second["source"])
-        # a file that holds the whole set (no index) answers every image from the file
+        # each style's file now holds the copies of both runs, in image order
         files = sorted(Path(d).glob("*.npz"))
+        held = set()
+        for f in files:
+            with np.load(f) as z:
+                index, first_px = z["index"], z["images"][:, 0, 0, 0].astype(int)
+            assert list(index) == sorted(set(index.tolist()))
+            held |= {(int(i), (int(v) - int(i) - 50) // 10) for i, v in zip(index, first_px)}
+        assert held == pairs | new
+        # a file that holds the whole set (no index) answers every image from the file
         assert len(files) == 9  # every foreign style, none of client 0's own
         for f in files:
             with np.load(f) as z:
@@ -347,6 +355,56 @@ def test_many_clients_restyle_only_the_copies_they_need_and_reuse_them():
         third = augment_client(be3, cfg, images, np.zeros(n, int), bank, owners, seed=2, client_id=0)
         assert be3.restyled == 0 and third["cache"] == "hit"
         assert np.array_equal(third["images"][:, 0, 0, 0], 200 + third["style_row"])
+        # a damaged file (a truncated write of another program, a full disk) is made again, not an error
+        with np.load(files[0]) as z:
+            damaged = int(z["images"][0, 0, 0, 0]) - 200  # the style row of the file about to be damaged
+        files[0].write_bytes(files[0].read_bytes()[:100])
+        be4 = _CountingBackend()
+        fourth = augment_client(be4, cfg, images, np.zeros(n, int), bank, owners, seed=2, client_id=0)
+        got, rows, made = fourth["images"][:, 0, 0, 0], fourth["style_row"], fourth["style_row"] == damaged
+        assert 0 < be4.restyled == fourth["images_stylized"] == made.sum()
+        assert np.array_equal(got[made], (fourth["source"] + 10 * rows + 50)[made])  # made again
+        assert np.array_equal(got[~made], 200 + rows[~made])  # the other files read
+        with np.load(files[0]) as z:  # and written whole again
+            assert list(z["index"]) == sorted(fourth["source"][made].tolist())
+
+
+def test_two_runs_filling_one_cache_file_at_once_keep_both_runs_copies(tmp_path):
+    """Two federations restyling one client's images at the same time (two
+    targets of one run share a domain's client) take turns on a cache file:
+    the second restyles only what the first has not made, and the file keeps
+    the copies of both."""
+    import threading
+    import time
+
+    class Slow(_CountingBackend):
+        def stylize(self, images, style):
+            time.sleep(0.3)  # long enough for the other run to read the file meanwhile
+            return super().stylize(images, style)
+
+    n, owners = 12, np.arange(3)
+    images = np.repeat(np.arange(n, dtype=np.uint8), 4 * 4 * 3).reshape(n, 4, 4, 3)
+    bank = np.repeat(np.arange(3, dtype=np.float32)[:, None] * 10 + 50, 4, axis=1)
+    cfg = CCSTParams(backend="adain", k=2, cache_dir=str(tmp_path))
+    backends, outs = [Slow(), Slow()], [None, None]
+
+    def run(i):
+        outs[i] = augment_client(backends[i], cfg, images, np.zeros(n, int), bank, owners, seed=i, client_id=0)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    pairs = [set(zip(o["source"].tolist(), o["style_row"].tolist())) for o in outs]
+    assert backends[0].restyled + backends[1].restyled == len(pairs[0] | pairs[1]) < sum(map(len, pairs))
+    held = set()
+    for f in tmp_path.glob("*.npz"):
+        with np.load(f) as z:
+            held |= {(int(i), (int(v) - int(i) - 50) // 10) for i, v in zip(z["index"], z["images"][:, 0, 0, 0])}
+    assert held == pairs[0] | pairs[1]
+    for o in outs:
+        assert np.array_equal(o["images"][:, 0, 0, 0], o["source"] + 10 * o["style_row"] + 50)
 
 
 def test_a_stage_maps_its_own_client_phases_only(tiny_ds):

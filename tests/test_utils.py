@@ -44,6 +44,37 @@ def test_atomic_write_keeps_the_old_file_when_the_writer_fails(tmp_path):
     assert oct(p.stat().st_mode & 0o777) == "0o644"
 
 
+def test_two_writers_of_one_path_each_write_whole_files(tmp_path):
+    """Concurrent writers of one path (two federations filling one cache
+    file) each write a temporary file of their own: the path ends up one
+    writer's whole file, and neither fails."""
+    import threading
+    import time
+
+    p = tmp_path / "f.bin"
+    both_open, errors = threading.Barrier(2), []
+
+    def writer(byte):
+        def write(f):
+            both_open.wait()  # both temporaries open before either writes
+            for _ in range(20):
+                f.write(byte * 4096)
+                time.sleep(0.005)
+        try:
+            atomic_write_with(p, write)
+        except Exception as e:  # noqa: BLE001 - any failure of either writer fails the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer, args=(b,)) for b in (b"a", b"b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert p.read_bytes() in (b"a" * 81920, b"b" * 81920)
+    assert [x.name for x in tmp_path.iterdir()] == ["f.bin"]
+
+
 def test_render_table_styles():
     rows = [["fedavg", "50.66"], ["fedbn", "9.84"]]
     assert render_table(["method", "acc"], rows).splitlines() == [

@@ -139,7 +139,9 @@ class AdaINBackend(StyleBackend):
         return np.stack([self.overall_stats(images[i:i + 1]) for i in pick])
 
     @torch.no_grad()
-    def stylize(self, images, style, batch: int = 16):
+    def stylize(self, images, style, batch: int = 1):
+        # one image a forward pass by default: convolution kernels may take another algorithm for another batch
+        # size (a rounded pixel one level off), and CCST's cache fills a set a few images at a time
         style = torch.as_tensor(style, dtype=torch.float32, device=self.device)
         mu_s, sig_s = style[:512].view(1, -1, 1, 1), style[512:].view(1, -1, 1, 1)
         out = []

@@ -37,9 +37,12 @@ decoder weight files) and ``ghiasi`` (offline ONNX networks, no download).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import time
+import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -108,26 +111,54 @@ def choose_styles(n_images: int, own: int, owners: np.ndarray, k: int, rng: np.r
     return out
 
 
-def _cached_subset(path: Path, need: np.ndarray, make) -> tuple[np.ndarray, int]:
-    """The images ``need`` (sorted indices into the client's set) in one
-    style: those the cache file holds read from it, the rest made now
-    (``make(indices)``) and added to it; (images in ``need``'s order, number
-    made)."""
-    index, images = np.empty(0, np.int64), None
-    if path.is_file():
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """One writer at a time for ``path``: the concurrent federations of a run,
+    and other runs, share cache files (a domain's client has one image set
+    whatever the target).  An advisory lock on one of 256 lock files, chosen
+    by the file's name, so that other files are filled in meanwhile."""
+    import fcntl
+
+    lock = path.parent / ".locks" / f"{path.name[:2]}.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _read_cached(path: Path, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray | None]:
+    """(index, images) of a cache file; nothing where there is no file or a damaged one (made again)."""
+    try:
         with np.load(path) as z:
             images = z["images"]
             # a file without an index holds the whole set (as the cache wrote it before files were filled in part)
             index = z["index"] if "index" in z.files else np.arange(len(images))
-    missing = np.setdiff1d(need, index)
-    if len(missing):
-        made = make(missing)
-        index = np.concatenate([index, missing])
-        images = made if images is None else np.concatenate([images, made])
-        order = np.argsort(index, kind="stable")
-        index, images = index[order], images[order]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_with(path, lambda buf: np.savez(buf, index=index, images=images))
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):  # OSError: no file too
+        return np.empty(0, np.int64), None
+    if len(index) != len(images) or images.shape[1:] != shape or np.any(np.diff(index) <= 0):
+        return np.empty(0, np.int64), None
+    return index, images
+
+
+def _cached_subset(path: Path, need: np.ndarray, shape: tuple[int, ...], make) -> tuple[np.ndarray, int]:
+    """The images ``need`` (sorted indices into the client's set, each of
+    ``shape``) in one style: those the cache file holds read from it, the
+    rest made now (``make(indices)``) and added to it; (images in ``need``'s
+    order, number made)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(path):
+        index, images = _read_cached(path, shape)
+        missing = np.setdiff1d(need, index)
+        if len(missing):
+            made = make(missing)
+            index = np.concatenate([index, missing])
+            images = made if images is None else np.concatenate([images, made])
+            order = np.argsort(index, kind="stable")
+            index, images = index[order], images[order]
+            atomic_write_with(path, lambda buf: np.savez(buf, index=index, images=images))
     assert images is not None
     return images[np.searchsorted(index, need)], len(missing)
 
@@ -155,7 +186,7 @@ def augment_client(backend, p: CCSTParams, images: np.ndarray, labels: np.ndarra
         h.update(np.ascontiguousarray(bank[r], np.float32).tobytes())
         h.update(img_digest)
         need = np.unique(source[where])
-        styled, made = _cached_subset(_cache_path(p) / f"{h.hexdigest()[:32]}.npz", need,
+        styled, made = _cached_subset(_cache_path(p) / f"{h.hexdigest()[:32]}.npz", need, images.shape[1:],
                                       lambda idx: backend.stylize(images[idx], bank[r]))
         hits, misses = hits + (made == 0), misses + (made > 0)
         stylized += made
