@@ -12,6 +12,7 @@ The data root: ``$RAYFED_DG_DATA`` when set, else this checkout's neighbour
 ``../shared/data`` when it exists (set here, so that configs naming
 ``data.root: PACS`` and subprocesses find it).
 """
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -232,23 +233,39 @@ def ctrl_c_when(cmd: list[str], ready, what: str, timeout: float = 600, sigterm:
     import os
     import signal
     import subprocess
-    import time
 
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             preexec_fn=sigint_as_in_a_terminal, cwd=cwd)
-    try:
-        deadline = time.time() + timeout
-        while not ready():
-            assert proc.poll() is None and time.time() < deadline, f"the run ended or stalled before {what}"
-            time.sleep(0.05)
+    with group_killed_after(proc):
+        wait_until(ready, proc, f"the run ended or stalled before {what}", timeout)
         if sigterm:
             os.kill(proc.pid, signal.SIGTERM)
         else:
             os.killpg(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=120)
+    return proc.returncode, out, err
+
+
+def wait_until(ready, proc, failure: str, timeout: float = 60) -> None:
+    """Poll ``ready()`` while ``proc`` runs; ``failure`` if it ends first or ``timeout`` s pass."""
+    import time
+
+    deadline = time.time() + timeout
+    while not ready():
+        assert proc.poll() is None and time.time() < deadline, failure
+        time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def group_killed_after(proc):
+    """Whatever is left of ``proc``'s process group (started with ``start_new_session``) is killed after the block,
+    even when it fails."""
+    import signal
+
+    try:
+        yield proc
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    return proc.returncode, out, err

@@ -10,11 +10,10 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, sigint_as_in_a_terminal
+from conftest import REPO, group_killed_after, sigint_as_in_a_terminal, wait_until
 
 FAKE_PYTEST = """\
 #!{python}
@@ -54,17 +53,15 @@ def _slow_tier(tmp_path: Path) -> tuple[subprocess.Popen, Path, Path]:
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "TMPDIR": str(tmp), "FAKE_LOG_DIR": str(logs)}
     proc = subprocess.Popen(["bash", "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True, preexec_fn=sigint_as_in_a_terminal)
-    deadline = time.time() + 60
-    while not all((logs / h).is_file() and "started" in (logs / h).read_text() for h in ("rest", "cluster")):
-        assert proc.poll() is None and time.time() < deadline, "the two halves did not both start"
-        time.sleep(0.05)
     return proc, logs, tmp
 
 
 @pytest.mark.parametrize("how", ["sigterm", "ctrl_c"])
 def test_ci_slow_tier_passes_a_stop_to_both_halves_and_waits_for_them(tmp_path, how):
     proc, logs, tmp = _slow_tier(tmp_path)
-    try:
+    with group_killed_after(proc):
+        wait_until(lambda: all((logs / h).is_file() and "started" in (logs / h).read_text() for h in ("rest", "cluster")),
+                   proc, "the two halves did not both start")
         if how == "sigterm":  # to the script alone, as `kill PID` sends it
             os.kill(proc.pid, signal.SIGTERM)
         else:  # to the whole process group, as Ctrl-C in a terminal
@@ -72,11 +69,6 @@ def test_ci_slow_tier_passes_a_stop_to_both_halves_and_waits_for_them(tmp_path, 
         out, _ = proc.communicate(timeout=60)
         # read as the script exits: each half got the stop once and had finished its teardown
         got = {h: (logs / h).read_text().split() for h in ("rest", "cluster")}
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     name = "SIGTERM" if how == "sigterm" else "SIGINT"
     assert got == {"rest": ["started", name, "done"], "cluster": ["started", name, "done"]}
     assert proc.returncode == 2  # pytest's code for an interrupted session
@@ -110,22 +102,12 @@ def test_a_pytest_session_takes_sigterm_as_ctrl_c_and_tears_down(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider",
                              str(tmp_path / "test_held.py")], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        deadline = time.time() + 60
-        while not (tmp_path / "running").is_file():
-            assert proc.poll() is None and time.time() < deadline, "the held test did not start"
-            time.sleep(0.05)
+    with group_killed_after(proc):
+        wait_until((tmp_path / "running").is_file, proc, "the held test did not start")
         os.kill(proc.pid, signal.SIGTERM)
-        while not (tmp_path / "tearing_down").is_file():
-            assert proc.poll() is None and time.time() < deadline, "the fixture's teardown did not start"
-            time.sleep(0.05)
+        wait_until((tmp_path / "tearing_down").is_file, proc, "the fixture's teardown did not start")
         os.kill(proc.pid, signal.SIGTERM)  # the second, during the teardown
         out, _ = proc.communicate(timeout=60)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     assert proc.returncode == 2, out
     assert (tmp_path / "torn_down").read_text() == "yes"
     assert "KeyboardInterrupt" in out
