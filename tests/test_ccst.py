@@ -260,18 +260,35 @@ def test_adain_single_image_styles_are_j_distinct_images(identity_adain_files):
     assert len(set(rows)) == 3
 
 
-class _TaggingBackend:
-    """A stand-in style transfer: the 'stylized' image is filled with its
-    style's tag (the bank row's first number), so the output shows which style
-    every copy received."""
+class _CountingBackend:
+    """A stand-in style transfer that shows both which image and which style
+    made a copy (image i, filled with i, restyled with a tag-t style, is
+    filled with i + t) and counts the images it restyles."""
 
-    name = "tagging"
+    def __init__(self):
+        self.restyled = 0
 
     def fingerprint(self):
-        return "tagging"
+        return "counting"
 
     def stylize(self, images, style):
-        return np.full_like(images, int(style[0]))
+        self.restyled += len(images)
+        return images + np.uint8(style[0])
+
+
+def _tagged_images(n: int) -> np.ndarray:
+    """n 4 x 4 images, image i filled with i (what ``_CountingBackend`` adds a style's tag to)."""
+    return np.repeat(np.arange(n, dtype=np.uint8), 4 * 4 * 3).reshape(n, 4, 4, 3)
+
+
+def _held_pairs(folder) -> set[tuple[int, int]]:
+    """The (image, bank row) pairs the cache files in ``folder`` hold, read back from ``_CountingBackend``'s
+    copies of ``_tagged_images`` under a bank whose row r is tagged 10 r + 50."""
+    held = set()
+    for f in Path(folder).glob("*.npz"):
+        with np.load(f) as z:
+            held |= {(int(i), (int(v) - int(i) - 50) // 10) for i, v in zip(z["index"], z["images"][:, 0, 0, 0])}
+    return held
 
 
 def test_single_style_bank_draws_among_each_clients_j_styles(tmp_path):
@@ -291,25 +308,9 @@ def test_single_style_bank_draws_among_each_clients_j_styles(tmp_path):
     bank = np.repeat(np.arange(9, dtype=np.float32)[:, None] * 10 + 5, 4, axis=1)  # row r tagged 10 r + 5
     images = np.zeros((40, 4, 4, 3), np.uint8)
     cfg = CCSTParams(backend="adain", style="single", k=3, cache_dir=str(tmp_path))
-    out = augment_client(_TaggingBackend(), cfg, images, np.zeros(40, int), bank, owners, seed=0, client_id=0)
+    out = augment_client(_CountingBackend(), cfg, images, np.zeros(40, int), bank, owners, seed=0, client_id=0)
     assert np.array_equal(out["images"][:, 0, 0, 0], 10 * out["style_row"] + 5)
     assert set(out["style_row"].tolist()) == {3, 4, 5, 6, 7, 8}  # all six foreign styles used
-
-
-class _CountingBackend:
-    """A stand-in style transfer that shows both which image and which style
-    made a copy (image i, filled with i, restyled with a tag-t style, is
-    filled with i + t) and counts the images it restyles."""
-
-    def __init__(self):
-        self.restyled = 0
-
-    def fingerprint(self):
-        return "counting"
-
-    def stylize(self, images, style):
-        self.restyled += len(images)
-        return images + np.uint8(style[0])
 
 
 def test_many_clients_restyle_only_the_copies_they_need_and_reuse_them():
@@ -321,7 +322,7 @@ def test_many_clients_restyle_only_the_copies_they_need_and_reuse_them():
     import tempfile
 
     n, owners = 12, np.arange(10)  # 12 images on client 0, 10 clients with one overall style each
-    images = np.repeat(np.arange(n, dtype=np.uint8), 4 * 4 * 3).reshape(n, 4, 4, 3)
+    images = _tagged_images(n)
     bank = np.repeat(np.arange(10, dtype=np.float32)[:, None] * 10 + 50, 4, axis=1)  # row r tagged 10 r + 50
     with tempfile.TemporaryDirectory() as d:
         cfg = CCSTParams(backend="adain", k=2, cache_dir=d)
@@ -338,13 +339,10 @@ def test_many_clients_restyle_only_the_copies_they_need_and_reuse_them():
         assert 0 < be2.restyled == second["images_stylized"] == len(new) < len(second["source"])
         # each style's file now holds the copies of both runs, in image order
         files = sorted(Path(d).glob("*.npz"))
-        held = set()
         for f in files:
             with np.load(f) as z:
-                index, first_px = z["index"], z["images"][:, 0, 0, 0].astype(int)
-            assert list(index) == sorted(set(index.tolist()))
-            held |= {(int(i), (int(v) - int(i) - 50) // 10) for i, v in zip(index, first_px)}
-        assert held == pairs | new
+                assert list(z["index"]) == sorted(set(z["index"].tolist()))
+        assert _held_pairs(d) == pairs | new
         # a file that holds the whole set (no index) answers every image from the file
         assert len(files) == 9  # every foreign style, none of client 0's own
         for f in files:
@@ -383,7 +381,7 @@ def test_two_runs_filling_one_cache_file_at_once_keep_both_runs_copies(tmp_path)
             return super().stylize(images, style)
 
     n, owners = 12, np.arange(3)
-    images = np.repeat(np.arange(n, dtype=np.uint8), 4 * 4 * 3).reshape(n, 4, 4, 3)
+    images = _tagged_images(n)
     bank = np.repeat(np.arange(3, dtype=np.float32)[:, None] * 10 + 50, 4, axis=1)
     cfg = CCSTParams(backend="adain", k=2, cache_dir=str(tmp_path))
     backends, outs = [Slow(), Slow()], [None, None]
@@ -398,11 +396,7 @@ def test_two_runs_filling_one_cache_file_at_once_keep_both_runs_copies(tmp_path)
         t.join()
     pairs = [set(zip(o["source"].tolist(), o["style_row"].tolist())) for o in outs]
     assert backends[0].restyled + backends[1].restyled == len(pairs[0] | pairs[1]) < sum(map(len, pairs))
-    held = set()
-    for f in tmp_path.glob("*.npz"):
-        with np.load(f) as z:
-            held |= {(int(i), (int(v) - int(i) - 50) // 10) for i, v in zip(z["index"], z["images"][:, 0, 0, 0])}
-    assert held == pairs[0] | pairs[1]
+    assert _held_pairs(tmp_path) == pairs[0] | pairs[1]
     for o in outs:
         assert np.array_equal(o["images"][:, 0, 0, 0], o["source"] + 10 * o["style_row"] + 50)
 

@@ -148,8 +148,7 @@ def _cached_subset(path: Path, need: np.ndarray, shape: tuple[int, ...], make) -
     ``shape``) in one style: those the cache file holds read from it, the
     rest made now (``make(indices)``) and added to it; (images in ``need``'s
     order, number made)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(path):
+    with _locked(path):  # (which makes the folder)
         index, images = _read_cached(path, shape)
         missing = np.setdiff1d(need, index)
         if len(missing):
