@@ -246,3 +246,22 @@ def test_the_ledger_shows_no_bytes_beyond_fedavgs_and_workers_do_not_matter(ray_
     two = tiny_federation(tiny_ds, "texture", *sets, "server.aggregator=fedomg", "engine.num_workers=2",
                           host=engine_host(tiny_ds, 2))
     assert two.metrics == omg.metrics and two.ledger == omg.ledger
+
+
+@pytest.mark.parametrize("method", ["fedsam", "gperxan"])
+def test_fedomg_composes_with_a_client_method_on_the_server(ray_session, tiny_ds, engine_host, method):
+    """FedSAM + FedOMG and gPerXAN + FedOMG, round 1 on a server actor against
+    the clients' uploads recomputed here: FedOMG matches the shared parameters
+    only; gPerXAN's personal BN side (its ``local_keys``) is never matched and
+    takes the weighted mean, like a buffer."""
+    from rayfed_dg.methods import build_method
+
+    g0, got, ups, params, sizes = round_one(ray_session, tiny_ds, engine_host, "server.aggregator=fedomg",
+                                            f"method.name={method}")
+    m = build_method(tiny_cfg(f"method.name={method}"), 6)
+    local = m.local_keys(m.build_model(tiny_ds.num_classes))
+    assert bool(local) == (method == "gperxan")
+    want = _want(g0, ups, params - local, sizes)
+    for k in g0:
+        np.testing.assert_allclose(got[k], want[k].astype(g0[k].dtype), rtol=1e-5, atol=1e-6, err_msg=k)
+    assert any(not np.allclose(got[k], g0[k]) for k in params - local)

@@ -203,7 +203,8 @@ def round_one(ray, tiny_ds, engine_host, *sets):
     ray.get(srv.run_round.remote())
     got = ray.get(srv.get_state.remote(None, False))["global_state"]
     runner = ClientRunner(cfg, tiny_ds.images, tiny_ds.labels, tiny_ds.num_classes, split.num_clients)
-    ups = [runner.run_client(c, 1, split.clients[c], g0, {}).update for c in range(split.num_clients)]
+    first = {k: g0[k] for k in runner.local_keys}  # the client store's state of a client not yet trained
+    ups = [runner.run_client(c, 1, split.clients[c], g0, first).update for c in range(split.num_clients)]
     params = {n for n, _ in build_method(cfg, 6).build_model(tiny_ds.num_classes).named_parameters()}
     return g0, got, ups, params, split.client_sizes().astype(np.float64)
 
