@@ -55,7 +55,7 @@ def _lines(log: str, prefix: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def slurm():
+def slurm(request):
     if missing(nodes=2):
         pytest.skip(f"no local Slurm: {', '.join(missing(nodes=2))} not installed "
                     "(apt-get install slurm-wlm munge iproute2)")
@@ -78,7 +78,9 @@ def slurm():
         left = s.processes()
         _end(s)
         shutil.rmtree(folder, ignore_errors=True)
-        assert left == [], f"processes of the local Slurm or its jobs outlived it: {left}"
+        # an interrupted session stops its jobs mid-run: what they leave is ended above, not a failure
+        if request.session.exitstatus != pytest.ExitCode.INTERRUPTED:
+            assert left == [], f"processes of the local Slurm or its jobs outlived it: {left}"
 
 
 def _end(slurm: LocalSlurm) -> None:
