@@ -148,7 +148,7 @@ def _cached_subset(path: Path, need: np.ndarray, shape: tuple[int, ...], make) -
     ``shape``) in one style: those the cache file holds read from it, the
     rest made now (``make(indices)``) and added to it; (images in ``need``'s
     order, number made)."""
-    with _locked(path):  # (which makes the folder)
+    with _locked(path):  # _locked makes the folder
         index, images = _read_cached(path, shape)
         missing = np.setdiff1d(need, index)
         if len(missing):
